@@ -1,0 +1,207 @@
+"""`FSDP2Config`: every sharding knob, validated once at construction.
+
+Nothing here touches torch.distributed; the sharding engine turns a config into FSDP2 policies.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+
+_DTYPE_ALIASES: dict[str, torch.dtype] = {
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "float": torch.float32,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "half": torch.float16,
+}
+
+
+def parse_dtype(value: Any, field_name: str) -> torch.dtype | None:
+    """`None`, a `torch.dtype` or a name such as "bf16" -> a floating `torch.dtype` (or None)."""
+    if value is None or isinstance(value, torch.dtype):
+        dtype = value
+    elif isinstance(value, str):
+        key = value.strip().lower().removeprefix("torch.")
+        if key in ("", "none", "no"):
+            return None
+        if key not in _DTYPE_ALIASES:
+            raise ValueError(
+                f"`{field_name}`={value!r} is not a dtype; use one of {sorted(_DTYPE_ALIASES)} or None."
+            )
+        dtype = _DTYPE_ALIASES[key]
+    else:
+        raise TypeError(f"`{field_name}` must be a torch.dtype, a dtype name or None, got {type(value).__name__}.")
+    if dtype is not None and not dtype.is_floating_point:
+        raise ValueError(f"`{field_name}`={dtype} must be a floating-point dtype.")
+    return dtype
+
+
+def parse_bool(value: Any, field_name: str) -> bool:
+    """Booleans as they arrive from yaml, env vars and CLI flags."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in ("1", "true", "yes", "on"):
+        return True
+    if isinstance(value, str) and value.strip().lower() in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"`{field_name}`={value!r} is not a boolean; use true or false.")
+
+
+def _parse_names(value: Any) -> tuple[str, ...] | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        names = [n.strip() for n in value.split(",")]
+    elif isinstance(value, (list, tuple, set)):
+        names = [str(n).strip() for n in value]
+    else:
+        raise TypeError(
+            f"`layer_cls_names` must be a list of class names or a comma-separated string, got {type(value).__name__}."
+        )
+    names = [n for n in names if n]
+    if not names:
+        raise ValueError("`layer_cls_names` is empty; give at least one class name or leave it None "
+                         "to use the model's `_no_split_modules`.")
+    return tuple(dict.fromkeys(names))
+
+
+def _parse_int(value: Any, field_name: str, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise TypeError(f"`{field_name}` must be an integer, got {value!r}.")
+    try:
+        number = int(value)
+    except ValueError:
+        raise ValueError(f"`{field_name}`={value!r} is not an integer.") from None
+    if number < minimum:
+        raise ValueError(f"`{field_name}`={number} must be >= {minimum}.")
+    return number
+
+
+@dataclass
+class FSDP2Config:
+    """How `shard_model` shards a model. Every field is validated in `__post_init__`.
+
+    Attributes:
+        layer_cls_names: classes that each become one `fully_shard` group (a list or a comma string).
+            None: the model's `_no_split_modules`.
+        param_dtype: dtype parameters are all-gathered and computed in (mixed precision); None keeps theirs.
+        reduce_dtype: dtype gradients are reduce-scattered in. float32 by default: unlike Accelerate,
+            a bf16 `param_dtype` does not silently reduce gradients in bf16.
+        output_dtype: dtype of the root module's floating outputs; None leaves them as computed.
+        reshard_after_forward: True frees gathered params after forward (ZeRO-3), False keeps them
+            (ZeRO-2), an int N reshards to groups of N ranks (must divide the shard size).
+        forward_prefetch: how many following layers each layer prefetches in forward (0: none).
+        backward_prefetch: how many preceding layers each layer prefetches in backward (FSDP2's default is 1).
+        activation_checkpointing: recompute each decoder layer's activations in backward.
+        cpu_offload: keep sharded params, grads and optimizer states in CPU memory.
+        replicate_size: HSDP replicas (1 = plain FSDP).
+        shard_size: ranks each replica shards over; None: world_size // replicate_size.
+        frozen_dtype: dtype frozen (requires_grad=False) parameters are stored in, e.g. bf16 base weights
+            under fp32 LoRA adapters; None leaves them as they are.
+    """
+
+    layer_cls_names: list[str] | str | tuple[str, ...] | None = None
+    param_dtype: torch.dtype | str | None = None
+    reduce_dtype: torch.dtype | str | None = torch.float32
+    output_dtype: torch.dtype | str | None = None
+    reshard_after_forward: bool | int = True
+    forward_prefetch: int = 0
+    backward_prefetch: int = 1
+    activation_checkpointing: bool = False
+    cpu_offload: bool = False
+    replicate_size: int = 1
+    shard_size: int | None = None
+    frozen_dtype: torch.dtype | str | None = None
+
+    def __post_init__(self) -> None:
+        self.layer_cls_names = _parse_names(self.layer_cls_names)
+        self.param_dtype = parse_dtype(self.param_dtype, "param_dtype")
+        self.reduce_dtype = parse_dtype(self.reduce_dtype, "reduce_dtype")
+        self.output_dtype = parse_dtype(self.output_dtype, "output_dtype")
+        self.frozen_dtype = parse_dtype(self.frozen_dtype, "frozen_dtype")
+        self.reshard_after_forward = self._parse_reshard(self.reshard_after_forward)
+        self.forward_prefetch = _parse_int(self.forward_prefetch, "forward_prefetch", 0)
+        self.backward_prefetch = _parse_int(self.backward_prefetch, "backward_prefetch", 0)
+        self.activation_checkpointing = parse_bool(self.activation_checkpointing, "activation_checkpointing")
+        self.cpu_offload = parse_bool(self.cpu_offload, "cpu_offload")
+        self.replicate_size = _parse_int(self.replicate_size, "replicate_size", 1)
+        if self.shard_size is not None:
+            self.shard_size = _parse_int(self.shard_size, "shard_size", 1)
+
+    @staticmethod
+    def _parse_reshard(value: Any) -> bool | int:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and not value.strip().isdigit():
+            return parse_bool(value, "reshard_after_forward")
+        number = _parse_int(value, "reshard_after_forward", 1)
+        # FSDP2 treats 1 as "reshard to 1 rank", i.e. keep everything: that is False by another name.
+        if number == 1:
+            raise ValueError("`reshard_after_forward`=1 is ambiguous; use False to keep parameters gathered "
+                             "after forward, or an integer > 1 to reshard to groups of that many ranks.")
+        return number
+
+    @property
+    def is_hsdp(self) -> bool:
+        return self.replicate_size > 1
+
+    def mesh_shape(self, world_size: int) -> tuple[int, int]:
+        """(replicate, shard) for `world_size` ranks; raises if the HSDP shape does not fit."""
+        if world_size % self.replicate_size:
+            raise ValueError(
+                f"`replicate_size`={self.replicate_size} does not divide the world size {world_size}; "
+                f"choose a replicate_size that divides {world_size}."
+            )
+        shard = self.shard_size if self.shard_size is not None else world_size // self.replicate_size
+        if shard * self.replicate_size != world_size:
+            raise ValueError(
+                f"HSDP shape `replicate_size` x `shard_size` = {self.replicate_size} x {shard} = "
+                f"{self.replicate_size * shard} does not match the world size {world_size}."
+            )
+        if isinstance(self.reshard_after_forward, int) and not isinstance(self.reshard_after_forward, bool):
+            if shard % self.reshard_after_forward:
+                raise ValueError(
+                    f"`reshard_after_forward`={self.reshard_after_forward} must divide the shard size {shard}."
+                )
+        return self.replicate_size, shard
+
+    def replace(self, **changes: Any) -> "FSDP2Config":
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any], *, source: str = "config") -> "FSDP2Config":
+        """Build from a mapping (yaml, env vars, Trainer args); unknown keys raise naming `source`."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            import difflib
+
+            hints = []
+            for key in unknown:
+                close = difflib.get_close_matches(key, known, n=1)
+                hints.append(f"`{key}`" + (f" (did you mean `{close[0]}`?)" if close else ""))
+            raise ValueError(f"Unknown FSDP2Config field(s) in {source}: {', '.join(hints)}. "
+                             f"Valid fields: {', '.join(sorted(known))}.")
+        return cls(**dict(values))
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-friendly view (dtypes as strings)."""
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, torch.dtype):
+                value = str(value).removeprefix("torch.")
+            elif isinstance(value, tuple):
+                value = list(value)
+            out[f.name] = value
+        return out
+
+
+__all__ = ["FSDP2Config", "parse_dtype", "parse_bool"]

@@ -1,0 +1,111 @@
+"""Process group and device mesh: NCCL on CUDA, gloo on CPU; env://, tcp:// and file:// init."""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from .config import FSDP2Config
+
+SHARD_DIM = "dp_shard"
+REPLICATE_DIM = "dp_replicate"
+# A rank that dies inside a collective leaves the others waiting; this bounds the wait.
+DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
+_INIT_SCHEMES = ("env://", "tcp://", "file://")
+
+
+def device_type() -> str:
+    """The device FSDP2 shards onto: "cuda" when this process group runs NCCL on a GPU, else "cpu"."""
+    if dist.is_initialized() and dist.get_backend() != "nccl":
+        return "cpu"
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def default_device() -> torch.device:
+    if device_type() == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def init_process_group(
+    init_method: str = "env://",
+    *,
+    backend: str | None = None,
+    rank: int | None = None,
+    world_size: int | None = None,
+    local_rank: int | None = None,
+    timeout: datetime.timedelta = DEFAULT_TIMEOUT,
+) -> None:
+    """Initialise the default process group once (a no-op when one exists).
+
+    `env://` reads MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE as torchrun and `accelerate launch` set them;
+    `tcp://host:port` and `file:///path` need `rank` and `world_size`.
+    """
+    if dist.is_initialized():
+        return
+    if not isinstance(init_method, str) or not init_method.startswith(_INIT_SCHEMES):
+        raise ValueError(f"`init_method`={init_method!r} must start with one of {', '.join(_INIT_SCHEMES)}.")
+    if not init_method.startswith("env://") and (rank is None or world_size is None):
+        raise ValueError(f"`init_method`={init_method!r} needs explicit `rank` and `world_size`.")
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend not in ("nccl", "gloo", "cpu:gloo,cuda:nccl"):
+        raise ValueError(f"`backend`={backend!r} must be 'nccl' or 'gloo'.")
+    if backend == "nccl":
+        if local_rank is None:
+            # torchrun/accelerate export LOCAL_RANK; it is the only environment variable read here.
+            local_rank = int(os.environ.get("LOCAL_RANK", (rank or 0) % max(torch.cuda.device_count(), 1)))
+        torch.cuda.set_device(local_rank)
+    kwargs = {} if rank is None else {"rank": rank, "world_size": world_size}
+    dist.init_process_group(backend=backend, init_method=init_method, timeout=timeout, **kwargs)
+
+
+def build_mesh(config: FSDP2Config | None = None) -> DeviceMesh:
+    """A 1-D ("dp_shard",) mesh, or a 2-D ("dp_replicate", "dp_shard") mesh for HSDP.
+
+    Collective: call on every rank.
+    """
+    if not dist.is_initialized():
+        raise RuntimeError("No process group: call `hf_fsdp2.init_distributed()` (or launch with "
+                           "torchrun / accelerate launch) before sharding.")
+    config = config or FSDP2Config()
+    replicate, shard = config.mesh_shape(dist.get_world_size())
+    if replicate == 1:
+        return init_device_mesh(device_type(), (shard,), mesh_dim_names=(SHARD_DIM,))
+    return init_device_mesh(device_type(), (replicate, shard), mesh_dim_names=(REPLICATE_DIM, SHARD_DIM))
+
+
+def init_distributed(
+    init_method: str = "env://",
+    *,
+    backend: str | None = None,
+    rank: int | None = None,
+    world_size: int | None = None,
+    config: FSDP2Config | None = None,
+    timeout: datetime.timedelta = DEFAULT_TIMEOUT,
+) -> DeviceMesh:
+    """Initialise the process group (if needed) and return the device mesh `config` asks for.
+
+    Collective: call on every rank.
+    """
+    init_process_group(init_method, backend=backend, rank=rank, world_size=world_size, timeout=timeout)
+    return build_mesh(config)
+
+
+def shard_group(mesh: DeviceMesh) -> dist.ProcessGroup:
+    return mesh.get_group(SHARD_DIM) if mesh.ndim > 1 else mesh.get_group()
+
+
+def is_writer_replica(mesh: DeviceMesh) -> bool:
+    """Under HSDP every replica holds the same shards; only replica 0 writes them."""
+    return mesh.ndim == 1 or mesh.get_local_rank(REPLICATE_DIM) == 0
+
+
+def barrier(mesh: DeviceMesh | None = None) -> None:
+    """Collective: call on every rank."""
+    if dist.is_initialized():
+        dist.barrier()

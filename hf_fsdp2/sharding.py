@@ -1,0 +1,301 @@
+"""The sharding engine: activation checkpointing, then one `fully_shard` group per decoder layer,
+an embedding group, a [final norm, lm_head] group and the root.
+
+One small function per technique (torchtitan's `parallelize.py` is the model), called in order by
+`shard_model`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+import torch.nn as nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    CheckpointImpl,
+    CheckpointWrapper,
+    checkpoint_wrapper,
+)
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+from .config import FSDP2Config
+from .distributed import build_mesh, default_device
+
+# Prefix torch's CheckpointWrapper inserts into parameter names (checkpoint_wrapper.py: _CHECKPOINT_PREFIX).
+_CHECKPOINT_PREFIX = "_checkpoint_wrapped_module."
+
+
+def canonical_name(fqn: str) -> str:
+    """A parameter name as the unwrapped model spells it (checkpoint-wrapper prefixes removed)."""
+    return fqn.replace(_CHECKPOINT_PREFIX, "")
+
+
+def unwrap_peft(model: nn.Module) -> nn.Module:
+    """The transformers model under a `PeftModel` (duck-typed so the engine needs no peft import)."""
+    if hasattr(model, "peft_config") and hasattr(model, "get_base_model"):
+        return model.get_base_model()
+    return model
+
+
+# ---------------------------------------------------------------------------------------------
+# Finding the groups
+
+
+@dataclass
+class ShardPlan:
+    """Which modules become which `fully_shard` group (computed before any module is wrapped)."""
+
+    layers: list[nn.Module]
+    embedding: nn.Module | None
+    head: list[nn.Module]  # [final norm, lm_head]; with tied embeddings also the embedding
+    tied: bool
+
+
+def resolve_layer_class_names(model: nn.Module, config: FSDP2Config) -> tuple[str, ...]:
+    """The configured class names, or the model's `_no_split_modules`; checked against the model."""
+    names = config.layer_cls_names
+    if names is None:
+        names = tuple(getattr(unwrap_peft(model), "_no_split_modules", None) or ())
+        if not names:
+            raise ValueError(
+                f"`layer_cls_names` is not set and {type(unwrap_peft(model)).__name__} has no "
+                f"`_no_split_modules`; set `layer_cls_names` to the decoder layer class "
+                f"(one of: {', '.join(_module_class_names(model))})."
+            )
+    present = set(_module_class_names(model))
+    missing = [n for n in names if n not in present]
+    if missing and len(missing) == len(names):
+        raise ValueError(
+            f"`layer_cls_names`={list(names)} matches no module of {type(model).__name__}. "
+            f"The model contains these module classes: {', '.join(sorted(present))}."
+        )
+    return tuple(n for n in names if n in present)
+
+
+def _module_class_names(model: nn.Module) -> list[str]:
+    return sorted({type(m).__name__ for m in model.modules() if not isinstance(m, CheckpointWrapper)})
+
+
+def find_layers(model: nn.Module, class_names: tuple[str, ...]) -> list[nn.Module]:
+    """Modules whose class name matches, in forward (registration) order; a match's own
+    submodules are not searched, so nested matches stay in their outer group.
+
+    A layer inside a `CheckpointWrapper` is represented by the wrapper, which is what its parent calls.
+    """
+    layers: list[nn.Module] = []
+
+    def walk(module: nn.Module) -> None:
+        for child in module.children():
+            inner = child._checkpoint_wrapped_module if isinstance(child, CheckpointWrapper) else child
+            if type(inner).__name__ in class_names:
+                layers.append(child)
+            else:
+                walk(child)
+
+    walk(model)
+    return layers
+
+
+def _find_final_norm(model: nn.Module, layers: list[nn.Module]) -> nn.Module | None:
+    """The norm that follows the layer stack: a *Norm child of the module that holds the layers' list.
+
+    Found structurally, so it also works under a PeftModel (where Accelerate's lookup misses it).
+    """
+    if not layers:
+        return None
+    for owner in model.modules():
+        for child in owner.children():
+            if isinstance(child, nn.ModuleList) and any(layer is c for c in child for layer in layers):
+                norms = [c for c in owner.children() if "norm" in type(c).__name__.lower()]
+                return norms[-1] if norms else None
+    return None
+
+
+def plan_groups(model: nn.Module, config: FSDP2Config) -> ShardPlan:
+    layers = find_layers(model, resolve_layer_class_names(model, config))
+    base = unwrap_peft(model)
+    embedding = base.get_input_embeddings() if hasattr(base, "get_input_embeddings") else None
+    lm_head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
+    norm = _find_final_norm(model, layers)
+    tied = (
+        embedding is not None
+        and lm_head is not None
+        and getattr(lm_head, "weight", None) is not None
+        and lm_head.weight is embedding.weight
+    )
+    head = [m for m in (norm, lm_head) if m is not None and _has_params(m)]
+    if tied:
+        # A parameter may live in one group only: the tied weight's group holds embedding, norm and head.
+        head = [embedding, *[m for m in head if m is not embedding]]
+        embedding = None
+    in_layers = {id(p) for layer in layers for p in layer.parameters()}
+    for module in ([embedding] if embedding is not None else []) + head:
+        if any(id(p) in in_layers for p in module.parameters()):
+            raise ValueError(f"{type(module).__name__} shares parameters with a decoder layer; "
+                             "a parameter can only be in one fully_shard group.")
+    return ShardPlan(layers=layers, embedding=embedding if embedding is not None and _has_params(embedding) else None,
+                     head=head, tied=tied)
+
+
+def _has_params(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters())
+
+
+# ---------------------------------------------------------------------------------------------
+# Techniques, applied in order
+
+
+def apply_frozen_dtype(model: nn.Module, dtype: torch.dtype | None) -> None:
+    """Store frozen parameters in `dtype` (e.g. bf16 base weights under fp32 LoRA)."""
+    if dtype is None:
+        return
+    for param in model.parameters():
+        if not param.requires_grad and param.is_floating_point() and param.dtype != dtype:
+            param.data = param.data.to(dtype)
+
+
+def apply_activation_checkpointing(model: nn.Module, layers: list[nn.Module]) -> list[nn.Module]:
+    """Wrap each layer in torch's non-reentrant `CheckpointWrapper`, in place; returns the wrappers.
+
+    Applied before `fully_shard` so each wrapper becomes the group: FSDP's unshard happens outside
+    the checkpointed region and again, through its pre-backward hook, for the recomputation.
+    """
+    wrapped: list[nn.Module] = []
+    for layer in layers:
+        if isinstance(layer, CheckpointWrapper):
+            wrapped.append(layer)
+            continue
+        parent, name = _parent_of(model, layer)
+        wrapper = checkpoint_wrapper(layer, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+        parent.register_module(name, wrapper)
+        wrapped.append(wrapper)
+    return wrapped
+
+
+def _parent_of(root: nn.Module, target: nn.Module) -> tuple[nn.Module, str]:
+    for module in root.modules():
+        for name, child in module.named_children():
+            if child is target:
+                return module, name
+    raise AssertionError("layer not found under the model")
+
+
+def _fsdp_kwargs(config: FSDP2Config, mesh: DeviceMesh) -> dict:
+    offload: OffloadPolicy = (
+        CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if config.cpu_offload else OffloadPolicy()
+    )
+    return {
+        "mesh": mesh,
+        "mp_policy": MixedPrecisionPolicy(
+            param_dtype=config.param_dtype,
+            reduce_dtype=config.reduce_dtype,
+            output_dtype=config.output_dtype,
+        ),
+        "offload_policy": offload,
+    }
+
+
+def apply_fsdp(model: nn.Module, plan: ShardPlan, config: FSDP2Config, mesh: DeviceMesh) -> None:
+    """`fully_shard` bottom-up: each layer, the embedding, [norm, head], then the root."""
+    kwargs = _fsdp_kwargs(config, mesh)
+    reshard = config.reshard_after_forward
+    for index, layer in enumerate(plan.layers):
+        # The last layer's backward runs right after forward: resharding it would only re-gather it.
+        last = index == len(plan.layers) - 1
+        fully_shard(layer, reshard_after_forward=False if (last and reshard is True) else reshard, **kwargs)
+    if plan.embedding is not None:
+        fully_shard(plan.embedding, reshard_after_forward=reshard, **kwargs)
+    if plan.head:
+        # With tied weights the group is used first and last, so it must be freed after forward.
+        head_reshard = reshard if plan.tied else (False if reshard is True else reshard)
+        fully_shard(plan.head if len(plan.head) > 1 else plan.head[0], reshard_after_forward=head_reshard, **kwargs)
+    fully_shard(model, reshard_after_forward=reshard, **kwargs)
+    _set_prefetch(plan.layers, config)
+
+
+def _set_prefetch(layers: list[nn.Module], config: FSDP2Config) -> None:
+    if config.forward_prefetch:
+        for i, layer in enumerate(layers[:-1]):
+            layer.set_modules_to_forward_prefetch(layers[i + 1: i + 1 + config.forward_prefetch])
+    if config.backward_prefetch != 1:  # 1 is FSDP2's implicit default
+        for i, layer in enumerate(layers):
+            previous = layers[max(0, i - config.backward_prefetch): i][::-1]
+            layer.set_modules_to_backward_prefetch(previous)
+
+
+def materialize(model: nn.Module, device: torch.device, *, init_weights: bool = True) -> None:
+    """Allocate the local shards of a meta-device model, then run the model's own initialisation.
+
+    `to_empty` allocates only each rank's shard (the DTensors' local tensors); transformers'
+    `_init_weights` then fills parameters and recomputes non-persistent buffers such as rotary
+    `inv_freq` (modeling_utils.PreTrainedModel._init_weights).
+    """
+    model.to_empty(device=device)
+    if not init_weights:
+        return
+    base = unwrap_peft(model)
+    init_fn = getattr(base, "_init_weights", None)
+    with torch.no_grad():
+        for module in model.modules():
+            if init_fn is not None:
+                init_fn(module)
+            elif hasattr(module, "reset_parameters"):
+                module.reset_parameters()
+
+
+def _is_meta(model: nn.Module) -> bool:
+    return any(t.is_meta for t in model.parameters()) or any(t.is_meta for t in model.buffers())
+
+
+def shard_model(
+    model: nn.Module,
+    config: FSDP2Config | None = None,
+    *,
+    mesh: DeviceMesh | None = None,
+    init_weights: bool = True,
+) -> nn.Module:
+    """Shard a Hugging Face model (or a `PeftModel`) with FSDP2, in place; returns it.
+
+    Order: frozen dtype, activation checkpointing, then `fully_shard` per decoder layer (frozen base
+    weights and LoRA adapters in one group), embedding group, [final norm, lm_head] group, root.
+    A model on the meta device is sharded first and then only local shards are allocated and
+    initialised by the model's own init (`init_weights=False` leaves them for a loader).
+
+    Collective: call on every rank.
+    """
+    config = config or FSDP2Config()
+    mesh = mesh if mesh is not None else build_mesh(config)
+    if isinstance(model, FSDPModule):
+        raise ValueError(f"{type(model).__name__} is already sharded; call `shard_model` once per model.")
+    on_meta = _is_meta(model)
+    device = default_device()
+    if not on_meta and device.type != "cpu":
+        model.to(device)
+    plan = plan_groups(model, config)
+    apply_frozen_dtype(model, config.frozen_dtype)
+    if config.activation_checkpointing:
+        plan.layers = apply_activation_checkpointing(model, plan.layers)
+    apply_fsdp(model, plan, config, mesh)
+    if on_meta:
+        materialize(model, torch.device("cpu") if config.cpu_offload else device, init_weights=init_weights)
+    model._hf_fsdp2_config = config  # read by the checkpoint code: mesh, dtypes
+    model._hf_fsdp2_mesh = mesh
+    return model
+
+
+@contextlib.contextmanager
+def no_sync(model: nn.Module) -> Iterator[None]:
+    """Accumulate gradients locally: no reduce-scatter (or HSDP all-reduce) inside the block.
+
+    Run the accumulation micro-steps inside, the last micro-step outside.
+    """
+    if not isinstance(model, FSDPModule):
+        raise TypeError(f"`no_sync` needs a model returned by `shard_model`, got {type(model).__name__}.")
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)

@@ -1,0 +1,72 @@
+"""Run a function on N real processes (gloo on 127.0.0.1) and collect what each rank returns."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import queue
+import socket
+import traceback
+from datetime import timedelta
+from typing import Any, Callable
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(fn, rank, world_size, port, results, args, kwargs):
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    try:
+        dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=120))
+        out = fn(rank, world_size, *args, **kwargs)
+        # Plain pickle, in memory: a queue would share tensors by file descriptor, which dies with us.
+        results.put((rank, "ok", pickle.dumps(out)))
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        results.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 240, **kwargs: Any) -> list[Any]:
+    """Spawn `world_size` processes running `fn(rank, world_size, *args, **kwargs)`; return results by rank.
+
+    `fn` must be a module-level function. Any rank's exception fails the call with its traceback.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, results, args, kwargs), daemon=True)
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    out: dict[int, Any] = {}
+    errors: list[str] = []
+    try:
+        for _ in range(world_size):
+            rank, status, value = results.get(timeout=timeout)
+            if status == "ok":
+                out[rank] = pickle.loads(value)
+            else:
+                errors.append(f"--- rank {rank} ---\n{value}")
+                timeout = 10  # collect the other ranks' errors too: the first may only be a symptom
+    except queue.Empty:
+        errors.append(f"timed out after {timeout}s waiting for ranks; got {sorted(out)}")
+    finally:
+        for p in procs:
+            p.join(timeout=5 if not errors else 0.5)
+            if p.is_alive():
+                p.kill()
+    if errors:
+        raise AssertionError("distributed run failed:\n" + "\n".join(errors))
+    return [out[r] for r in range(world_size)]
