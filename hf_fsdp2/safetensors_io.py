@@ -1,0 +1,381 @@
+"""Safetensors files written and read by row blocks, with no gather.
+
+A dim-0 block of rows of a row-major tensor is one contiguous byte range of the file, so every rank
+can `pwrite` its own rows at `data_start + tensor_begin + first_row * row_bytes`. The header is
+computed identically on every rank from global names, dtypes and shapes (`plan_file`), so no rank
+needs to talk to another; reading is the mirror (`read_rows`). Format: 8-byte little-endian header
+length, a JSON header padded with spaces to 8 bytes, then the data section, which must cover the
+rest of the file exactly (safetensors refuses anything else).
+
+This module knows nothing about models or torch.distributed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Mapping, Sequence
+
+import torch
+
+_DTYPES: dict[torch.dtype, str] = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+    torch.uint8: "U8", torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+}
+_FROM_NAME = {v: k for k, v in _DTYPES.items()}
+_MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit
+# Bound on the bytes cast/copied at once while writing a block, so extra RSS stays small.
+WRITE_CHUNK_BYTES = 16 * 1024 * 1024
+SINGLE_FILE = "model.safetensors"
+INDEX_SUFFIX = ".index.json"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file or index is malformed, or does not match the model. Names the file and key."""
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one dim-0 row (the whole tensor for a scalar)."""
+        return self.nbytes // self.shape[0] if self.shape and self.shape[0] else self.nbytes
+
+
+@dataclass(frozen=True)
+class FileLayout:
+    """Where each tensor of one safetensors file lives. Identical on every rank for the same specs."""
+
+    filename: str
+    header: bytes  # length prefix + padded JSON
+    begins: Mapping[str, int]  # absolute file offset of each tensor's first byte
+    specs: Mapping[str, TensorSpec]
+    size: int
+
+    def row_offset(self, name: str, row: int) -> int:
+        spec = self.specs[name]
+        return self.begins[name] + row * spec.row_bytes
+
+    @property
+    def data_bytes(self) -> int:
+        return self.size - len(self.header)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    if dtype not in _DTYPES:
+        raise TypeError(f"dtype {dtype} cannot be stored in safetensors; cast it first.")
+    return _DTYPES[dtype]
+
+
+def plan_file(filename: str, specs: Sequence[TensorSpec], metadata: Mapping[str, str] | None = None) -> FileLayout:
+    """The header and byte offsets of a file holding `specs` in the given order."""
+    header: dict[str, object] = {"__metadata__": dict(metadata or {"format": "pt"})}
+    begins_rel: dict[str, int] = {}
+    cursor = 0
+    for spec in specs:
+        if spec.name in header or spec.name == "__metadata__":
+            raise ValueError(f"tensor name {spec.name!r} appears twice in {filename}.")
+        header[spec.name] = {"dtype": dtype_name(spec.dtype), "shape": list(spec.shape),
+                             "data_offsets": [cursor, cursor + spec.nbytes]}
+        begins_rel[spec.name] = cursor
+        cursor += spec.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    prefix = struct.pack("<Q", len(raw)) + raw
+    start = len(prefix)
+    return FileLayout(filename=filename, header=prefix, begins={k: start + v for k, v in begins_rel.items()},
+                      specs={s.name: s for s in specs}, size=start + cursor)
+
+
+def parse_size(size: int | str) -> int:
+    """"5GB" -> 5 * 10**9, "500MiB" -> 500 * 2**20, ints pass through (the units transformers uses)."""
+    if isinstance(size, int):
+        if size <= 0:
+            raise ValueError(f"`max_shard_size`={size} must be positive.")
+        return size
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*", str(size), flags=re.IGNORECASE)
+    if not match:
+        raise ValueError(f"`max_shard_size`={size!r} is not a size; use e.g. '5GB', '500MiB' or a byte count.")
+    number, unit = float(match.group(1)), (match.group(2) or "B").upper()
+    scale = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+             "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}[unit]
+    value = int(number * scale)
+    if value <= 0:
+        raise ValueError(f"`max_shard_size`={size!r} must be positive.")
+    return value
+
+
+def plan_checkpoint(specs: Sequence[TensorSpec], max_shard_size: int | str = "5GB",
+                    weights_name: str = SINGLE_FILE) -> tuple[list[FileLayout], dict | None]:
+    """Split `specs` (in order) into files of at most `max_shard_size` bytes, like transformers does.
+
+    Returns the layouts and, when there is more than one file, the index (`weight_map`, `total_size`).
+    """
+    limit = parse_size(max_shard_size)
+    groups: list[list[TensorSpec]] = [[]]
+    used = 0
+    for spec in specs:
+        if groups[-1] and used + spec.nbytes > limit:
+            groups.append([])
+            used = 0
+        groups[-1].append(spec)
+        used += spec.nbytes
+    if len(groups) == 1:
+        return [plan_file(weights_name, groups[0])], None
+    stem, ext = weights_name.rsplit(".", 1)
+    n = len(groups)
+    layouts = [plan_file(f"{stem}-{i + 1:05d}-of-{n:05d}.{ext}", g) for i, g in enumerate(groups)]
+    index = {
+        "metadata": {"total_size": sum(s.nbytes for s in specs)},
+        "weight_map": {s.name: layout.filename for layout in layouts for s in layout.specs.values()},
+    }
+    return layouts, index
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing
+
+
+class FileWriter:
+    """Writes row blocks into one planned file. Any number of processes may hold one at once.
+
+    `create=True` (one process per file) writes the header and sets the final size; no one truncates,
+    so writers that open the file before or after that never lose each other's bytes.
+    """
+
+    def __init__(self, path: str | os.PathLike, layout: FileLayout, *, create: bool):
+        self.path = Path(path)
+        self.layout = layout
+        self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT, 0o644)
+        try:
+            if create:
+                _pwrite_all(self.fd, memoryview(layout.header), 0, self.path)
+                os.ftruncate(self.fd, layout.size)
+        except BaseException:
+            os.close(self.fd)
+            raise
+
+    def write_rows(self, name: str, first_row: int, block: torch.Tensor) -> int:
+        """Write `block` (rows `first_row`.. of tensor `name`), cast to the planned dtype in small chunks.
+
+        Returns the bytes written.
+        """
+        spec = self.layout.specs[name]
+        rows = block.shape[0] if block.dim() else 1
+        assert tuple(block.shape[1:]) == spec.shape[1:] and first_row + rows <= (
+            spec.shape[0] if spec.shape else 1), (name, tuple(block.shape), first_row, spec.shape)
+        if block.numel() == 0:
+            return 0
+        flat_rows = block.reshape(rows, -1)
+        rows_per_chunk = max(1, WRITE_CHUNK_BYTES // max(spec.row_bytes, 1))
+        offset = self.layout.row_offset(name, first_row)
+        written = 0
+        for start in range(0, flat_rows.shape[0], rows_per_chunk):
+            chunk = flat_rows[start:start + rows_per_chunk].to(device="cpu", dtype=spec.dtype).contiguous()
+            data = memoryview(chunk.view(torch.uint8).numpy()).cast("B")
+            _pwrite_all(self.fd, data, offset + written, self.path)
+            written += len(data)
+        return written
+
+    def close(self, *, sync: bool = True) -> None:
+        try:
+            if sync:
+                os.fsync(self.fd)
+        finally:
+            os.close(self.fd)
+
+    def __enter__(self) -> "FileWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.close(sync=exc_type is None)
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int, path: Path) -> None:
+    while len(data):
+        try:
+            n = os.pwrite(fd, data, offset)
+        except OSError as e:
+            raise OSError(e.errno, f"writing {path} at byte {offset}: {e.strerror}") from e
+        data, offset = data[n:], offset + n
+
+
+def write_json(path: str | os.PathLike, obj: object) -> None:
+    """Write JSON and fsync it."""
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=2, sort_keys=True)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading
+
+
+def read_layout(path: str | os.PathLike) -> FileLayout:
+    """Parse and check a safetensors header: errors name the file and the offending tensor."""
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            prefix = f.read(8)
+            if len(prefix) < 8:
+                raise CheckpointError(f"{path}: truncated: {size} bytes, too short for a safetensors header.")
+            (n,) = struct.unpack("<Q", prefix)
+            if n > _MAX_HEADER or 8 + n > size:
+                raise CheckpointError(f"{path}: header length {n} does not fit in the file ({size} bytes); "
+                                      "the file is truncated or not safetensors.")
+            raw = f.read(n)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: file not found.") from None
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: header is not valid JSON ({e}).") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: header is not a JSON object.")
+    start = 8 + n
+    specs: dict[str, TensorSpec] = {}
+    begins: dict[str, int] = {}
+    spans = []
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype = _FROM_NAME[entry["dtype"]]
+            shape = tuple(int(d) for d in entry["shape"])
+            lo, hi = (int(x) for x in entry["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(f"{path}: tensor {name!r}: malformed header entry {entry!r}.") from None
+        if any(d < 0 for d in shape):
+            raise CheckpointError(f"{path}: tensor {name!r}: negative dimension in shape {list(shape)}.")
+        spec = TensorSpec(name, dtype, shape)
+        if hi - lo != spec.nbytes or lo < 0:
+            raise CheckpointError(f"{path}: tensor {name!r}: data_offsets [{lo}, {hi}] hold {hi - lo} bytes, "
+                                  f"but {entry['dtype']} {list(shape)} needs {spec.nbytes}.")
+        if start + hi > size:
+            raise CheckpointError(f"{path}: tensor {name!r}: data ends at byte {start + hi}, past the end of the "
+                                  f"file ({size} bytes); the file is truncated.")
+        specs[name], begins[name] = spec, start + lo
+        spans.append((lo, hi, name))
+    spans.sort()
+    cursor = 0
+    for lo, hi, name in spans:
+        if lo != cursor:
+            what = "overlaps the previous tensor" if lo < cursor else f"leaves a gap of {lo - cursor} bytes"
+            raise CheckpointError(f"{path}: tensor {name!r}: data_offsets [{lo}, {hi}] {what}.")
+        cursor = hi
+    if start + cursor != size:
+        raise CheckpointError(f"{path}: data section is {cursor} bytes but the file holds {size - start}; "
+                              "the file is truncated or has trailing bytes.")
+    return FileLayout(filename=path.name, header=prefix + raw, begins=begins, specs=specs, size=size)
+
+
+def read_rows(path: str | os.PathLike, layout: FileLayout, name: str, first_row: int, stop_row: int,
+              out: torch.Tensor | None = None) -> torch.Tensor:
+    """Read rows [first_row, stop_row) of `name`, straight into `out` when given (same dtype, CPU)."""
+    spec = layout.specs[name]
+    shape = (stop_row - first_row, *spec.shape[1:]) if spec.shape else ()
+    if out is None or out.dtype != spec.dtype or out.device.type != "cpu" or not out.is_contiguous():
+        target = torch.empty(shape, dtype=spec.dtype)
+    else:
+        target = out
+    assert tuple(target.shape) == tuple(shape), (name, target.shape, shape)
+    if target.numel():
+        buf = memoryview(target.reshape(-1).view(torch.uint8).numpy()).cast("B")
+        with open(path, "rb", buffering=0) as f:
+            offset = layout.row_offset(name, first_row)
+            got = os.preadv(f.fileno(), [buf], offset)
+            while got < len(buf):
+                more = os.preadv(f.fileno(), [buf[got:]], offset + got)
+                if more == 0:
+                    raise CheckpointError(f"{path}: tensor {name!r}: file ended while reading rows "
+                                          f"{first_row}:{stop_row}.")
+                got += more
+    if out is not None and target is not out:
+        out.copy_(target)
+        return out
+    return target
+
+
+def _safe_member(directory: Path, filename: object, source: Path) -> Path:
+    """A file named by an index must be a plain file name inside `directory`."""
+    if not isinstance(filename, str) or not filename or Path(filename).name != filename or filename in (".", ".."):
+        raise CheckpointError(f"{source}: file name {filename!r} points outside {directory}; refused.")
+    return directory / filename
+
+
+def read_index(index_path: str | os.PathLike) -> dict[str, Path]:
+    """tensor name -> file, from a `*.safetensors.index.json`; names pointing elsewhere are refused."""
+    index_path = Path(index_path)
+    try:
+        index = json.loads(index_path.read_text(encoding="utf-8"))
+        weight_map = index["weight_map"]
+        assert isinstance(weight_map, dict)
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, AssertionError, TypeError):
+        raise CheckpointError(f"{index_path}: not a safetensors index (needs a `weight_map` object).") from None
+    return {name: _safe_member(index_path.parent, fn, index_path) for name, fn in weight_map.items()}
+
+
+class CheckpointFiles:
+    """Every tensor of a safetensors checkpoint (one file, or an index and its files), headers checked."""
+
+    def __init__(self, directory: str | os.PathLike, weights_name: str = SINGLE_FILE):
+        self.directory = Path(directory)
+        index_path = self.directory / (weights_name + INDEX_SUFFIX)
+        single = self.directory / weights_name
+        if index_path.exists():
+            weight_map = read_index(index_path)
+        elif single.exists():
+            weight_map = None
+        else:
+            raise CheckpointError(f"{self.directory}: no {weights_name} or {index_path.name} found.")
+        files = sorted(set(weight_map.values())) if weight_map is not None else [single]
+        self.layouts: dict[Path, FileLayout] = {p: read_layout(p) for p in files}
+        self.where: dict[str, Path] = {}
+        for path, layout in self.layouts.items():
+            for name in layout.specs:
+                if weight_map is not None and weight_map.get(name) != path:
+                    continue  # a tensor the index assigns elsewhere (or not at all) is not part of the checkpoint
+                self.where[name] = path
+        if weight_map is not None:
+            lost = sorted(n for n in weight_map if n not in self.where)
+            if lost:
+                raise CheckpointError(f"{index_path}: {len(lost)} tensor(s) listed in the index are not in their "
+                                      f"file: {', '.join(lost[:10])}.")
+
+    def names(self) -> Iterable[str]:
+        return self.where.keys()
+
+    def spec(self, name: str) -> TensorSpec:
+        return self.layouts[self.where[name]].specs[name]
+
+    def read_rows(self, name: str, first_row: int, stop_row: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        path = self.where[name]
+        return read_rows(path, self.layouts[path], name, first_row, stop_row, out=out)
+
+    def read(self, name: str) -> torch.Tensor:
+        spec = self.spec(name)
+        return self.read_rows(name, 0, spec.shape[0] if spec.shape else 1).reshape(spec.shape)
