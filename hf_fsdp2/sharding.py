@@ -233,7 +233,13 @@ def materialize(model: nn.Module, device: torch.device, *, init_weights: bool = 
     `_init_weights` then fills parameters and recomputes non-persistent buffers such as rotary
     `inv_freq` (modeling_utils.PreTrainedModel._init_weights).
     """
+    # `to_empty` also empties real buffers; keep the values the constructor computed.
+    real_buffers = {name: b.clone() for name, b in model.named_buffers() if not b.is_meta}
     model.to_empty(device=device)
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            if name in real_buffers:
+                buf.copy_(real_buffers[name])
     if not init_weights:
         return
     base = unwrap_peft(model)

@@ -1,0 +1,280 @@
+"""Hugging Face–format save and load of sharded models, with no gather.
+
+`save_pretrained` writes `config.json` and `model.safetensors` (or shards + index) — or, for a
+`PeftModel`, `adapter_model.safetensors` + `adapter_config.json` — with every rank writing its
+own rows; `load_pretrained` reads back only each rank's rows; `from_pretrained` builds a model on
+the meta device, shards it and loads it, so the full model never exists on any rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import os
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from tqdm.auto import tqdm
+
+from .atomic_dir import committed_directory
+from .config import FSDP2Config, parse_dtype
+from .distributed import build_mesh
+from .safetensors_io import (
+    INDEX_SUFFIX, SINGLE_FILE, CheckpointError, CheckpointFiles, FileWriter, plan_checkpoint, write_json,
+)
+from .sharding import shard_model
+from .tensor_export import (
+    ExportTensor, adapter_tensors, is_peft_model, is_writer, local_data, merged_tensors, model_tensors, row_range,
+    tied_aliases,
+)
+
+ADAPTER_FILE = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+# Files a save of ours replaces; anything else already in the directory is kept.
+_OUR_FILES = ("config.json", "generation_config.json", "model*.safetensors", "model.safetensors.index.json",
+              "adapter_model*.safetensors", "adapter_model.safetensors.index.json", ADAPTER_CONFIG)
+PROGRESS_MIN_BYTES = 1 << 30  # progress bars for checkpoints of 1 GiB and more
+
+
+def is_our_file(name: str) -> bool:
+    return any(fnmatch.fnmatch(name, pattern) for pattern in _OUR_FILES)
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _progress(total: int, desc: str, enabled: bool | None):
+    show = (total >= PROGRESS_MIN_BYTES) if enabled is None else enabled
+    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, disable=not show or _rank() != 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing
+
+
+def write_tensors(items: Sequence[ExportTensor], directory: Path, *, weights_name: str = SINGLE_FILE,
+                  max_shard_size: int | str = "5GB", progress: bool | None = None) -> None:
+    """Write `items` as safetensors file(s) in `directory`: each rank writes its own rows.
+
+    Headers are planned identically on every rank, so no rank waits for another; the caller commits.
+    No collectives (a merged-LoRA item may all-gather its A matrix; see `merged_tensors`).
+    """
+    layouts, index = plan_checkpoint([item.spec for item in items], max_shard_size, weights_name)
+    by_name = {item.name: item for item in items}
+    work = []  # (layout, name, first row, stop row) this rank writes
+    for layout in layouts:
+        for name in layout.specs:
+            item = by_name[name]
+            start, stop = row_range(item.tensor) if is_writer(item.tensor) else (0, 0)
+            work.append((layout, name, start, stop))
+    # The bar shows rank 0's share, which is about 1/N of the checkpoint.
+    total = sum(layout.specs[name].row_bytes * (stop - start) for layout, name, start, stop in work)
+    with _progress(total, f"saving {directory.name} (rank 0 share)", progress) as bar:
+        for layout in layouts:
+            with FileWriter(directory / layout.filename, layout, create=_rank() == 0) as writer:
+                for lay, name, start, stop in work:
+                    if lay is not layout or stop <= start:
+                        continue
+                    item = by_name[name]
+                    block = item.local_rows() if item.local_rows is not None else local_data(item.tensor)
+                    bar.update(writer.write_rows(name, start, block))
+    if index is not None and _rank() == 0:
+        write_json(directory / (weights_name + INDEX_SUFFIX), index)
+
+
+def _export_items(model: nn.Module, dtype: torch.dtype | None, merge_adapters: bool) -> tuple[list[ExportTensor], bool]:
+    """(items, is_adapter) for `model` as `save_pretrained` writes it."""
+    if is_peft_model(model):
+        if merge_adapters:
+            return merged_tensors(model, dtype), False
+        tensors = adapter_tensors(model)
+        if not tensors:
+            raise ValueError("the PeftModel's adapter has no tensors to save; check its `target_modules`.")
+        return [_item(n, t, dtype) for n, t in tensors.items()], True
+    if merge_adapters:
+        raise ValueError("`merge_adapters=True` needs a PeftModel; this model has no adapters.")
+    return [_item(n, t, dtype) for n, t in model_tensors(model).items()], False
+
+
+def _item(name: str, tensor: torch.Tensor, dtype: torch.dtype | None) -> ExportTensor:
+    return ExportTensor(name, tensor, dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype)
+
+
+def _write_configs(model: nn.Module, directory: Path, is_adapter: bool, dtype: torch.dtype | None) -> None:
+    """config.json / generation_config.json, or adapter_config.json (rank 0 only)."""
+    if is_adapter:
+        _write_adapter_config(model, directory)
+        return
+    base = model.get_base_model() if is_peft_model(model) else model
+    config = getattr(base, "config", None)
+    if config is not None and hasattr(config, "save_pretrained"):
+        if dtype is not None:
+            config = type(config).from_dict(config.to_dict())
+            config.dtype = dtype
+        config.save_pretrained(str(directory))
+    generation = getattr(base, "generation_config", None)
+    if generation is not None and hasattr(base, "can_generate") and base.can_generate():
+        generation.save_pretrained(str(directory))
+
+
+def _write_adapter_config(model: nn.Module, directory: Path) -> None:
+    """adapter_config.json exactly as `PeftModel.save_pretrained` writes it (peft_model.py): the base
+    model's name, `inference_mode=True`, and `auto_mapping` when no task type is set."""
+    import copy
+
+    config = copy.deepcopy(model.peft_config[getattr(model, "active_adapter", "default")])
+    if config.base_model_name_or_path is None:
+        config.base_model_name_or_path = model.get_base_model().__dict__.get("name_or_path", None) or None
+    config.inference_mode = True
+    auto_mapping = None
+    if config.task_type is None:
+        base_class = model._get_base_model_class(is_prompt_tuning=config.is_prompt_learning)
+        auto_mapping = {"base_model_class": base_class.__name__, "parent_library": base_class.__module__}
+    config.save_pretrained(str(directory), auto_mapping_dict=auto_mapping)
+
+
+def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, *, dtype: torch.dtype | str | None = None,
+                    max_shard_size: int | str = "5GB", merge_adapters: bool = False,
+                    progress: bool | None = None) -> None:
+    """Save a sharded model in the Hugging Face layout, every rank writing only its own rows.
+
+    Plain model: `config.json`, `model.safetensors` (or `model-0000k-of-0000n.safetensors` and
+    `model.safetensors.index.json`). `PeftModel`: PEFT's adapter layout, loadable with
+    `PeftModel.from_pretrained`; with `merge_adapters=True`, the full model with W + scale·B·A
+    merged per local shard (this all-gathers only the small LoRA A matrices). `dtype` casts shard by
+    shard. Under HSDP only replica 0 writes. The directory is replaced atomically; files of others in
+    it (tokenizer, README, subfolders) are kept.
+
+    Collective: call on every rank. Apart from A matrices for merging, the only collectives are
+    one-integer all-reduces that let every rank agree that the writes succeeded.
+    """
+    dtype = parse_dtype(dtype, "dtype")
+    items, is_adapter = _export_items(model, dtype, merge_adapters)
+    weights_name = ADAPTER_FILE if is_adapter else SINGLE_FILE
+    with committed_directory(save_directory, is_ours=is_our_file, what="saving") as staging:
+        write_tensors(items, staging, weights_name=weights_name, max_shard_size=max_shard_size, progress=progress)
+        if _rank() == 0:
+            _write_configs(model, staging, is_adapter, dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading
+
+
+def load_tensors(targets: dict[str, torch.Tensor], files: CheckpointFiles, *, aliases: dict[str, str] | None = None,
+                 strict: bool = True, progress: bool | None = None) -> None:
+    """Fill each target's local rows from `files`. Float dtypes are cast; anything else must match.
+
+    Missing, unexpected and mismatched keys are collected and reported in one error. No collectives.
+    """
+    aliases = aliases or {}
+    source_of = {}
+    for name in targets:
+        if name in files.where:
+            source_of[name] = name
+        else:  # a tied weight saved under another of its names
+            alt = next((a for a, canonical in aliases.items() if canonical == name and a in files.where), None)
+            if alt is not None:
+                source_of[name] = alt
+    missing = sorted(n for n in targets if n not in source_of)
+    unexpected = sorted(n for n in files.names() if n not in set(source_of.values()) and n not in aliases)
+    mismatched = []
+    for name, source in source_of.items():
+        spec, target = files.spec(source), targets[name]
+        if tuple(spec.shape) != tuple(target.shape):
+            mismatched.append(f"{source}: shape {list(spec.shape)} in {files.where[source].name}, "
+                              f"model has {list(target.shape)}")
+        elif spec.dtype != target.dtype and not (spec.dtype.is_floating_point and target.dtype.is_floating_point):
+            mismatched.append(f"{source}: dtype {spec.dtype} in {files.where[source].name}, model has {target.dtype}")
+    problems = []
+    if missing:
+        problems.append(f"missing keys ({len(missing)}): {', '.join(missing)}")
+    if unexpected and strict:
+        problems.append(f"unexpected keys ({len(unexpected)}): {', '.join(unexpected)}")
+    if mismatched:
+        problems.append(f"mismatched ({len(mismatched)}): " + "; ".join(mismatched))
+    if problems:
+        raise CheckpointError(f"{files.directory} does not match the model:\n  " + "\n  ".join(problems))
+    total = sum(files.spec(s).nbytes for s in source_of.values())
+    with _progress(total, f"loading {files.directory.name}", progress) as bar, torch.no_grad():
+        for name, source in source_of.items():
+            target = targets[name]
+            start, stop = row_range(target)
+            local = local_data(target)
+            if stop > start:
+                files.read_rows(source, start, stop, out=local.view(local.shape) if local.dim() else local)
+            bar.update(files.spec(source).row_bytes * (stop - start))
+
+
+def _existing_dir(directory: Path) -> Path:
+    if not directory.is_dir():
+        raise CheckpointError(f"{directory}: not a directory.")
+    return directory
+
+
+def load_pretrained(model: nn.Module, directory: str | os.PathLike, *, strict: bool = True,
+                    progress: bool | None = None) -> nn.Module:
+    """Fill a sharded model from a Hugging Face directory, each rank reading only its own rows.
+
+    Reads what `save_pretrained` (ours or transformers') writes: one file or an index and shards.
+    For a `PeftModel` and a directory with `adapter_model.safetensors`, loads the adapter only.
+    Collective: call on every rank (no communication; every rank reads its rows in parallel).
+    """
+    directory = _existing_dir(Path(directory))
+    if is_peft_model(model) and ((directory / ADAPTER_FILE).exists()
+                                 or (directory / (ADAPTER_FILE + INDEX_SUFFIX)).exists()):
+        load_tensors(adapter_tensors(model), CheckpointFiles(directory, ADAPTER_FILE), strict=strict,
+                     progress=progress)
+        return model
+    base = model.get_base_model() if is_peft_model(model) else model
+    targets = model_tensors(base)
+    load_tensors(targets, CheckpointFiles(directory, SINGLE_FILE), aliases=tied_aliases(base), strict=strict,
+                 progress=progress)
+    return model
+
+
+@contextlib.contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """Create parameters on the meta device and buffers for real, so non-persistent buffers that
+    checkpoints do not carry (rotary `inv_freq`) keep the values the model's constructor computed."""
+    original = nn.Module.register_parameter
+
+    def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        original(module, name, param)
+        if param is not None and param.device.type != "meta":
+            module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+
+    nn.Module.register_parameter = register
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original
+
+
+def from_pretrained(model_class, directory: str | os.PathLike, config: FSDP2Config | None = None, *,
+                    mesh=None, torch_dtype: torch.dtype | str | None = None, progress: bool | None = None,
+                    **model_kwargs) -> nn.Module:
+    """Build `model_class` from `directory`'s config on the meta device, shard it, then load each
+    rank's rows. The full model never exists on any rank.
+
+    Collective: call on every rank.
+    """
+    directory = _existing_dir(Path(directory))
+    hf_config = model_class.config_class.from_pretrained(str(directory), **model_kwargs)
+    torch_dtype = parse_dtype(torch_dtype, "torch_dtype")
+    with parameters_on_meta():
+        model = model_class(hf_config)
+    if torch_dtype is not None:
+        model.to(torch_dtype)
+    mesh = mesh if mesh is not None else build_mesh(config)
+    shard_model(model, config, mesh=mesh, init_weights=False)
+    load_pretrained(model, directory, progress=progress)
+    if hasattr(model, "generation_config") and (directory / "generation_config.json").exists():
+        from transformers import GenerationConfig
+
+        model.generation_config = GenerationConfig.from_pretrained(str(directory))
+    return model

@@ -1,0 +1,161 @@
+"""Which tensors a sharded model exports, under which Hugging Face names, and how each rank reaches
+its own rows of them.
+
+A model tensor is a `DTensor` sharded on dim 0 (FSDP2) and possibly replicated across an HSDP
+dimension, or a plain tensor that every rank holds whole (buffers). Each rank owns a contiguous
+block of rows; under replication only the replica at coordinate 0 writes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from .safetensors_io import TensorSpec
+from .sharding import canonical_name
+
+
+@dataclass
+class ExportTensor:
+    """One tensor of a checkpoint: its file key, the live tensor, and the dtype on disk."""
+
+    name: str
+    tensor: torch.Tensor  # DTensor (sharded) or plain (whole on every rank)
+    dtype: torch.dtype
+    # Computes this rank's rows when they are not simply the local shard (merged LoRA weights).
+    local_rows: Callable[[], torch.Tensor] | None = None
+
+    @property
+    def spec(self) -> TensorSpec:
+        return TensorSpec(self.name, self.dtype, tuple(self.tensor.shape))
+
+
+def row_range(tensor: torch.Tensor) -> tuple[int, int]:
+    """The global rows [start, stop) this rank holds of `tensor` (all rows for a plain tensor)."""
+    if not isinstance(tensor, DTensor):
+        return 0, tensor.shape[0] if tensor.dim() else 1
+    for placement in tensor.placements:
+        if not (isinstance(placement, Replicate) or (isinstance(placement, Shard) and placement.dim == 0)):
+            raise ValueError(f"hf_fsdp2 checkpoints need dim-0 sharding (FSDP2's default); got placements "
+                             f"{tensor.placements}. Remove a custom `shard_placement_fn`.")
+    if tensor.dim() == 0:
+        return 0, 1
+    local_shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+    return offset[0], offset[0] + local_shape[0]
+
+
+def is_writer(tensor: torch.Tensor) -> bool:
+    """Exactly one copy of every row is written: replicas other than coordinate 0 stay silent."""
+    if not isinstance(tensor, DTensor):
+        return not dist.is_initialized() or dist.get_rank() == 0
+    coords = tensor.device_mesh.get_coordinate()
+    if coords is None:
+        return False
+    return all(c == 0 for c, p in zip(coords, tensor.placements) if isinstance(p, Replicate))
+
+
+def local_data(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def persistent_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    out = []
+    for module_name, module in model.named_modules():
+        for name, buf in module.named_buffers(recurse=False):
+            if buf is not None and name not in module._non_persistent_buffers_set:
+                out.append((f"{module_name}.{name}" if module_name else name, buf))
+    return out
+
+
+def model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Canonical name -> parameter or persistent buffer; a tied weight appears once, under its first name."""
+    out = {canonical_name(n): p for n, p in model.named_parameters()}
+    out.update({canonical_name(n): b for n, b in persistent_buffers(model)})
+    return out
+
+
+def tied_aliases(model: nn.Module) -> dict[str, str]:
+    """Alias name -> the name `model_tensors` uses, for weights shared by several modules."""
+    first: dict[int, str] = {}
+    aliases: dict[str, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        name = canonical_name(name)
+        if id(p) in first:
+            aliases[name] = first[id(p)]
+        else:
+            first[id(p)] = name
+    return aliases
+
+
+def is_peft_model(model: nn.Module) -> bool:
+    return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
+
+
+def adapter_tensors(model: nn.Module, adapter_name: str = "default") -> dict[str, torch.Tensor]:
+    """PEFT's own file keys for the adapter (adapter name removed) -> the live sharded tensors.
+
+    Delegates the key logic to `peft.get_peft_model_state_dict`, which only selects and renames
+    entries of the state dict it is given, so passing DTensors keeps them sharded.
+    """
+    from peft import get_peft_model_state_dict
+
+    return get_peft_model_state_dict(model, state_dict=model_tensors(model), adapter_name=adapter_name)
+
+
+def _hf_name_of_peft_key(name: str) -> str | None:
+    """A PeftModel parameter name -> the base model's name, or None for adapter-only tensors."""
+    name = name.removeprefix("base_model.model.")
+    if ".lora_" in name or name.startswith("lora_") or ".original_module." in name:
+        return None
+    name = name.replace(".base_layer.", ".")
+    return name.replace(".modules_to_save.default.", ".")
+
+
+def merged_tensors(model: nn.Module, dtype: torch.dtype | None) -> list[ExportTensor]:
+    """The base model's tensors with every LoRA delta merged in: W + scaling * B @ A.
+
+    Each rank computes only its own rows: B is sharded by rows exactly like W (both are chunked on
+    their common out-features dim), so only the small A matrices (r x in) are all-gathered.
+    Collective: all-gathers each LoRA A; call on every rank.
+    """
+    from peft.tuners.lora import LoraLayer
+
+    adapter = getattr(model, "active_adapter", "default")
+    merges: dict[int, tuple[nn.Module, torch.Tensor]] = {}
+    for module in model.modules():
+        if isinstance(module, LoraLayer) and adapter in getattr(module, "lora_A", {}):
+            if getattr(module, "fan_in_fan_out", False) or module.use_dora.get(adapter, False):
+                raise NotImplementedError(f"merging {type(module).__name__} with fan_in_fan_out or DoRA is not "
+                                          "supported; save the adapter instead (merge_adapters=False).")
+            merges[id(module.get_base_layer().weight)] = (module, module.lora_A[adapter].weight)
+    items = []
+    for name, tensor in model_tensors(model).items():
+        hf_name = _hf_name_of_peft_key(name)
+        if hf_name is None:
+            continue
+        out_dtype = dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
+        local_fn = None
+        if id(tensor) in merges:
+            module, lora_a = merges[id(tensor)]
+            full_a = lora_a.full_tensor() if isinstance(lora_a, DTensor) else lora_a
+            local_fn = _merged_rows(tensor, module.lora_B[adapter].weight, full_a, module.scaling[adapter])
+        items.append(ExportTensor(hf_name, tensor, out_dtype, local_fn))
+    return items
+
+
+def _merged_rows(weight: torch.Tensor, lora_b: torch.Tensor, full_a: torch.Tensor, scaling: float):
+    assert row_range(weight) == row_range(lora_b), "LoRA B must be sharded like its base weight"
+
+    def compute() -> torch.Tensor:
+        w = local_data(weight)
+        b = local_data(lora_b)
+        delta = (b.float() @ full_a.to(device=b.device).float()) * scaling
+        return (w.float() + delta).to(w.dtype)
+
+    return compute

@@ -1,0 +1,168 @@
+"""Gather-free Hugging Face checkpoints: saved on N gloo ranks, loaded by the real `from_pretrained`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, LlamaForCausalLM
+
+import hf_fsdp2
+from hf_fsdp2 import FSDP2Config, shard_model
+
+from .common import build_model, count_collectives, full_params, lora, plain_params
+from .dist_harness import run_ranks
+
+# Uneven: vocab 131 and head_dim 3 split over 4 ranks as 33/33/33/32 and 1/1/1/0 rows.
+UNEVEN = dict(vocab_size=131, hidden_size=12, intermediate_size=20, num_attention_heads=4, num_key_value_heads=1,
+              num_hidden_layers=2)
+
+
+def _save_worker(rank, world, out_dir, model_kwargs, save_kwargs, config_kwargs):
+    model = build_model(**model_kwargs)
+    shard_model(model, FSDP2Config(**config_kwargs))
+    from hf_fsdp2.safetensors_io import FileWriter
+
+    written = {"bytes": 0}
+    original = FileWriter.write_rows
+
+    def counting(self, name, first_row, block):
+        n = original(self, name, first_row, block)
+        written["bytes"] += n
+        return n
+
+    FileWriter.write_rows = counting
+    with count_collectives() as calls:
+        hf_fsdp2.save_pretrained(model, out_dir, **save_kwargs)
+    FileWriter.write_rows = original
+    return {"calls": {k: v for k, v in calls.items() if v}, "written": written["bytes"]}
+
+
+def _assert_equals_reference(directory: Path, reference: dict[str, torch.Tensor], dtype=torch.float32):
+    loaded = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype)
+    got = plain_params(loaded)
+    assert got.keys() == reference.keys()
+    for k, v in reference.items():
+        assert torch.equal(got[k], v.to(dtype).float()), k
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_save_uneven_shards_loads_with_from_pretrained(tmp_path, world):
+    out = run_ranks(_save_worker, world, str(tmp_path / "ckpt"), UNEVEN, {}, {})
+    _assert_equals_reference(tmp_path / "ckpt", plain_params(build_model(**UNEVEN)))
+    assert (tmp_path / "ckpt" / "config.json").exists() and (tmp_path / "ckpt" / "generation_config.json").exists()
+    from safetensors import safe_open
+
+    with safe_open(tmp_path / "ckpt" / "model.safetensors", "pt") as f:
+        assert f.metadata() == {"format": "pt"}
+    # Only one-integer agreements: no gather, no broadcast.
+    for r in out:
+        assert set(r["calls"]) == {"all_reduce"}, r["calls"]
+    model_bytes = sum(t.numel() * 4 for t in plain_params(build_model(**UNEVEN)).values())
+    assert sum(r["written"] for r in out) == model_bytes  # each byte written once
+
+
+def test_save_bf16_several_files_with_index(tmp_path):
+    run_ranks(_save_worker, 2, str(tmp_path / "ckpt"), {}, {"dtype": "bf16", "max_shard_size": "40KB"}, {})
+    files = sorted(p.name for p in (tmp_path / "ckpt").glob("model-*.safetensors"))
+    assert len(files) > 2 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
+    index = json.loads((tmp_path / "ckpt" / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"].values()) == set(files)
+    reference = plain_params(build_model())
+    assert index["metadata"]["total_size"] == sum(v.numel() * 2 for v in reference.values())
+    assert all(t.dtype == torch.bfloat16 for f in files for t in load_file(tmp_path / "ckpt" / f).values())
+    _assert_equals_reference(tmp_path / "ckpt", reference, dtype=torch.bfloat16)
+
+
+def test_tied_embeddings_and_hsdp_writes_one_replica(tmp_path):
+    out = run_ranks(_save_worker, 4, str(tmp_path / "ckpt"), {"tie_word_embeddings": True}, {},
+                    {"replicate_size": 2})
+    reference = build_model(tie_word_embeddings=True)
+    _assert_equals_reference(tmp_path / "ckpt", plain_params(reference))
+    assert "lm_head.weight" not in load_file(tmp_path / "ckpt" / "model.safetensors")
+    # Mesh (replicate=2, shard=2): ranks 2 and 3 are the second replica and write nothing.
+    assert out[2]["written"] == out[3]["written"] == 0 and out[0]["written"] > 0
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def _load_worker(rank, world, directory, model_kwargs):
+    model = hf_fsdp2.from_pretrained(LlamaForCausalLM, directory)
+    local = sum(p.to_local().numel() for p in model.parameters())
+    params = full_params(model)
+    inv_freq = model.model.rotary_emb.inv_freq
+    return {"params": params if rank == 0 else None, "local": local, "inv_freq": inv_freq}
+
+
+@pytest.mark.parametrize("max_shard_size", [None, "30KB"])
+def test_from_pretrained_reads_transformers_own_save(tmp_path, max_shard_size):
+    reference = build_model(**UNEVEN)
+    kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+    reference.save_pretrained(tmp_path / "hf", **kwargs)
+    out = run_ranks(_load_worker, 2, str(tmp_path / "hf"), UNEVEN)
+    ref = plain_params(reference)
+    assert out[0]["params"].keys() == ref.keys()
+    for k in ref:
+        assert torch.equal(out[0]["params"][k], ref[k]), k
+    torch.testing.assert_close(out[0]["inv_freq"], reference.model.rotary_emb.inv_freq)
+    total = sum(v.numel() for v in ref.values())
+    assert all(r["local"] <= total // 2 + 200 for r in out)
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def _peft_worker(rank, world, out_dir, merge):
+    model = lora(build_model())
+    shard_model(model)
+    hf_fsdp2.save_pretrained(model, out_dir, merge_adapters=merge)
+    return True
+
+
+def test_adapter_matches_peft_own_save_and_reloads(tmp_path):
+    from peft import PeftModel
+
+    run_ranks(_peft_worker, 2, str(tmp_path / "ours"), False)
+    reference = lora(build_model())
+    reference.save_pretrained(tmp_path / "peft")
+    ours = load_file(tmp_path / "ours" / "adapter_model.safetensors")
+    theirs = load_file(tmp_path / "peft" / "adapter_model.safetensors")
+    assert ours.keys() == theirs.keys() and len(ours) > 0
+    for k in theirs:
+        assert torch.equal(ours[k], theirs[k]), k
+    ours_cfg, peft_cfg = (json.loads((tmp_path / d / "adapter_config.json").read_text()) for d in ("ours", "peft"))
+    for cfg in (ours_cfg, peft_cfg):  # a set in PEFT: its JSON order varies between processes
+        cfg["target_modules"] = sorted(cfg["target_modules"])
+    assert ours_cfg == peft_cfg
+    reloaded = PeftModel.from_pretrained(build_model(), tmp_path / "ours")
+    ids = torch.arange(16).view(1, 16)
+    torch.testing.assert_close(reloaded(input_ids=ids).logits, reference(input_ids=ids).logits)
+
+
+def test_merged_adapter_equals_merge_and_unload(tmp_path):
+    run_ranks(_peft_worker, 2, str(tmp_path / "merged"), True)
+    expected = plain_params(lora(build_model()).merge_and_unload())
+    loaded = plain_params(AutoModelForCausalLM.from_pretrained(tmp_path / "merged"))
+    assert loaded.keys() == expected.keys()
+    for k in expected:
+        torch.testing.assert_close(loaded[k], expected[k], atol=1e-6, rtol=1e-6, msg=k)
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def test_overwrite_keeps_foreign_files_and_leaves_no_stale_shards(tmp_path):
+    target = tmp_path / "ckpt"
+    build_model().save_pretrained(target, max_shard_size="30KB")  # an old sharded checkpoint
+    (target / "tokenizer.json").write_text("{}")
+    (target / "checkpoint-5").mkdir()
+    (target / "checkpoint-5" / "state.json").write_text("{}")
+    run_ranks(_save_worker, 2, str(target), {}, {}, {})
+    names = sorted(p.name for p in target.iterdir())
+    assert names == ["checkpoint-5", "config.json", "generation_config.json", "model.safetensors", "tokenizer.json"]
+    assert not any(p.name.startswith(".") for p in tmp_path.iterdir())  # no staging leftovers
+    _assert_equals_reference(target, plain_params(build_model()))
