@@ -7,6 +7,7 @@ import os
 import pickle
 import queue
 import socket
+import time
 import traceback
 from datetime import timedelta
 from typing import Any, Callable
@@ -43,6 +44,15 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
 
     `fn` must be a module-level function. Any rank's exception fails the call with its traceback.
     """
+    out, errors = run_ranks_collecting_errors(fn, world_size, *args, timeout=timeout, **kwargs)
+    if errors:
+        raise AssertionError("distributed run failed:\n" + "\n".join(errors.values()))
+    return [out[r] for r in range(world_size)]
+
+
+def run_ranks_collecting_errors(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 240,
+                                **kwargs: Any) -> tuple[dict[int, Any], dict[int, str]]:
+    """Like `run_ranks`, for runs where ranks are expected to fail: ({rank: result}, {rank: error})."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
@@ -51,22 +61,30 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     for p in procs:
         p.start()
     out: dict[int, Any] = {}
-    errors: list[str] = []
+    errors: dict[int, str] = {}
+    deadline = time.monotonic() + timeout
     try:
-        for _ in range(world_size):
-            rank, status, value = results.get(timeout=timeout)
+        while len(out) + len(errors) < world_size and time.monotonic() < deadline:
+            try:
+                rank, status, value = results.get(timeout=0.5)
+            except queue.Empty:
+                # A process that died without reporting (killed, os._exit) counts as a failed rank.
+                for r, p in enumerate(procs):
+                    if p.exitcode not in (None, 0) and r not in errors and r not in out and results.empty():
+                        errors[r] = f"--- rank {r} exited with code {p.exitcode} ---"
+                        deadline = min(deadline, time.monotonic() + 30)
+                continue
             if status == "ok":
                 out[rank] = pickle.loads(value)
             else:
-                errors.append(f"--- rank {rank} ---\n{value}")
-                timeout = 10  # collect the other ranks' errors too: the first may only be a symptom
-    except queue.Empty:
-        errors.append(f"timed out after {timeout}s waiting for ranks; got {sorted(out)}")
+                errors[rank] = f"--- rank {rank} ---\n{value}"
+                deadline = min(deadline, time.monotonic() + 30)  # the first error may only be a symptom
+        for r in range(world_size):
+            if r not in out and r not in errors:
+                errors[r] = f"--- rank {r} timed out ---"
     finally:
         for p in procs:
             p.join(timeout=5 if not errors else 0.5)
             if p.is_alive():
                 p.kill()
-    if errors:
-        raise AssertionError("distributed run failed:\n" + "\n".join(errors))
-    return [out[r] for r in range(world_size)]
+    return out, errors
