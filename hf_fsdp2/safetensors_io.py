@@ -235,7 +235,12 @@ def write_json(path: str | os.PathLike, obj: object) -> None:
 
 
 def read_layout(path: str | os.PathLike) -> FileLayout:
-    """Parse and check a safetensors header: errors name the file and the offending tensor."""
+    """Parse and check a safetensors header: errors name the file and the offending tensor.
+
+    Accepts only what `safetensors` itself accepts (strict UTF-8 JSON, `__metadata__` a str -> str map,
+    shapes and offsets lists of non-negative ints, a data section covering the rest of the file exactly),
+    so a file that passes here also opens with `safe_open`. Tensor names appearing twice are refused too.
+    """
     path = Path(path)
     try:
         size = path.stat().st_size
@@ -250,12 +255,40 @@ def read_layout(path: str | os.PathLike) -> FileLayout:
             raw = f.read(n)
     except FileNotFoundError:
         raise CheckpointError(f"{path}: file not found.") from None
+    except OSError as e:  # a directory, no permission, ...
+        raise CheckpointError(f"{path}: cannot be read ({e.strerror}).") from None
+    if len(raw) != n:  # the file shrank between stat() and read()
+        raise CheckpointError(f"{path}: truncated while reading its {n}-byte header.")
+
+    # safetensors (serde_json) takes UTF-8 only (json.loads(bytes) would also guess UTF-16/32), no
+    # NaN/Infinity, no duplicate keys in a map, no lone surrogates, and reads "-0" as the float -0.0
+    # (Python: int 0), which is no size or offset; mirror all of that.
+    def no_duplicate_keys(pairs: list[tuple[str, object]]) -> dict:
+        seen: dict[str, object] = {}
+        for key, value in pairs:
+            if key in seen:
+                raise ValueError(f"key {key!r} appears twice")
+            seen[key] = value
+        return seen
+
+    def refuse_constant(text: str) -> object:
+        raise ValueError(f"{text} is not JSON")
+
+    def is_uint(x: object) -> bool:
+        return type(x) is int and 0 <= x < 2**64
+
     try:
-        header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        header = json.loads(raw.decode("utf-8"), object_pairs_hook=no_duplicate_keys, parse_constant=refuse_constant,
+                            parse_int=lambda text: -0.0 if text == "-0" else int(text))
+        json.dumps(header, ensure_ascii=False).encode("utf-8")  # raises on a lone surrogate
+    except (UnicodeError, ValueError) as e:  # JSONDecodeError is a ValueError
         raise CheckpointError(f"{path}: header is not valid JSON ({e}).") from None
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: header is not a JSON object.")
+    metadata = header.get("__metadata__")
+    if metadata is not None and not (isinstance(metadata, dict)
+                                     and all(isinstance(v, str) for v in metadata.values())):
+        raise CheckpointError(f"{path}: `__metadata__` must map strings to strings, got {metadata!r}.")
     start = 8 + n
     specs: dict[str, TensorSpec] = {}
     begins: dict[str, int] = {}
@@ -263,29 +296,47 @@ def read_layout(path: str | os.PathLike) -> FileLayout:
     for name, entry in header.items():
         if name == "__metadata__":
             continue
-        try:
-            dtype = _FROM_NAME[entry["dtype"]]
-            shape = tuple(int(d) for d in entry["shape"])
-            lo, hi = (int(x) for x in entry["data_offsets"])
-        except (KeyError, TypeError, ValueError):
-            raise CheckpointError(f"{path}: tensor {name!r}: malformed header entry {entry!r}.") from None
-        if any(d < 0 for d in shape):
-            raise CheckpointError(f"{path}: tensor {name!r}: negative dimension in shape {list(shape)}.")
-        spec = TensorSpec(name, dtype, shape)
-        if hi - lo != spec.nbytes or lo < 0:
-            raise CheckpointError(f"{path}: tensor {name!r}: data_offsets [{lo}, {hi}] hold {hi - lo} bytes, "
-                                  f"but {entry['dtype']} {list(shape)} needs {spec.nbytes}.")
+        where = f"{path}: tensor {name!r}"
+        if not isinstance(entry, dict) or not {"dtype", "shape", "data_offsets"} <= entry.keys():
+            raise CheckpointError(f"{where}: malformed header entry {entry!r}; needs `dtype`, `shape` and "
+                                  "`data_offsets`.")
+        dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+        if not isinstance(dtype, str) or dtype not in _FROM_NAME:
+            raise CheckpointError(f"{where}: dtype {dtype!r} is not supported (known: {', '.join(_FROM_NAME)}).")
+        if not isinstance(shape, list) or not all(is_uint(d) for d in shape):
+            raise CheckpointError(f"{where}: shape {shape!r} is not a list of non-negative integers.")
+        if not isinstance(offsets, list) or len(offsets) != 2 or not all(is_uint(x) for x in offsets):
+            raise CheckpointError(f"{where}: data_offsets {offsets!r} is not a pair of non-negative integers.")
+        spec = TensorSpec(name, _FROM_NAME[dtype], tuple(shape))
+        numel = 1
+        for d in shape:  # safetensors refuses a shape whose running product overflows 64 bits
+            numel *= d
+            if numel >= 2**64:
+                raise CheckpointError(f"{where}: shape {shape} overflows 64 bits.")
+        lo, hi = offsets
+        if numel * spec.dtype.itemsize * 8 >= 2**64 or hi - lo != spec.nbytes:
+            raise CheckpointError(f"{where}: data_offsets [{lo}, {hi}] hold {hi - lo} bytes, "
+                                  f"but {dtype} {shape} needs {spec.nbytes}.")
         if start + hi > size:
-            raise CheckpointError(f"{path}: tensor {name!r}: data ends at byte {start + hi}, past the end of the "
+            raise CheckpointError(f"{where}: data ends at byte {start + hi}, past the end of the "
                                   f"file ({size} bytes); the file is truncated.")
         specs[name], begins[name] = spec, start + lo
         spans.append((lo, hi, name))
     spans.sort()
+    # Overlaps first, then gaps: a tensor moved onto another is reported with both names, not as a gap
+    # left somewhere else.
+    end, last = 0, None
+    for lo, hi, name in spans:
+        if lo < end:
+            raise CheckpointError(f"{path}: tensor {name!r}: data_offsets [{lo}, {hi}] overlap tensor {last!r} "
+                                  f"[{begins[last] - start}, {end}].")
+        if hi > end or last is None:
+            end, last = hi, name
     cursor = 0
     for lo, hi, name in spans:
         if lo != cursor:
-            what = "overlaps the previous tensor" if lo < cursor else f"leaves a gap of {lo - cursor} bytes"
-            raise CheckpointError(f"{path}: tensor {name!r}: data_offsets [{lo}, {hi}] {what}.")
+            raise CheckpointError(f"{path}: tensor {name!r}: data_offsets [{lo}, {hi}] leave a gap of "
+                                  f"{lo - cursor} bytes before it.")
         cursor = hi
     if start + cursor != size:
         raise CheckpointError(f"{path}: data section is {cursor} bytes but the file holds {size - start}; "
@@ -295,19 +346,32 @@ def read_layout(path: str | os.PathLike) -> FileLayout:
 
 def read_rows(path: str | os.PathLike, layout: FileLayout, name: str, first_row: int, stop_row: int,
               out: torch.Tensor | None = None) -> torch.Tensor:
-    """Read rows [first_row, stop_row) of `name`, straight into `out` when given (same dtype, CPU)."""
+    """Read rows [first_row, stop_row) of `name` (rows [0, 1) of a scalar).
+
+    With `out` (shape `(stop_row - first_row, *shape[1:])`, or `()` for a scalar) the rows land in it,
+    straight from the file when it is a contiguous CPU tensor of the file's dtype, else through a temporary
+    cast by `copy_`.
+    """
+    if name not in layout.specs:
+        raise CheckpointError(f"{path}: tensor {name!r} is not in the file.")
     spec = layout.specs[name]
+    rows = spec.shape[0] if spec.shape else 1
+    if not (0 <= first_row <= stop_row <= rows if spec.shape else (first_row, stop_row) == (0, 1)):
+        raise CheckpointError(f"{path}: tensor {name!r}: rows {first_row}:{stop_row} are outside its "
+                              f"{rows} rows (shape {list(spec.shape)}).")
     shape = (stop_row - first_row, *spec.shape[1:]) if spec.shape else ()
+    if out is not None and tuple(out.shape) != shape:
+        raise ValueError(f"`out` has shape {list(out.shape)} but rows {first_row}:{stop_row} of {name!r} "
+                         f"have shape {list(shape)}; pass a tensor of that shape.")
     if out is None or out.dtype != spec.dtype or out.device.type != "cpu" or not out.is_contiguous():
         target = torch.empty(shape, dtype=spec.dtype)
     else:
         target = out
-    assert tuple(target.shape) == tuple(shape), (name, target.shape, shape)
     if target.numel():
         buf = memoryview(target.reshape(-1).view(torch.uint8).numpy()).cast("B")
         with open(path, "rb", buffering=0) as f:
             offset = layout.row_offset(name, first_row)
-            got = os.preadv(f.fileno(), [buf], offset)
+            got = 0
             while got < len(buf):
                 more = os.preadv(f.fileno(), [buf[got:]], offset + got)
                 if more == 0:
@@ -322,7 +386,8 @@ def read_rows(path: str | os.PathLike, layout: FileLayout, name: str, first_row:
 
 def _safe_member(directory: Path, filename: object, source: Path) -> Path:
     """A file named by an index must be a plain file name inside `directory`."""
-    if not isinstance(filename, str) or not filename or Path(filename).name != filename or filename in (".", ".."):
+    if (not isinstance(filename, str) or not filename or filename in (".", "..") or Path(filename).name != filename
+            or any(c in filename for c in "/\\\0")):
         raise CheckpointError(f"{source}: file name {filename!r} points outside {directory}; refused.")
     return directory / filename
 
@@ -332,10 +397,15 @@ def read_index(index_path: str | os.PathLike) -> dict[str, Path]:
     index_path = Path(index_path)
     try:
         index = json.loads(index_path.read_text(encoding="utf-8"))
-        weight_map = index["weight_map"]
-        assert isinstance(weight_map, dict)
-    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, AssertionError, TypeError):
-        raise CheckpointError(f"{index_path}: not a safetensors index (needs a `weight_map` object).") from None
+    except FileNotFoundError:
+        raise CheckpointError(f"{index_path}: file not found.") from None
+    except OSError as e:
+        raise CheckpointError(f"{index_path}: cannot be read ({e.strerror}).") from None
+    except (UnicodeError, ValueError):  # JSONDecodeError is a ValueError
+        index = None
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict):
+        raise CheckpointError(f"{index_path}: not a safetensors index (needs a `weight_map` object).")
     return {name: _safe_member(index_path.parent, fn, index_path) for name, fn in weight_map.items()}
 
 
