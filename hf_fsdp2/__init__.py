@@ -2,6 +2,7 @@
 
 from .config import FSDP2Config
 from .distributed import build_mesh, init_distributed
+from .integrations.accelerate import register, unregister
 from .pretrained import from_pretrained, load_pretrained, save_pretrained
 from .safetensors_io import CheckpointError
 from .sharding import no_sync, shard_model
@@ -16,6 +17,8 @@ __all__ = [
     "init_distributed",
     "load_pretrained",
     "no_sync",
+    "register",
     "save_pretrained",
     "shard_model",
+    "unregister",
 ]

@@ -29,7 +29,7 @@ _DTYPES: dict[torch.dtype, str] = {
     torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
 }
 _FROM_NAME = {v: k for k, v in _DTYPES.items()}
-_MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit
+_MAX_HEADER = 100_000_000  # safetensors refuses larger headers
 # Bound on the bytes cast/copied at once while writing a block, so extra RSS stays small.
 WRITE_CHUNK_BYTES = 16 * 1024 * 1024
 SINGLE_FILE = "model.safetensors"

@@ -1,0 +1,300 @@
+"""The Accelerate backend: `register()` routes Accelerate's FSDP2 paths through hf_fsdp2.
+
+Accelerate has no plugin registry; its FSDP2 entry points are module-level names imported into
+`accelerate/accelerator.py` (`fsdp2_prepare_model`) and `Accelerator` methods (`_prepare_fsdp2`,
+`save_model`, `save_state`, `load_state`). `register()` swaps exactly those, remembers the
+originals, and `unregister()` puts them back. This is the only module that touches Accelerate
+internals, so the supported versions are pinned here.
+
+Settings come from Accelerate's own config (the yaml's `fsdp_config`, `mixed_precision`,
+`parallelism_config`); what the yaml cannot carry (Accelerate drops unknown `fsdp_config` keys)
+comes from `register(**overrides)` and then `HF_FSDP2_<FIELD>` environment variables, read in
+`env_overrides()` and nowhere else. Precedence: Accelerate < register() < environment.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from ..config import FSDP2Config
+from ..distributed import build_mesh
+from ..pretrained import save_pretrained
+from ..sharding import shard_model, unwrap_peft
+from ..state import latest_state, load_state, save_state
+
+# Tested with 1.15; the internals patched here are unchanged since 1.10.
+SUPPORTED_ACCELERATE = ((1, 10), (1, 16))  # [min, max) as (major, minor)
+ENV_PREFIX = "HF_FSDP2_"
+
+_originals: dict[tuple[Any, str], Any] = {}
+_overrides: dict[str, Any] = {}
+
+
+def _accelerate_version() -> tuple[int, int]:
+    import accelerate
+
+    major, minor = (int(x) for x in re.match(r"(\d+)\.(\d+)", accelerate.__version__).groups())
+    return major, minor
+
+
+def check_version() -> None:
+    import accelerate
+
+    low, high = SUPPORTED_ACCELERATE
+    if not low <= _accelerate_version() < high:
+        raise RuntimeError(
+            f"hf_fsdp2's Accelerate backend supports accelerate >= {low[0]}.{low[1]}, < {high[0]}.{high[1]}; "
+            f"found {accelerate.__version__}. Install a supported version (e.g. `pip install 'accelerate==1.15.0'`)."
+        )
+
+
+def env_overrides(environ: dict[str, str] | None = None) -> dict[str, Any]:
+    """`HF_FSDP2_FROZEN_DTYPE=bf16` -> {"frozen_dtype": "bf16"}; unknown names raise, naming the variable."""
+    environ = os.environ if environ is None else environ
+    values = {k[len(ENV_PREFIX):].lower(): v for k, v in environ.items() if k.startswith(ENV_PREFIX)}
+    FSDP2Config.from_dict(values, source=f"{ENV_PREFIX}* environment variables")  # validates names and values
+    return values
+
+
+def is_registered() -> bool:
+    return bool(_originals)
+
+
+def register(**overrides: Any) -> None:
+    """Route Accelerate's FSDP2 through hf_fsdp2. Idempotent; a second call replaces the overrides.
+
+    `overrides`: `FSDP2Config` fields the yaml cannot carry, e.g. `frozen_dtype="bf16"`.
+    """
+    check_version()
+    FSDP2Config.from_dict(overrides, source="register()")  # fail now, not at prepare()
+    _overrides.clear()
+    _overrides.update(overrides)
+    if is_registered():
+        return
+    import accelerate.accelerator as acc_module
+    from accelerate import Accelerator
+
+    _patch(acc_module, "fsdp2_prepare_model", _fsdp2_prepare_model)
+    for name, wrapper in (("__init__", _init), ("_prepare_fsdp2", _prepare_fsdp2), ("save_model", _save_model),
+                          ("save_state", _save_state), ("load_state", _load_state)):
+        _patch(Accelerator, name, functools.wraps(getattr(Accelerator, name))(wrapper))
+
+
+def unregister() -> None:
+    """Restore Accelerate's own behaviour."""
+    for (owner, name), original in _originals.items():
+        setattr(owner, name, original)
+    _originals.clear()
+    _overrides.clear()
+
+
+def _patch(owner: Any, name: str, replacement: Any) -> None:
+    _originals[(owner, name)] = getattr(owner, name)
+    setattr(owner, name, replacement)
+
+
+def _original(owner_name: str, name: str):
+    for (owner, attr), fn in _originals.items():
+        if attr == name and getattr(owner, "__name__", "") == owner_name:
+            return fn
+    raise AssertionError(f"{owner_name}.{name} is not patched")
+
+
+def _is_ours(accelerator) -> bool:
+    return getattr(accelerator, "is_fsdp2", False) and any(
+        hasattr(m, "_hf_fsdp2_mesh") for m in getattr(accelerator, "_models", []))
+
+
+# ---------------------------------------------------------------------------------------------
+# Turning Accelerate's settings into an FSDP2Config
+
+
+def _layer_names(raw: Any) -> list[str] | None:
+    """Class names from the plugin: a comma string, a list, or the launcher's mangled `str(list)`."""
+    if raw is None:
+        return None
+    items = raw.split(",") if isinstance(raw, str) else list(raw)
+    names = [str(item).strip().strip("[]").strip().strip("'\"").strip() for item in items]
+    return [n for n in names if n] or None
+
+
+def config_from_accelerator(accelerator) -> FSDP2Config:
+    plugin = accelerator.state.fsdp_plugin
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    values: dict[str, Any] = {
+        "layer_cls_names": _layer_names(plugin.transformer_cls_names_to_wrap),
+        "reshard_after_forward": plugin.reshard_after_forward,
+        "cpu_offload": isinstance(plugin.cpu_offload, CPUOffloadPolicy) or plugin.cpu_offload is True,
+        # Accelerate already wrapped the layers (fsdp2_apply_ac) when its yaml asked for it.
+        "activation_checkpointing": False,
+        # Gradients are reduced in fp32 whatever the compute dtype (Accelerate would reduce in bf16).
+        "param_dtype": {"bf16": "bf16", "fp16": "fp16"}.get(str(accelerator.mixed_precision)),
+    }
+    pc = getattr(accelerator, "parallelism_config", None)
+    if pc is not None and getattr(pc, "dp_replicate_size", 1) > 1:
+        values["replicate_size"] = pc.dp_replicate_size
+        values["shard_size"] = pc.dp_shard_size if getattr(pc, "dp_shard_size", 1) > 1 else None
+    values.update(_overrides)
+    values.update(env_overrides())
+    return FSDP2Config.from_dict(values, source="Accelerate config")
+
+
+# ---------------------------------------------------------------------------------------------
+# Replacements
+
+
+def _init(self, *args, **kwargs):
+    """Accelerator.__init__, then engage FSDP on a CPU-only machine too.
+
+    Accelerate only turns FSDP on for GPU-like distributed types; with gloo on CPU it silently runs
+    unsynchronised replicas (state.py: the `DistributedType.FSDP` switch excludes MULTI_CPU).
+    """
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    from accelerate.parallelism_config import ParallelismConfig
+
+    wants_fsdp = kwargs.get("fsdp_plugin") is not None or os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true"
+    if not (wants_fsdp and not _has_accelerator_device()):
+        _original("Accelerator", "__init__")(self, *args, **kwargs)
+        return
+    # Without `cpu=True` PartialState sees no device and picks DistributedType.NO: every rank would
+    # train alone. With it, it starts gloo (MULTI_CPU), which we turn into FSDP below. The
+    # ParallelismConfig check inside __init__ rejects MULTI_CPU, so it runs after the switch.
+    kwargs["cpu"] = True
+    validate = ParallelismConfig._validate_accelerator
+    ParallelismConfig._validate_accelerator = lambda config, accelerator: None
+    try:
+        _original("Accelerator", "__init__")(self, *args, **kwargs)
+    finally:
+        ParallelismConfig._validate_accelerator = validate
+    state = self.state
+    if state.distributed_type == DistributedType.MULTI_CPU:
+        plugin = kwargs.get("fsdp_plugin") or FullyShardedDataParallelPlugin()
+        if plugin.fsdp_version != 2:
+            raise ValueError("hf_fsdp2 needs `fsdp_version: 2` in the Accelerate config's `fsdp_config`.")
+        if self.mixed_precision != "no":
+            plugin.set_mixed_precision(self.mixed_precision)
+        state.fsdp_plugin = plugin
+        state.distributed_type = DistributedType.FSDP
+        # AcceleratorState mirrors its type into PartialState's shared state (state.py, end of __init__).
+        PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+    if self.parallelism_config:
+        self.parallelism_config._validate_accelerator(self)
+
+
+def _has_accelerator_device() -> bool:
+    from accelerate.utils import is_xpu_available
+
+    return torch.cuda.is_available() or is_xpu_available()
+
+
+def _prepare_fsdp2(self, *args):
+    """Normalise the plugin's layer names before Accelerate resolves them (a yaml list arrives as
+    "['A', 'B']"; a PeftModel has no `_no_split_modules`, its base model does)."""
+    plugin = self.state.fsdp_plugin
+    model = next((a for a in args if isinstance(a, nn.Module)), None)
+    names = _layer_names(plugin.transformer_cls_names_to_wrap)
+    if names is None and model is not None:
+        names = list(getattr(unwrap_peft(model), "_no_split_modules", None) or []) or None
+    plugin.transformer_cls_names_to_wrap = names
+    return _original("Accelerator", "_prepare_fsdp2")(self, *args)
+
+
+def _fsdp2_prepare_model(accelerator, model: nn.Module) -> nn.Module:
+    """Replaces `accelerate.utils.fsdp_utils.fsdp2_prepare_model`: shard with hf_fsdp2."""
+    if hasattr(model, "_hf_fsdp2_mesh"):
+        return model
+    config = config_from_accelerator(accelerator)
+    if accelerator.mixed_precision != "no":
+        # Mixed precision keeps fp32 master weights for what trains (as Accelerate does);
+        # frozen weights stay as they are, or in `frozen_dtype`.
+        for param in model.parameters():
+            if param.requires_grad and param.is_floating_point() and param.dtype != torch.float32:
+                param.data = param.data.float()
+    return shard_model(model, config, mesh=build_mesh(config))
+
+
+def _save_model(self, model, save_directory, max_shard_size="10GB", safe_serialization=True):
+    if not _is_ours(self):
+        return _original("Accelerator", "save_model")(self, model, save_directory, max_shard_size,
+                                                      safe_serialization)
+    if not safe_serialization:
+        raise ValueError("hf_fsdp2 writes safetensors only; `safe_serialization=False` is not supported.")
+    save_pretrained(model, save_directory, max_shard_size=max_shard_size)
+
+
+def _accelerate_extra(accelerator) -> dict:
+    """What Accelerate's own save_state adds: schedulers, registered objects, dataloader epochs, step."""
+    def as_json(obj, what):
+        state = obj.state_dict()
+        try:
+            return json.loads(json.dumps(state))
+        except TypeError as e:
+            raise TypeError(f"{what} ({type(obj).__name__}).state_dict() is not JSON-serialisable ({e}); "
+                            "hf_fsdp2 stores no pickles.") from None
+
+    return {
+        "accelerate": {
+            "step": accelerator.step,
+            "schedulers": [as_json(s, f"scheduler {i}") for i, s in enumerate(accelerator._schedulers)],
+            "custom_objects": [as_json(o, f"registered object {i}") for i, o in enumerate(accelerator._custom_objects)],
+            "dataloaders": [{"iteration": getattr(dl, "iteration", 0)} for dl in accelerator._dataloaders],
+        }
+    }
+
+
+def _save_state(self, output_dir=None, safe_serialization=True, **kwargs):
+    if not _is_ours(self):
+        return _original("Accelerator", "save_state")(self, output_dir, safe_serialization, **kwargs)
+    config = self.project_configuration
+    if config.automatic_checkpoint_naming:
+        output_dir = os.path.join(self.project_dir, "checkpoints", f"checkpoint_{self.save_iteration}")
+    if output_dir is None:
+        raise ValueError("`output_dir` is required unless the ProjectConfiguration names checkpoints automatically.")
+    model, optimizer = self._models[0], self._optimizers[0] if self._optimizers else None
+    if optimizer is None:
+        raise ValueError("hf_fsdp2's save_state needs the optimizer prepared with the model.")
+    keep = config.total_limit if config.automatic_checkpoint_naming else None
+    save_state(output_dir, model, optimizer, step=self.save_iteration, extra=_accelerate_extra(self),
+               keep_last=keep)
+    config.iteration += 1
+    return output_dir
+
+
+def _load_state(self, input_dir=None, load_kwargs=None, **kwargs):
+    if not _is_ours(self):
+        return _original("Accelerator", "load_state")(self, input_dir, load_kwargs, **kwargs)
+    if input_dir is None:
+        if not self.project_configuration.automatic_checkpoint_naming:
+            raise ValueError("`input_dir` is required unless the ProjectConfiguration names checkpoints "
+                             "automatically.")
+        input_dir = latest_state(Path(self.project_dir) / "checkpoints")
+        if input_dir is None:
+            raise FileNotFoundError(f"no complete checkpoint under {Path(self.project_dir) / 'checkpoints'}.")
+    model, optimizer = self._models[0], self._optimizers[0]
+    step, extra = load_state(input_dir, model, optimizer)
+    saved = extra.get("accelerate", {})
+    for what, objs, states in (("schedulers", self._schedulers, saved.get("schedulers", [])),
+                               ("registered objects", self._custom_objects, saved.get("custom_objects", []))):
+        if len(objs) != len(states):
+            raise ValueError(f"{input_dir}: {len(states)} {what} saved, {len(objs)} prepared/registered now.")
+        for obj, state in zip(objs, states):
+            obj.load_state_dict(state)
+    for dl, dl_state in zip(self._dataloaders, saved.get("dataloaders", [])):
+        if hasattr(dl, "set_epoch"):
+            dl.set_epoch(dl_state["iteration"])
+        if hasattr(dl, "iteration"):
+            dl.iteration = dl_state["iteration"]
+    self.step = saved.get("step", 0)
+    self.project_configuration.iteration = step + 1
+    return None

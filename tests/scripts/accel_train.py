@@ -1,0 +1,80 @@
+"""A standard Accelerate training loop, run under `accelerate launch` by the tests."""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import torch  # noqa: E402
+from torch.utils.data import DataLoader  # noqa: E402
+
+from tests.common import batches, build_model, lora  # noqa: E402
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--out", required=True)
+parser.add_argument("--steps", type=int, default=5)
+parser.add_argument("--start", type=int, default=0)
+parser.add_argument("--per-device-batch", type=int, default=4)
+parser.add_argument("--accum", type=int, default=1)
+parser.add_argument("--lora", action="store_true")
+parser.add_argument("--no-register", action="store_true")
+parser.add_argument("--save-model")
+parser.add_argument("--save-state")
+parser.add_argument("--load-state")
+parser.add_argument("--seed", type=int, default=0)
+args = parser.parse_args()
+
+import hf_fsdp2  # noqa: E402
+
+if not args.no_register:
+    hf_fsdp2.register()
+from accelerate import Accelerator  # noqa: E402
+
+# The scheduler steps once per optimizer step whatever the process count (comparable across world sizes).
+accelerator = Accelerator(gradient_accumulation_steps=args.accum, step_scheduler_with_optimizer=False)
+model = build_model(seed=args.seed)
+if args.lora:
+    model = lora(model, seed=args.seed)
+opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.01)
+sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+rows = torch.cat(batches(steps=args.start + args.steps * args.accum,
+                         batch=args.per_device_batch * accelerator.num_processes))
+data = DataLoader(list(rows[args.start * args.per_device_batch * accelerator.num_processes:]),
+                  batch_size=args.per_device_batch, shuffle=False)
+model, opt, data, sched = accelerator.prepare(model, opt, data, sched)
+if args.load_state:
+    accelerator.load_state(args.load_state)
+losses, micro = [], []
+for ids in data:
+    with accelerator.accumulate(model):
+        loss = model(input_ids=ids, labels=ids).loss
+        accelerator.backward(loss)
+        if accelerator.sync_gradients:
+            accelerator.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    micro.append(accelerator.reduce(loss.detach(), reduction="mean").item())
+    if accelerator.sync_gradients:
+        losses.append(sum(micro) / len(micro))
+        micro = []
+from torch.distributed.tensor import DTensor  # noqa: E402
+
+report = {
+    "losses": losses,
+    "distributed_type": str(accelerator.distributed_type),
+    "all_dtensor": all(isinstance(p, DTensor) for p in model.parameters()),
+    "opt_params_are_model_params": {id(p) for g in opt.param_groups for p in g["params"]}
+    <= {id(p) for p in model.parameters()},
+    "world": accelerator.num_processes,
+    "mesh": list(getattr(next(iter(model.parameters())), "device_mesh", torch.zeros(0)).shape),
+}
+if args.save_model:
+    accelerator.save_model(model, args.save_model)
+if args.save_state:
+    accelerator.save_state(args.save_state)
+if accelerator.is_main_process:
+    Path(args.out).write_text(json.dumps(report))
+accelerator.end_training()

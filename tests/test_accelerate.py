@@ -1,0 +1,132 @@
+"""The Accelerate backend under a real `accelerate launch`, compared with a single-process reference."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from .common import batches, build_model, lora
+from .dist_harness import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "tests" / "scripts" / "accel_train.py"
+CONFIGS = ROOT / "accelerate_configs"
+GLOBAL_BATCH = 8
+
+
+def launch(config: str, processes: int, out: Path, *script_args: str, launch_args: tuple = (), env=None,
+           timeout: int = 300) -> dict:
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / config),
+           "--num_processes", str(processes), "--main_process_port", str(free_port()), *launch_args,
+           str(SCRIPT), "--out", str(out), "--per-device-batch", str(GLOBAL_BATCH // processes), *script_args]
+    run_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=run_env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return json.loads(out.read_text())
+
+
+def reference_losses(steps: int = 5, use_lora: bool = False) -> list[float]:
+    model = build_model()
+    if use_lora:
+        model = lora(model)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    losses = []
+    for ids in batches(steps=steps, batch=GLOBAL_BATCH):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def test_fsdp2_yaml_on_cpu_shards_trains_saves_and_resumes_elsewhere(tmp_path):
+    reference = reference_losses()
+    first = launch("fsdp2.yaml", 2, tmp_path / "a.json", "--steps", "3", "--save-model", str(tmp_path / "model"),
+                   "--save-state", str(tmp_path / "state"))
+    assert first["distributed_type"] == "DistributedType.FSDP" and first["world"] == 2
+    assert first["all_dtensor"] and first["opt_params_are_model_params"]
+    assert first["losses"] == pytest.approx(reference[:3], abs=1e-4)
+    # save_model: a plain Hugging Face directory.
+    from transformers import AutoModelForCausalLM
+
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "model")
+    assert loaded.config.num_hidden_layers == 3
+    assert not list((tmp_path / "state").glob("*.pkl")) and not list((tmp_path / "state").glob("*.bin"))
+    # load_state on one process continues exactly where two left off.
+    second = launch("fsdp2.yaml", 1, tmp_path / "b.json", "--steps", "2", "--start", "3",
+                    "--load-state", str(tmp_path / "state"))
+    assert second["world"] == 1 and second["all_dtensor"]
+    assert second["losses"] == pytest.approx(reference[3:], abs=1e-4)
+
+
+def test_without_register_cpu_runs_unsynchronised_replicas(tmp_path):
+    """Documents what stock Accelerate does here, which `register()` fixes."""
+    out = launch("fsdp2.yaml", 2, tmp_path / "a.json", "--steps", "1", "--no-register")
+    assert out["distributed_type"] == "DistributedType.NO" and not out["all_dtensor"]
+
+
+def test_lora_yaml_saves_an_adapter_peft_loads(tmp_path):
+    from peft import PeftModel
+
+    out = launch("fsdp2_lora.yaml", 2, tmp_path / "a.json", "--steps", "3", "--lora", "--save-model",
+                 str(tmp_path / "adapter"))
+    assert out["losses"] == pytest.approx(reference_losses(3, use_lora=True), abs=1e-4)
+    assert (tmp_path / "adapter" / "adapter_model.safetensors").exists()
+    model = PeftModel.from_pretrained(build_model(), tmp_path / "adapter")
+    assert any("lora_A" in n for n, _ in model.named_parameters())
+
+
+def test_hsdp_yaml_as_2x2_on_one_machine_and_as_two_machines(tmp_path):
+    reference = reference_losses(3)
+    out = launch("hsdp.yaml", 4, tmp_path / "one.json", "--steps", "3", launch_args=("--num_machines", "1"))
+    assert out["mesh"] == [2, 2] and out["world"] == 4
+    assert out["losses"] == pytest.approx(reference, abs=1e-4)
+    # Two `accelerate launch` invocations, machine ranks 0 and 1, rendezvous on loopback.
+    port = str(free_port())
+    procs = []
+    for machine in (0, 1):
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / "hsdp.yaml"),
+               "--num_machines", "2", "--num_processes", "4", "--machine_rank", str(machine),
+               "--main_process_ip", "127.0.0.1", "--main_process_port", port, str(SCRIPT),
+               "--out", str(tmp_path / f"m{machine}.json"), "--per-device-batch", "2", "--steps", "3"]
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+                                      env={**os.environ, "OMP_NUM_THREADS": "1"}))
+    logs = [p.communicate(timeout=300)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), "\n".join(log[-3000:] for log in logs)
+    two = json.loads((tmp_path / "m0.json").read_text())
+    assert two["mesh"] == [2, 2] and two["losses"] == pytest.approx(reference, abs=1e-4)
+
+
+def test_unregister_restores_accelerate():
+    import accelerate.accelerator as acc_module
+    from accelerate import Accelerator
+
+    import hf_fsdp2
+
+    before = (acc_module.fsdp2_prepare_model, Accelerator.__init__, Accelerator.save_state)
+    hf_fsdp2.register()
+    hf_fsdp2.register(frozen_dtype="bf16")  # idempotent; replaces overrides
+    assert acc_module.fsdp2_prepare_model is not before[0]
+    hf_fsdp2.unregister()
+    assert (acc_module.fsdp2_prepare_model, Accelerator.__init__, Accelerator.save_state) == before
+    with pytest.raises(ValueError, match="`frozen_dtyp`"):
+        hf_fsdp2.register(frozen_dtyp="bf16")
+    assert acc_module.fsdp2_prepare_model is before[0]
+
+
+def test_env_overrides_are_validated():
+    from hf_fsdp2.integrations.accelerate import env_overrides
+
+    assert env_overrides({"HF_FSDP2_FROZEN_DTYPE": "bf16", "OTHER": "x"}) == {"frozen_dtype": "bf16"}
+    with pytest.raises(ValueError, match="HF_FSDP2_\\* environment.*`forward_prefech`"):
+        env_overrides({"HF_FSDP2_FORWARD_PREFECH": "1"})
