@@ -2,12 +2,30 @@
 
 from .config import FSDP2Config
 from .distributed import build_mesh, init_distributed
-from .integrations.accelerate import register, unregister
+from .integrations import accelerate as _accelerate_backend
+from .integrations import trainer as _trainer_backend
 from .pretrained import from_pretrained, load_pretrained, save_pretrained
 from .safetensors_io import CheckpointError
 from .sharding import no_sync, shard_model
 
 __version__ = "0.1.0"
+
+
+def register(**overrides) -> None:
+    """Route Accelerate's FSDP2 (and the Transformers Trainer's saving/resuming) through hf_fsdp2.
+
+    Idempotent. `overrides`: `FSDP2Config` fields Accelerate's yaml cannot carry (e.g.
+    `frozen_dtype="bf16"`); `HF_FSDP2_<FIELD>` environment variables take precedence.
+    """
+    _accelerate_backend.register(**overrides)
+    _trainer_backend.register()
+
+
+def unregister() -> None:
+    """Restore Accelerate's and the Trainer's own behaviour."""
+    _trainer_backend.unregister()
+    _accelerate_backend.unregister()
+
 
 __all__ = [
     "CheckpointError",

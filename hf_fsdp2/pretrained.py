@@ -12,7 +12,7 @@ import contextlib
 import fnmatch
 import os
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -139,7 +139,7 @@ def _write_adapter_config(model: nn.Module, directory: Path) -> None:
 
 def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, *, dtype: torch.dtype | str | None = None,
                     max_shard_size: int | str = "5GB", merge_adapters: bool = False,
-                    progress: bool | None = None) -> None:
+                    write_extra: Callable[[Path], None] | None = None, progress: bool | None = None) -> None:
     """Save a sharded model in the Hugging Face layout, every rank writing only its own rows.
 
     Plain model: `config.json`, `model.safetensors` (or `model-0000k-of-0000n.safetensors` and
@@ -147,7 +147,8 @@ def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, *, dtyp
     `PeftModel.from_pretrained`; with `merge_adapters=True`, the full model with W + scale·B·A
     merged per local shard (this all-gathers only the small LoRA A matrices). `dtype` casts shard by
     shard. Under HSDP only replica 0 writes. The directory is replaced atomically; files of others in
-    it (tokenizer, README, subfolders) are kept.
+    it (tokenizer, README, subfolders) are kept. `write_extra(staging_dir)` runs on rank 0 to add
+    files (a tokenizer) that commit with the weights.
 
     Collective: call on every rank. Apart from A matrices for merging, the only collectives are
     one-integer all-reduces that let every rank agree that the writes succeeded.
@@ -159,6 +160,8 @@ def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, *, dtyp
         write_tensors(items, staging, weights_name=weights_name, max_shard_size=max_shard_size, progress=progress)
         if _rank() == 0:
             _write_configs(model, staging, is_adapter, dtype)
+            if write_extra is not None:
+                write_extra(staging)
 
 
 # ---------------------------------------------------------------------------------------------

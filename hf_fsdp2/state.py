@@ -8,7 +8,7 @@ atomically and carries a completion marker; `load_state` refuses one without it.
 Layout of a state directory:
     model.safetensors | adapter_model.safetensors (+ configs)   the weights, loadable by HF/PEFT
     optimizer.safetensors                                        "<param name>/<state key>" tensors
-    trainer_state.json                                           step, extra, param groups, scheduler
+    hf_fsdp2_state.json                                          step, extra, param groups, scheduler
     rng/rank-00000.json ...                                      per-rank RNG states
     COMPLETE.json                                                written last
 """
@@ -20,7 +20,7 @@ import os
 import random
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -37,7 +37,7 @@ from .tensor_export import ExportTensor, model_tensors
 
 FORMAT = "hf_fsdp2.state/1"
 MARKER = "COMPLETE.json"
-MANIFEST = "trainer_state.json"
+MANIFEST = "hf_fsdp2_state.json"  # not trainer_state.json: the Trainer writes its own beside it
 OPTIMIZER_FILE = "optimizer.safetensors"
 _STATE_FILES = (MARKER, MANIFEST, OPTIMIZER_FILE, "optimizer-*.safetensors", "optimizer.safetensors.index.json",
                 "rng")
@@ -159,11 +159,13 @@ def _to_json(value: Any, what: str) -> Any:
 
 def save_state(directory: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer,
                scheduler: Any = None, *, step: int, extra: dict | None = None, keep_last: int | None = None,
-               progress: bool | None = None) -> Path:
+               write_extra: Callable[[Path], None] | None = None, progress: bool | None = None) -> Path:
     """Save model, optimizer, scheduler and RNG states to `directory`, committed atomically.
 
     `extra`: any JSON-serialisable dict, returned by `load_state`. `keep_last=N` deletes older
     complete states in the same parent directory, keeping the N with the highest step.
+    `write_extra(staging_dir)`: runs on rank 0 to add files (a tokenizer, the Trainer's state) that
+    must commit together with the checkpoint.
     Collective: call on every rank.
     """
     if not isinstance(step, int) or step < 0:
@@ -193,6 +195,8 @@ def save_state(directory: str | os.PathLike, model: nn.Module, optimizer: torch.
         write_json(staging / "rng" / f"rank-{_rank():05d}.json", _rng_state())
         if _rank() == 0:
             _write_configs(model, staging, is_adapter, None)
+            if write_extra is not None:
+                write_extra(staging)
             write_json(staging / MANIFEST, manifest)
             write_json(staging / MARKER, {"format": FORMAT, "step": step})
     error = None
@@ -226,27 +230,34 @@ def read_manifest(directory: str | os.PathLike) -> dict:
 
 
 def load_state(directory: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
-               scheduler: Any = None, *, progress: bool | None = None) -> tuple[int, dict]:
+               scheduler: Any = None, *, load_weights: bool = True, progress: bool | None = None) -> tuple[int, dict]:
     """Restore a state saved by `save_state` on any number of ranks; returns (step, extra).
 
-    Each rank reads only the rows of its own shards. RNG: rank r restores rank r's saved state
-    (rank 0's when the checkpoint had fewer ranks).
+    Each rank reads only the rows of its own shards. RNG: see `load_rng_state`.
+    `load_weights=False` skips the model weights (already loaded with `load_pretrained`).
     Collective: call on every rank.
     """
     directory = Path(directory)
     manifest = read_manifest(directory)
-    load_pretrained(model, directory, progress=progress)
+    if load_weights:
+        load_pretrained(model, directory, progress=progress)
     if optimizer is not None:
         _load_optimizer(model, optimizer, directory, manifest)
     if scheduler is not None:
         if manifest.get("scheduler") is None:
             raise CheckpointError(f"{directory / MANIFEST}: no scheduler state was saved.")
         scheduler.load_state_dict(manifest["scheduler"])
-    rng_file = directory / "rng" / f"rank-{_rank():05d}.json"
-    if not rng_file.exists():
-        rng_file = directory / "rng" / "rank-00000.json"
-    _set_rng_state(json.loads(rng_file.read_text(encoding="utf-8")))
+    load_rng_state(directory)
     return manifest["step"], manifest["extra"]
+
+
+def load_rng_state(directory: str | os.PathLike) -> None:
+    """Rank r restores rank r's saved RNG states (rank 0's when the checkpoint had fewer ranks)."""
+    rng_dir = Path(directory) / "rng"
+    rng_file = rng_dir / f"rank-{_rank():05d}.json"
+    if not rng_file.exists():
+        rng_file = rng_dir / "rank-00000.json"
+    _set_rng_state(json.loads(rng_file.read_text(encoding="utf-8")))
 
 
 def list_states(root: str | os.PathLike) -> list[tuple[int, Path]]:

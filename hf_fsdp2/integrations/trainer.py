@@ -1,0 +1,144 @@
+"""The Transformers Trainer side: gather-free `save_model`, checkpoints and resume through hf_fsdp2.
+
+The Trainer builds its Accelerator from `--fsdp` / `--fsdp_config`, so once the Accelerate backend
+is registered the model is sharded by hf_fsdp2. What remains Trainer-specific is saving and
+resuming: with FSDP the Trainer writes no weights under SHARDED_STATE_DICT and gathers the whole
+model onto rank 0 under FULL_STATE_DICT, and its checkpoints hold pickles (optimizer.pt,
+rng_state_N.pth). These `Trainer` methods are replaced while registered, only for models that
+hf_fsdp2 sharded; everything else goes to the original.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+from typing import Any
+
+from ..pretrained import load_pretrained, save_pretrained
+from ..state import load_rng_state, load_state, save_state
+
+_originals: dict[str, Any] = {}
+
+
+def register() -> None:
+    """Idempotent."""
+    if _originals:
+        return
+    try:
+        from transformers import Trainer, TrainingArguments
+    except ImportError:  # transformers without torch/accelerate extras: nothing to patch
+        return
+    _originals["TrainingArguments._setup_devices"] = TrainingArguments.__dict__["_setup_devices"]
+    setup = functools.cached_property(_setup_devices)
+    setup.__set_name__(TrainingArguments, "_setup_devices")
+    TrainingArguments._setup_devices = setup
+    for name, replacement in (("save_model", _save_model), ("_save_checkpoint", _save_checkpoint),
+                              ("_load_from_checkpoint", _load_from_checkpoint),
+                              ("_load_optimizer_and_scheduler", _load_optimizer_and_scheduler),
+                              ("_load_rng_state", _load_rng_state), ("_load_scaler", _load_scaler)):
+        _originals[name] = getattr(Trainer, name)
+        setattr(Trainer, name, functools.wraps(_originals[name])(replacement))
+
+
+def unregister() -> None:
+    if not _originals:
+        return
+    from transformers import Trainer, TrainingArguments
+
+    TrainingArguments._setup_devices = _originals.pop("TrainingArguments._setup_devices")
+    for name, original in _originals.items():
+        setattr(Trainer, name, original)
+    _originals.clear()
+
+
+def _setup_devices(self):
+    """TrainingArguments._setup_devices: with `--fsdp` on a machine without GPUs, start gloo.
+
+    Otherwise PartialState finds no device, picks DistributedType.NO, and the Trainer refuses FSDP
+    ("Using fsdp only works in distributed training"); this is what `--use_cpu` would do.
+    """
+    import torch
+
+    if self.fsdp and not self.use_cpu and not torch.cuda.is_available():
+        self.use_cpu = True
+    return _originals["TrainingArguments._setup_devices"].func(self)
+
+
+def _ours(trainer) -> bool:
+    return hasattr(trainer.model, "_hf_fsdp2_mesh")
+
+
+def _extra_files(trainer, with_state: bool):
+    """Files that commit together with the weights: tokenizer/processor, args, Trainer state (rank 0)."""
+    def write(directory: Path) -> None:
+        if trainer.processing_class is not None:
+            trainer.processing_class.save_pretrained(str(directory))
+        (directory / "training_args.json").write_text(trainer.args.to_json_string())
+        if with_state:
+            trainer.state.save_to_json(str(directory / "trainer_state.json"))
+    return write
+
+
+def _save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+    if not _ours(self):
+        return _originals["save_model"](self, output_dir, _internal_call)
+    output_dir = output_dir if output_dir is not None else self.args.output_dir
+    save_pretrained(self.model, output_dir, write_extra=_extra_files(self, with_state=False))
+    if self.args.push_to_hub and not _internal_call:
+        self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+
+def _save_checkpoint(self, model, trial) -> None:
+    """One atomic directory per checkpoint: weights (HF/PEFT layout), optimizer, scheduler, RNG,
+    trainer_state.json, tokenizer. Mirrors Trainer._save_checkpoint's bookkeeping."""
+    if not _ours(self):
+        return _originals["_save_checkpoint"](self, model, trial)
+    from transformers.trainer_callback import ExportableState
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+    if self.hp_search_backend is None and trial is None:
+        self.store_flos()
+    run_dir = self._get_output_dir(trial=trial)
+    output_dir = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+    if self.state.best_global_step:
+        best = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.best_global_step}")
+        if os.path.exists(best):
+            self.state.best_model_checkpoint = best
+    for cb in [c for c in self.callback_handler.callbacks + [self.control] if isinstance(c, ExportableState)]:
+        name = cb.__class__.__name__
+        if isinstance(self.state.stateful_callbacks.get(name), list):
+            self.state.stateful_callbacks[name].append(cb.state())
+        else:
+            self.state.stateful_callbacks[name] = cb.state()
+    save_state(output_dir, self.model, self.optimizer, self.lr_scheduler, step=self.state.global_step,
+               write_extra=_extra_files(self, with_state=True))
+    if self.args.should_save:
+        from transformers.trainer_utils import rotate_checkpoints
+
+        rotate_checkpoints(output_dir=run_dir, save_total_limit=self.args.save_total_limit,
+                           best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
+
+
+def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+    if not _ours(self):
+        return _originals["_load_from_checkpoint"](self, resume_from_checkpoint, model)
+    load_pretrained(self.model, resume_from_checkpoint)
+
+
+def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+    if not _ours(self) or checkpoint is None:
+        return _originals["_load_optimizer_and_scheduler"](self, checkpoint)
+    load_state(checkpoint, self.model, self.optimizer, self.lr_scheduler, load_weights=False)
+
+
+def _load_rng_state(self, checkpoint: str | None) -> None:
+    if not _ours(self) or checkpoint is None:
+        return _originals["_load_rng_state"](self, checkpoint)
+    load_rng_state(checkpoint)
+
+
+def _load_scaler(self, checkpoint: str | None) -> None:
+    if not _ours(self) or checkpoint is None:
+        return _originals["_load_scaler"](self, checkpoint)
+    # No GradScaler state: FSDP2 mixed precision here is bf16 (no loss scaling) or fp32.

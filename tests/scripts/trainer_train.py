@@ -1,0 +1,48 @@
+"""A Transformers Trainer script: `--fsdp full_shard --fsdp_config accelerate_configs/fsdp2.json`
+plus `hf_fsdp2.register()` engages hf_fsdp2. Run by the tests under torchrun."""
+
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import torch  # noqa: E402
+from transformers import HfArgumentParser, Trainer, TrainingArguments  # noqa: E402
+
+import hf_fsdp2  # noqa: E402
+from tests.common import batches, build_model, lora  # noqa: E402
+
+
+@dataclass
+class ScriptArguments:
+    report: str = field(metadata={"help": "JSON file for losses (rank 0)"})
+    lora: bool = False
+    resume: str | None = None
+    final_dir: str | None = None
+
+
+def main():
+    hf_fsdp2.register()  # before TrainingArguments: on a CPU-only machine it makes --fsdp start gloo
+    args, script = HfArgumentParser((TrainingArguments, ScriptArguments)).parse_args_into_dataclasses()
+    model = build_model()
+    if script.lora:
+        model = lora(model)
+    rows = torch.cat(batches(steps=12, batch=8))
+    dataset = [{"input_ids": r, "labels": r} for r in rows]
+    trainer = Trainer(model=model, args=args, train_dataset=dataset)
+    trainer.train(resume_from_checkpoint=script.resume)
+    if script.final_dir:
+        trainer.save_model(script.final_dir)
+    from torch.distributed.tensor import DTensor
+
+    if trainer.is_world_process_zero():
+        losses = {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
+        Path(script.report).write_text(json.dumps({
+            "losses": losses, "all_dtensor": all(isinstance(p, DTensor) for p in model.parameters()),
+            "world": trainer.args.world_size}))
+
+
+if __name__ == "__main__":
+    main()
