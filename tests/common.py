@@ -120,11 +120,14 @@ def count_collectives() -> Iterator[dict[str, int]]:
     names = ["all_gather_single", "reduce_scatter_single", "all_reduce", "all_gather_into_tensor",
              "reduce_scatter_tensor", "all_gather", "broadcast", "barrier", "all_to_all_single"]
     counts = {n: 0 for n in names}
+    counts["elements"] = 0  # tensor elements sent, summed over the calls
     originals = {n: getattr(dist, n) for n in names}
 
     def wrap(name):
         def counted(*args, **kwargs):
             counts[name] += 1
+            if args and isinstance(args[-1 if name == "all_gather_single" else 0], torch.Tensor):
+                counts["elements"] += args[-1 if name == "all_gather_single" else 0].numel()
             return originals[name](*args, **kwargs)
         return counted
 

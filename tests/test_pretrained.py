@@ -58,9 +58,10 @@ def test_save_uneven_shards_loads_with_from_pretrained(tmp_path, world):
 
     with safe_open(tmp_path / "ckpt" / "model.safetensors", "pt") as f:
         assert f.metadata() == {"format": "pt"}
-    # Only one-integer agreements: no gather, no broadcast.
+    # Only one-integer agreements (an errno or 0, in place of barriers): no gather, no broadcast.
     for r in out:
-        assert set(r["calls"]) == {"all_reduce"}, r["calls"]
+        assert set(r["calls"]) == {"all_reduce", "elements"}, r["calls"]
+        assert r["calls"]["elements"] == r["calls"]["all_reduce"] <= 3
     model_bytes = sum(t.numel() * 4 for t in plain_params(build_model(**UNEVEN)).values())
     assert sum(r["written"] for r in out) == model_bytes  # each byte written once
 
@@ -166,3 +167,29 @@ def test_overwrite_keeps_foreign_files_and_leaves_no_stale_shards(tmp_path):
     assert names == ["checkpoint-5", "config.json", "generation_config.json", "model.safetensors", "tokenizer.json"]
     assert not any(p.name.startswith(".") for p in tmp_path.iterdir())  # no staging leftovers
     _assert_equals_reference(target, plain_params(build_model()))
+
+
+def _mismatch_worker(rank, world, directory):
+    model = build_model(vocab_size=140)  # embed/lm_head rows differ from the saved model's 128
+    shard_model(model)
+    try:
+        hf_fsdp2.load_pretrained(model, directory)
+    except hf_fsdp2.CheckpointError as e:
+        return str(e)
+    return None
+
+
+def test_mismatched_checkpoint_lists_every_problem_in_one_error(tmp_path):
+    from safetensors.torch import save_file
+
+    sd = {k: v for k, v in build_model().state_dict().items() if k != "model.norm.weight"}
+    sd["extra.weight"] = torch.zeros(2)
+    sd["model.layers.0.input_layernorm.weight"] = torch.zeros(64, dtype=torch.int64)
+    save_file(sd, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    message = run_ranks(_mismatch_worker, 2, str(tmp_path))[0]
+    assert message is not None
+    assert "missing keys (1): model.norm.weight" in message
+    assert "unexpected keys (1): extra.weight" in message
+    assert "model.embed_tokens.weight: shape [128, 64] in model.safetensors, model has [140, 64]" in message
+    assert "lm_head.weight: shape" in message
+    assert "model.layers.0.input_layernorm.weight: dtype torch.int64" in message
