@@ -14,6 +14,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hf-fsdp2", description="PyTorch FSDP2 tools for Hugging Face models.")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _add_convert(commands)
+    _add_check_config(commands)
     return parser
 
 
@@ -64,6 +65,39 @@ def _run_convert(args: argparse.Namespace) -> int:
     else:
         print(f"config from {result.config_source}")
     return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# check-config
+
+
+def _add_check_config(commands: argparse._SubParsersAction) -> None:
+    p = commands.add_parser(
+        "check-config",
+        help="Check an Accelerate config file for use with hf_fsdp2.",
+        description="Report what Accelerate would silently drop or mangle in an Accelerate config file (yaml, or "
+                    "json), and what hf_fsdp2 cannot honour. Launches nothing. Exit status: 0 when there are no "
+                    "errors (warnings allowed), 1 when there are errors, 2 when a file cannot be read.",
+    )
+    p.add_argument("files", nargs="+", metavar="FILE", help="Accelerate config file(s), e.g. accelerate_configs/*.yaml")
+    p.set_defaults(handler=_run_check_config)
+
+
+def _run_check_config(args: argparse.Namespace) -> int:
+    from .check_config import ConfigFileError, check_accelerate_config, render
+
+    status = 0
+    for path in args.files:
+        try:
+            findings = check_accelerate_config(path)
+        except ConfigFileError as e:
+            print(f"hf-fsdp2 check-config: error: {e}", file=sys.stderr)
+            status = 2
+            continue
+        print(render(path, findings))
+        if any(f.level == "error" for f in findings):
+            status = max(status, 1)
+    return status
 
 
 if __name__ == "__main__":
