@@ -19,7 +19,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(fn, rank, world_size, port, results, args, kwargs):
+def _entry(fn, rank, world_size, port, results, args, kwargs, pg_timeout):
     import torch
     import torch.distributed as dist
 
@@ -28,7 +28,7 @@ def _entry(fn, rank, world_size, port, results, args, kwargs):
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     try:
         dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=120))
+                                timeout=timedelta(seconds=pg_timeout))
         out = fn(rank, world_size, *args, **kwargs)
         # Plain pickle, in memory: a queue would share tensors by file descriptor, which dies with us.
         results.put((rank, "ok", pickle.dumps(out)))
@@ -39,24 +39,30 @@ def _entry(fn, rank, world_size, port, results, args, kwargs):
             dist.destroy_process_group()
 
 
-def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 240, **kwargs: Any) -> list[Any]:
+def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 240, pg_timeout: float = 120,
+              **kwargs: Any) -> list[Any]:
     """Spawn `world_size` processes running `fn(rank, world_size, *args, **kwargs)`; return results by rank.
 
     `fn` must be a module-level function. Any rank's exception fails the call with its traceback.
     """
-    out, errors = run_ranks_collecting_errors(fn, world_size, *args, timeout=timeout, **kwargs)
+    out, errors = run_ranks_collecting_errors(fn, world_size, *args, timeout=timeout, pg_timeout=pg_timeout,
+                                              **kwargs)
     if errors:
         raise AssertionError("distributed run failed:\n" + "\n".join(errors.values()))
     return [out[r] for r in range(world_size)]
 
 
 def run_ranks_collecting_errors(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 240,
-                                **kwargs: Any) -> tuple[dict[int, Any], dict[int, str]]:
-    """Like `run_ranks`, for runs where ranks are expected to fail: ({rank: result}, {rank: error})."""
+                                pg_timeout: float = 120, **kwargs: Any) -> tuple[dict[int, Any], dict[int, str]]:
+    """Like `run_ranks`, for runs where ranks are expected to fail: ({rank: result}, {rank: error}).
+
+    `pg_timeout`: the process group's timeout, the bound on how long a collective waits for a peer.
+    """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, results, args, kwargs), daemon=True)
+    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, results, args, kwargs, pg_timeout),
+                           daemon=True)
              for r in range(world_size)]
     for p in procs:
         p.start()

@@ -1,0 +1,165 @@
+"""Faults: ranks killed mid-save, disks that fail, ranks that never reach a collective."""
+
+from __future__ import annotations
+
+import errno
+import os
+import resource
+import shutil
+import signal
+import subprocess
+import time
+
+import pytest
+
+from hf_fsdp2 import shard_model
+from hf_fsdp2.safetensors_io import CheckpointError
+from hf_fsdp2.state import latest_state, list_states, load_state, save_state
+
+from .common import batches, build_model, local_rows, optimizer
+from .dist_harness import run_ranks_collecting_errors
+
+
+def _trained(rank, world):
+    model = build_model()
+    shard_model(model)
+    opt = optimizer(model)
+    ids = local_rows(batches(1)[0], rank, world)
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    return model, opt
+
+
+def _kill_worker(rank, world, root, point, target):
+    """Save a good state, then SIGKILL one rank at `point` of a second save into `target`."""
+    import hf_fsdp2.state as state_module
+    from hf_fsdp2.safetensors_io import FileWriter
+
+    model, opt = _trained(rank, world)
+    save_state(os.path.join(root, "step-1"), model, opt, step=1)
+    calls = {"n": 0}
+
+    def die_on(owner, name, rank_to_die, nth, match=lambda *a: True):
+        original = getattr(owner, name)
+
+        def dying(*args, **kwargs):
+            if rank == rank_to_die and match(*args):
+                calls["n"] += 1
+                if calls["n"] == nth:
+                    os.kill(os.getpid(), signal.SIGKILL)
+            return original(*args, **kwargs)
+
+        setattr(owner, name, dying)
+
+    if point == "before":  # staging exists, no byte written yet
+        die_on(FileWriter, "__init__", 1, 1)
+    elif point == "during":  # some rows written, others not
+        die_on(FileWriter, "write_rows", 1, 3)
+    elif point == "after":  # every rank's data is written; rank 0 dies writing the completion marker
+        die_on(state_module, "write_json", 0, 1, match=lambda path, obj: str(path).endswith("COMPLETE.json"))
+    start = time.monotonic()
+    try:
+        save_state(os.path.join(root, target), model, opt, step=2)
+    except Exception as e:  # the survivor learns that its peer is gone
+        return {"error": f"{type(e).__name__}: {e}"[:300], "seconds": time.monotonic() - start}
+    return {"error": None}
+
+
+@pytest.mark.parametrize("point, target", [("before", "step-2"), ("during", "step-2"), ("after", "step-2"),
+                                           ("during", "step-1")])
+def test_rank_killed_during_save_state(tmp_path, point, target):
+    out, errors = run_ranks_collecting_errors(_kill_worker, 2, str(tmp_path), point, target, timeout=180)
+    dead = 0 if point == "after" else 1
+    assert f"exited with code {-signal.SIGKILL}" in errors[dead]
+    survivor = out[1 - dead]
+    assert survivor["error"] is not None and survivor["seconds"] < 60  # an error, not a hang
+    # The last complete checkpoint loads; the partial one is never listed, picked, or loadable.
+    assert [p.name for _, p in list_states(tmp_path)] == ["step-1"]
+    assert latest_state(tmp_path) == tmp_path / "step-1"
+    model = build_model(seed=9)
+    opt = optimizer(model)
+    assert load_state(tmp_path / "step-1", model, opt)[0] == 1
+    if target == "step-2":
+        with pytest.raises(CheckpointError, match="step-2"):
+            load_state(tmp_path / "step-2", model, opt)
+    # The next save repairs the leftovers and succeeds.
+    fresh = build_model()
+    save_state(tmp_path / target, fresh, optimizer(fresh), step=2)
+    assert latest_state(tmp_path) == tmp_path / "step-2" or target == "step-1"
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def _disk_full_worker(rank, world, root, limit):
+    model, opt = _trained(rank, world)
+    save_state(os.path.join(root, "step-1"), model, opt, step=1)
+    if limit and rank == 1:
+        # A real write failure from the kernel: writes past `limit` bytes fail with EFBIG.
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    start = time.monotonic()
+    try:
+        save_state(os.path.join(root, "step-1"), model, opt, step=2)  # overwrite: must not touch step-1
+    except Exception as e:
+        return {"error": f"{type(e).__name__}: {e}", "seconds": time.monotonic() - start}
+    return {"error": None}
+
+
+def test_write_failure_on_one_rank_fails_every_rank_and_keeps_the_previous_state(tmp_path):
+    out, errors = run_ranks_collecting_errors(_disk_full_worker, 2, str(tmp_path), 4096, timeout=180)
+    assert not errors, errors
+    assert "File too large" in out[1]["error"] and str(tmp_path) in out[1]["error"]
+    assert out[0]["error"].startswith("RuntimeError: another rank failed while saving state")
+    assert "File too large" in out[0]["error"]
+    assert all(r["seconds"] < 60 for r in out.values())
+    model = build_model(seed=9)
+    assert load_state(tmp_path / "step-1", model, optimizer(model))[0] == 1  # the previous state, untouched
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+@pytest.fixture
+def tiny_tmpfs(tmp_path):
+    mount = tmp_path / "tmpfs"
+    mount.mkdir()
+    if shutil.which("mount") is None or subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=2500k", "tmpfs", str(mount)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root); the RLIMIT_FSIZE test covers write failures")
+    yield mount
+    subprocess.run(["umount", str(mount)], check=False)
+
+
+def test_disk_full_on_a_real_small_tmpfs(tiny_tmpfs):
+    # One state (0.5 MB of fp32 weights + 1 MB of Adam moments) fits in 2.5 MB; two do not.
+    out, errors = run_ranks_collecting_errors(_disk_full_worker, 2, str(tiny_tmpfs), 0, timeout=180)
+    assert not errors, errors
+    assert all(r["error"] is not None and r["seconds"] < 60 for r in out.values()), out
+    assert any(os.strerror(errno.ENOSPC) in r["error"] for r in out.values()), out
+    model = build_model(seed=9)
+    assert load_state(tiny_tmpfs / "step-1", model, optimizer(model))[0] == 1
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def _stuck_peer_worker(rank, world):
+    import torch
+    import torch.distributed as dist
+
+    if rank == 1:
+        time.sleep(40)  # raised and handled its error elsewhere: never joins the collective
+        return {"seconds": None}
+    start = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(1))
+    except Exception as e:
+        return {"seconds": time.monotonic() - start, "error": type(e).__name__}
+    return {"seconds": None}
+
+
+def test_a_peer_that_never_arrives_times_out_instead_of_hanging():
+    # `timeout` of init_distributed / torch.distributed.init_process_group bounds every collective.
+    out, errors = run_ranks_collecting_errors(_stuck_peer_worker, 2, timeout=120, pg_timeout=5)
+    assert 0 in out and out[0]["seconds"] is not None, (out, errors)
+    assert 4 < out[0]["seconds"] < 30
