@@ -15,6 +15,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _add_convert(commands)
     _add_check_config(commands)
+    _add_estimate_memory(commands)
     return parser
 
 
@@ -98,6 +99,97 @@ def _run_check_config(args: argparse.Namespace) -> int:
         if any(f.level == "error" for f in findings):
             status = max(status, 1)
     return status
+
+
+# ---------------------------------------------------------------------------------------------
+# estimate-memory
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
+def _hsdp_shape(text: str) -> tuple[int, int]:
+    parts = text.lower().split("x")
+    if len(parts) != 2 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
+        raise argparse.ArgumentTypeError(f"must be RxS (replicas x shard size), e.g. 2x4; got {text!r}")
+    return int(parts[0]), int(parts[1])
+
+
+def _add_estimate_memory(commands: argparse._SubParsersAction) -> None:
+    p = commands.add_parser(
+        "estimate-memory",
+        help="Per-rank memory of training a model with hf_fsdp2 (FSDP2 + AdamW), from its config alone.",
+        description="Build the model on the meta device from its config, shard it on paper exactly as shard_model "
+                    "would (torch.chunk rows per rank), and report per-rank bytes for parameters, gradients, AdamW "
+                    "states, the all-gather and reduce-scatter transients and activations. Sharded parameters, "
+                    "gradients and AdamW moments are in the storage dtype (--dtype, fp32 master weights by "
+                    "default); --param-dtype is the dtype groups are all-gathered and computed in. The accounting "
+                    "is described in hf_fsdp2/memory.py.",
+    )
+    p.add_argument("--model", required=True, metavar="CONFIG_OR_DIR",
+                   help="a model directory with config.json, or a config.json file")
+    p.add_argument("--world-size", required=True, type=_positive_int, metavar="N", help="number of ranks")
+    p.add_argument("--hsdp", type=_hsdp_shape, default=None, metavar="RxS",
+                   help="HSDP: R replicas, each sharding over S ranks (R*S must equal --world-size)")
+    p.add_argument("--dtype", default="fp32", metavar="{fp32,bf16,fp16}",
+                   help="dtype the parameters are stored (sharded) in; default fp32, the config's dtype is ignored")
+    p.add_argument("--param-dtype", default=None, metavar="{bf16,fp16,fp32}",
+                   help="MixedPrecisionPolicy param_dtype: all-gather and compute dtype (default: the storage dtype)")
+    p.add_argument("--reduce-dtype", default="fp32", metavar="{fp32,bf16,fp16}",
+                   help="MixedPrecisionPolicy reduce_dtype for gradient reduce-scatter (default fp32)")
+    p.add_argument("--frozen-dtype", default=None, metavar="{bf16,fp16,fp32}",
+                   help="store frozen (non-trainable) parameters in this dtype, e.g. bf16 base weights under LoRA")
+    p.add_argument("--lora-r", type=_positive_int, default=None, metavar="R",
+                   help="add peft LoRA of rank R: only the adapters are trainable")
+    p.add_argument("--lora-targets", default="q_proj,v_proj", metavar="NAMES",
+                   help="comma-separated module names LoRA adapts (default q_proj,v_proj)")
+    p.add_argument("--offload", action="store_true",
+                   help="CPUOffloadPolicy: sharded params, grads and optimizer states in CPU memory")
+    p.add_argument("--activation-checkpointing", action="store_true", help="recompute each decoder layer in backward")
+    p.add_argument("--batch-size", type=_positive_int, default=1, help="sequences per rank per step (default 1)")
+    p.add_argument("--seq-len", type=_positive_int, default=2048, help="tokens per sequence (default 2048)")
+    p.add_argument("--json", action="store_true", help="print the estimate as JSON (bytes) instead of a table")
+    p.set_defaults(handler=_run_estimate_memory)
+
+
+def _run_estimate_memory(args: argparse.Namespace) -> int:
+    from .config import FSDP2Config, parse_dtype
+    from .memory import estimate_memory
+
+    replicate, shard = args.hsdp or (1, None)
+    if args.hsdp and replicate * shard != args.world_size:
+        raise ValueError(f"`--hsdp` {replicate}x{shard} covers {replicate * shard} ranks but `--world-size` is "
+                         f"{args.world_size}; R*S must equal the world size.")
+    dtypes = {}
+    for flag in ("dtype", "param_dtype", "reduce_dtype", "frozen_dtype"):
+        try:
+            dtypes[flag] = parse_dtype(getattr(args, flag), flag)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"`--{flag.replace('_', '-')}`: {e}") from None
+    targets = [t.strip() for t in args.lora_targets.split(",") if t.strip()]
+    if args.lora_r is not None and not targets:
+        raise ValueError("`--lora-targets` is empty; name the modules to adapt, e.g. q_proj,v_proj.")
+    config = FSDP2Config(param_dtype=dtypes["param_dtype"], reduce_dtype=dtypes["reduce_dtype"],
+                         frozen_dtype=dtypes["frozen_dtype"], cpu_offload=args.offload,
+                         activation_checkpointing=args.activation_checkpointing,
+                         replicate_size=replicate, shard_size=shard)
+    try:
+        estimate = estimate_memory(args.model, args.world_size, config, dtype=dtypes["dtype"], lora_r=args.lora_r,
+                                   lora_targets=targets, batch_size=args.batch_size, seq_len=args.seq_len)
+    except ValueError as e:  # the library names its arguments; say which flag they came from
+        message = str(e)
+        for name, flag in (("model", "--model"), ("lora_targets", "--lora-targets")):
+            message = message.replace(f"`{name}`", f"`{flag}`")
+        raise ValueError(message) from None
+    print(estimate.to_json(indent=2) if args.json else estimate.format_table())
+    return 0
 
 
 if __name__ == "__main__":

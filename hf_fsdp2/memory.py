@@ -1,0 +1,682 @@
+"""Per-rank memory of training a Hugging Face causal LM with `shard_model`, computed without any rank.
+
+The model is built on the meta device (from a config, a config.json, a model directory, or a meta
+copy of a module), LoRA is added with peft, and the *same* `plan_groups` that `shard_model` uses
+decides the `fully_shard` groups. Every number then follows what FSDP2 allocates, per parameter:
+
+Persistent, on each of the S ranks of one replica (HSDP: every replica holds the same):
+
+* parameters: each parameter's dim-0 shard in its **storage dtype** (fp32 master weights in
+  mixed-precision training; `frozen_dtype` for frozen ones). FSDP2 splits dim 0 like
+  `torch.chunk`: `ceil(rows / S)` rows per rank, trailing ranks may hold fewer or none. It pre-pads
+  every rank's shard to rank 0's size, so the max over ranks (rank 0) is what *every* rank allocates;
+  `DTensor.to_local()` shows the unpadded rows (the per-rank lists).
+* gradients: trainable parameters only, same shard, in the **storage dtype**: FSDP2 casts the
+  reduce-scattered gradient back to the parameter's dtype, whatever `param_dtype`/`reduce_dtype` are.
+* optimizer: AdamW's `exp_avg` and `exp_avg_sq` are `zeros_like(param)`, i.e. the unpadded local
+  shard in the storage dtype, plus one 4-byte fp32 `step` scalar per trainable tensor (kept on the
+  CPU by non-fused, non-capturable AdamW; counted in the optimizer row, it is negligible).
+* buffers (e.g. rotary `inv_freq`): not sharded, one full copy per rank.
+
+So with fp32 storage and `param_dtype=bf16`, a trainable parameter costs 4 + 4 + 8 = 16 bytes / S.
+The ZeRO paper's mixed-precision accounting, 2 (fp16 params) + 2 (fp16 grads) + 12 (fp32 master +
+two moments) = 16, reaches the same total by another split: in FSDP2 the fp32 master copy *is* the
+sharded parameter, and the bf16 copy exists only while a group is all-gathered.
+
+Transient, on the accelerator:
+
+* all-gather: a group's unsharded parameters in the compute dtype (`param_dtype`, else the storage
+  dtype), padded to S x `ceil(rows / S)` rows. FSDP2 keeps the next group in flight (implicitly in
+  forward, `backward_prefetch=1` in backward), so the peak is the largest sum over a window of
+  1 + max(1, forward_prefetch, backward_prefetch) consecutive groups in execution order, plus
+  the groups still unsharded from forward (`reshard_after_forward=False` keeps all; hf_fsdp2 never
+  reshards the last layer and the untied [norm, lm_head] group, which backward needs first).
+* reduce-scatter: one group's unsharded gradients in the compute dtype plus the reduce-scatter
+  input, padded, in `reduce_dtype` (the largest trainable group).
+* activations: measured, not guessed. One forward with `labels` runs on the meta device under
+  `torch.autograd.graph.saved_tensors_hooks`; the activations are the storages autograd saves for
+  backward (deduplicated, parameters excluded) plus the returned logits. Attention is counted as a
+  fused kernel (flash / memory-efficient SDPA) that saves q, k, v, the output and an fp32
+  log-sum-exp, never the seq x seq scores; models that run eager attention are traced as they run.
+  With activation checkpointing (hf_fsdp2 wraps each decoder layer) what stays alive is everything
+  outside the layers, each layer's inputs, and, during backward, one layer's recomputed activations
+  (the largest). Activation gradients and kernels' workspaces are not counted.
+
+The estimated peak adds the persistent state and all transient parts: an upper bound of what is
+alive at once (the all-gather, reduce-scatter and activation peaks need not coincide), not counting
+the CUDA caching allocator's fragmentation, the CUDA context or NCCL buffers.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import warnings
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
+
+from .config import FSDP2Config, parse_dtype
+from .sharding import ShardPlan, apply_frozen_dtype, plan_groups, unwrap_peft
+
+ADAM_STATES = ("exp_avg", "exp_avg_sq")
+STEP_BYTES = 4  # AdamW's `step`: a 0-dim fp32 tensor per trainable parameter
+DEFAULT_LORA_TARGETS = ("q_proj", "v_proj")
+
+
+# ---------------------------------------------------------------------------------------------
+# Results
+
+
+@dataclass(frozen=True)
+class GroupMemory:
+    """One `fully_shard` group, unsharded."""
+
+    name: str
+    numel: int
+    trainable_numel: int
+    gathered_bytes: int  # all-gather output: padded rows, compute dtype
+    reduce_scatter_bytes: int  # unsharded grads (compute dtype) + reduce-scatter input (reduce dtype, padded)
+
+
+@dataclass(frozen=True)
+class ActivationMemory:
+    """Activations of one rank's micro-batch (see the module docstring for what is counted)."""
+
+    batch_size: int
+    seq_len: int
+    checkpointing: bool
+    peak_bytes: int  # what the estimate adds: all saved tensors, or the checkpointed steady state + one layer
+    saved_bytes: int  # without checkpointing: every saved storage + the logits
+    outside_layers_bytes: int  # saved by the embedding, final norm, lm_head and loss, + the logits
+    layer_inputs_bytes: int  # all decoder layers' inputs: what checkpointing keeps per layer
+    largest_layer_bytes: int  # one decoder layer's saved activations (recomputed during backward with AC)
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes per rank. `*_per_rank` lists hold the unpadded local shard (`to_local()`) of each of the
+    `shard_size` ranks of one replica; the scalar properties are the max over ranks (rank 0), which
+    for parameters and gradients is also what every rank allocates (FSDP2 pre-pads shards)."""
+
+    model_type: str
+    world_size: int
+    replicate_size: int
+    shard_size: int
+    num_params: int
+    num_trainable_params: int
+    num_trainable_tensors: int
+    storage_dtypes: dict[str, int]  # dtype -> number of parameters stored in it
+    trainable_dtypes: dict[str, int]
+    param_dtype: str | None
+    reduce_dtype: str | None
+    cpu_offload: bool
+    lora_r: int | None
+    lora_targets: tuple[str, ...] | None
+    param_bytes_per_rank: tuple[int, ...]
+    grad_bytes_per_rank: tuple[int, ...]
+    optimizer_bytes_per_rank: tuple[int, ...]  # moments + step scalars
+    buffer_bytes: int
+    groups: tuple[GroupMemory, ...]
+    gather_window: int  # groups in flight at once
+    gathered_peak_bytes: int
+    gathered_peak_groups: tuple[str, ...]
+    reduce_scatter_peak_bytes: int
+    activations: ActivationMemory | None
+    activations_error: str | None = None
+    notes: tuple[str, ...] = field(default=())
+
+    # ---- max over ranks
+    @property
+    def param_bytes(self) -> int:
+        return max(self.param_bytes_per_rank)
+
+    @property
+    def grad_bytes(self) -> int:
+        return max(self.grad_bytes_per_rank)
+
+    @property
+    def optimizer_bytes(self) -> int:
+        return max(self.optimizer_bytes_per_rank)
+
+    @property
+    def state_bytes(self) -> int:
+        """Persistent training state on one rank: parameters + gradients + optimizer + buffers."""
+        return self.param_bytes + self.grad_bytes + self.optimizer_bytes + self.buffer_bytes
+
+    @property
+    def largest_group(self) -> GroupMemory:
+        return max(self.groups, key=lambda g: g.gathered_bytes)
+
+    @property
+    def activation_bytes(self) -> int:
+        return self.activations.peak_bytes if self.activations is not None else 0
+
+    @property
+    def device_bytes(self) -> int:
+        """Estimated accelerator peak (an upper bound of the concurrent parts)."""
+        state = 0 if self.cpu_offload else self.state_bytes
+        return state + self.gathered_peak_bytes + self.reduce_scatter_peak_bytes + self.activation_bytes
+
+    @property
+    def host_bytes(self) -> int:
+        """Host (CPU) memory for the training state; the process's own RSS is not included."""
+        return self.state_bytes if self.cpu_offload else 0
+
+    def setup(self) -> str:
+        """The FSDP2 setup the numbers describe, in one line."""
+        storage = " + ".join(f"{d} ({_count(n)} params)" for d, n in self.storage_dtypes.items())
+        mp = (f"MixedPrecisionPolicy(param_dtype={self.param_dtype}, reduce_dtype={self.reduce_dtype})"
+              if self.param_dtype
+              else f"no param_dtype (gathered in the storage dtype), reduce_dtype={self.reduce_dtype}")
+        offload = "CPUOffloadPolicy" if self.cpu_offload else "no offload"
+        return f"sharded params stored in {storage}; {mp}; AdamW; {offload}"
+
+    def rows(self) -> list[tuple[str, int, int]]:
+        """(label, accelerator bytes, host bytes) per line of the table."""
+        def place(n: int) -> tuple[int, int]:
+            return (0, n) if self.cpu_offload else (n, 0)
+
+        s = self.shard_size
+        storage = "/".join(self.storage_dtypes)
+        trainable = "/".join(self.trainable_dtypes) or "-"
+        compute = self.param_dtype or storage
+        rows = [
+            (f"parameters, sharded 1/{s} ({storage})", *place(self.param_bytes)),
+            (f"gradients, sharded 1/{s} ({trainable}, trainable only)", *place(self.grad_bytes)),
+            (f"AdamW exp_avg + exp_avg_sq ({trainable}) + step", *place(self.optimizer_bytes)),
+            ("buffers (replicated)", *place(self.buffer_bytes)),
+        ]
+        largest = self.largest_group
+        rows.append((f"all-gather: {self.gather_window} groups in flight ({compute}; largest "
+                     f"{largest.name} {format_bytes(largest.gathered_bytes)})", self.gathered_peak_bytes, 0))
+        rows.append((f"reduce-scatter: unsharded grads + {self.reduce_dtype or compute} buffer",
+                     self.reduce_scatter_peak_bytes, 0))
+        a = self.activations
+        if a is not None:
+            ac = "with activation checkpointing" if a.checkpointing else "no checkpointing"
+            rows.append((f"activations: batch {a.batch_size} x seq {a.seq_len}, {ac}", a.peak_bytes, 0))
+        return rows
+
+    def format_table(self) -> str:
+        rows = self.rows()
+        width = max(len(r[0]) for r in rows) + 2
+        mesh = (f"{self.world_size} ranks = {self.replicate_size} replicas x {self.shard_size} shards (HSDP)"
+                if self.replicate_size > 1 else f"{self.world_size} ranks")
+        lora = f", LoRA r={self.lora_r} on {','.join(self.lora_targets or ())}" if self.lora_r else ""
+        lines = [
+            f"{self.model_type}: {self.num_params / 1e9:.3f} B parameters, {self.num_trainable_params / 1e9:.3f} B "
+            f"trainable{lora}; {mesh}; memory per rank (max over ranks)",
+            f"setup: {self.setup()}",
+            f"{'':{width}}{'GPU':>12}{'CPU':>12}",
+        ]
+        for label, dev, host in rows:
+            lines.append(f"{label:{width}}{_cell(dev):>12}{_cell(host):>12}")
+        lines.append(f"{'-' * width}{'-' * 24}")
+        lines.append(f"{'persistent state (params + grads + optimizer + buffers)':{width}}"
+                     f"{_cell(0 if self.cpu_offload else self.state_bytes):>12}"
+                     f"{_cell(self.host_bytes):>12}")
+        lines.append(f"{'estimated peak (sum of all rows above)':{width}}"
+                     f"{_cell(self.device_bytes):>12}{_cell(self.host_bytes):>12}")
+        if self.activations is None and self.activations_error:
+            lines.append(f"activations not estimated: {self.activations_error}")
+        lines.extend(f"note: {n}" for n in self.notes)
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["lora_targets"] = list(self.lora_targets) if self.lora_targets else None
+        out["per_rank_max"] = {
+            "param_bytes": self.param_bytes, "grad_bytes": self.grad_bytes, "optimizer_bytes": self.optimizer_bytes,
+            "buffer_bytes": self.buffer_bytes, "state_bytes": self.state_bytes,
+            "gathered_peak_bytes": self.gathered_peak_bytes,
+            "reduce_scatter_peak_bytes": self.reduce_scatter_peak_bytes,
+            "activation_bytes": self.activation_bytes, "device_bytes": self.device_bytes,
+            "host_bytes": self.host_bytes,
+        }
+        return out
+
+    def to_json(self, **kwargs: Any) -> str:
+        return json.dumps(self.to_dict(), **kwargs)
+
+
+def format_bytes(n: int) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
+
+
+def _count(n: int) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return str(n)
+
+
+def _cell(n: int) -> str:
+    return format_bytes(n) if n else "-"
+
+
+# ---------------------------------------------------------------------------------------------
+# Sharding arithmetic
+
+
+def shard_rows(rows: int, shard_size: int, shard_rank: int) -> int:
+    """Rows of a dim-0 shard, `torch.chunk` semantics: `ceil(rows / shard_size)` per rank, the last
+    non-empty rank takes the remainder and the ranks after it hold 0 rows."""
+    chunk = -(-rows // shard_size)
+    return max(0, min(chunk, rows - shard_rank * chunk))
+
+
+def _rows_and_row_numel(shape: torch.Size) -> tuple[int, int]:
+    if len(shape) == 0:
+        return 1, 1
+    rows = shape[0]
+    return rows, (math.prod(shape[1:]) if rows else 0)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(
+        dtype, str(dtype).removeprefix("torch."))
+
+
+# ---------------------------------------------------------------------------------------------
+# The model on the meta device
+
+
+def load_hf_config(path: str | Path):
+    """A transformers config from a model directory or a config.json file (local paths only)."""
+    from transformers import AutoConfig
+
+    p = Path(path)
+    if not p.exists():
+        raise ValueError(f"`model`={str(path)!r}: no such file or directory; pass a model directory or "
+                         f"its config.json.")
+    try:
+        if p.is_dir():
+            if not (p / "config.json").is_file():
+                raise ValueError(f"`model`={str(path)!r} is a directory without a config.json.")
+            return AutoConfig.from_pretrained(str(p))
+        values = json.loads(p.read_text())
+        if not isinstance(values, dict) or "model_type" not in values:
+            raise ValueError(f"`model`={str(path)!r} has no `model_type`; is it a Hugging Face config.json?")
+        values = dict(values)
+        return AutoConfig.for_model(values.pop("model_type"), **values)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"`model`={str(path)!r} is not valid JSON: {e}") from None
+    except (KeyError, OSError, TypeError) as e:  # unknown model_type, unreadable file, bad field
+        raise ValueError(f"`model`={str(path)!r}: could not read a Hugging Face config: {e}") from None
+
+
+def meta_copy(module: nn.Module) -> nn.Module:
+    """A deep copy of `module` whose parameters and buffers live on the meta device (no data copied);
+    tied parameters stay tied."""
+    memo: dict[int, Any] = {}
+    for p in module.parameters():
+        memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+    for b in module.buffers():
+        memo[id(b)] = torch.empty_like(b, device="meta")
+    return copy.deepcopy(module, memo)
+
+
+def build_meta_model(source: Any, *, dtype: torch.dtype | str | None = None) -> nn.Module:
+    """The causal LM `source` describes, on the meta device.
+
+    `source`: a transformers config, a model directory or config.json path, or an `nn.Module` (copied
+    to meta; the original is untouched). `dtype`: the parameters' storage dtype; None keeps a module's
+    dtypes and uses fp32 for a config (fp32 master weights, as mixed-precision training keeps them).
+    """
+    dtype = parse_dtype(dtype, "dtype")
+    if isinstance(source, nn.Module):
+        from torch.distributed.fsdp import FSDPModule
+
+        if isinstance(source, FSDPModule) or any(isinstance(m, FSDPModule) for m in source.modules()):
+            raise ValueError("`model` is already sharded; estimate from its config or the unsharded model.")
+        model = meta_copy(source)
+        if dtype is not None:
+            model.to(dtype)
+        return model
+    if isinstance(source, (str, Path)):
+        source = load_hf_config(source)
+    from transformers import AutoModelForCausalLM, PretrainedConfig
+
+    if not isinstance(source, PretrainedConfig):
+        raise TypeError(f"`model` must be a transformers config, a path or an nn.Module, got {type(source).__name__}.")
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(source, dtype=dtype or torch.float32)
+    except ValueError as e:  # a config with no causal-LM class
+        raise ValueError(f"`model`: {type(source).__name__} has no causal LM class in transformers: {e}") from None
+    return model
+
+
+def add_lora(model: nn.Module, r: int, targets: Sequence[str] = DEFAULT_LORA_TARGETS) -> nn.Module:
+    """`get_peft_model` with LoRA rank `r` on `targets`, on the meta device: base weights frozen."""
+    from peft import LoraConfig, get_peft_model
+
+    if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+        raise ValueError(f"`lora_r`={r!r} must be a positive integer.")
+    targets = [t.strip() for t in targets if t and t.strip()]
+    if not targets:
+        raise ValueError("`lora_targets` is empty; name the modules to adapt, e.g. q_proj,v_proj.")
+    try:
+        # peft calls transformers' deprecated `is_gradient_checkpointing`: noise for an estimate's user
+        with torch.device("meta"), warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            return get_peft_model(model, LoraConfig(r=r, lora_alpha=2 * r, target_modules=targets))
+    except ValueError as e:
+        names = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)})
+        raise ValueError(f"`lora_targets`={targets}: {e} Linear modules in this model: {', '.join(names)}.") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# The estimate
+
+
+def estimate_memory(
+    model_or_config: Any,
+    world_size: int,
+    fsdp_config: FSDP2Config | None = None,
+    *,
+    dtype: torch.dtype | str | None = None,
+    lora_r: int | None = None,
+    lora_targets: Sequence[str] | str = DEFAULT_LORA_TARGETS,
+    batch_size: int | None = 1,
+    seq_len: int | None = 2048,
+) -> MemoryEstimate:
+    """Per-rank memory of training `model_or_config` with `shard_model(model, fsdp_config)` and AdamW
+    on `world_size` ranks. Pure: no process group, no real tensor is allocated.
+
+    `dtype`: storage dtype of the parameters before sharding (see `build_meta_model`); `lora_r`: wrap
+    the model with peft LoRA on `lora_targets` first; `batch_size` x `seq_len` tokens per rank for the
+    activation estimate (`batch_size=None` skips it). See the module docstring for the accounting.
+    """
+    config = fsdp_config if fsdp_config is not None else FSDP2Config()
+    if not isinstance(config, FSDP2Config):
+        raise TypeError(f"`fsdp_config` must be an FSDP2Config, got {type(config).__name__}.")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"`world_size`={world_size!r} must be a positive integer.")
+    replicate, shard = config.mesh_shape(world_size)
+    if batch_size is not None:
+        for name, value in (("batch_size", batch_size), ("seq_len", seq_len)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"`{name}`={value!r} must be a positive integer (or batch_size=None "
+                                 f"to skip the activation estimate).")
+    if isinstance(lora_targets, str):
+        lora_targets = [t for t in lora_targets.split(",")]
+
+    model = build_meta_model(model_or_config, dtype=dtype)
+    if lora_r is not None:
+        if hasattr(model, "peft_config"):
+            raise ValueError("`lora_r` is set but the model is already a PeftModel; pass the base model.")
+        model = add_lora(model, lora_r, lora_targets)
+    apply_frozen_dtype(model, config.frozen_dtype)  # as shard_model does, before sharding
+    plan = plan_groups(model, config)
+
+    params = list(model.parameters())  # deduplicated: a tied weight counts once
+    storage_dtypes: dict[str, int] = {}
+    trainable_dtypes: dict[str, int] = {}
+    param_rank = [0] * shard
+    grad_rank = [0] * shard
+    opt_rank = [0] * shard
+    for p in params:
+        rows, row_numel = _rows_and_row_numel(p.shape)
+        size = p.element_size()
+        storage_dtypes[_dtype_name(p.dtype)] = storage_dtypes.get(_dtype_name(p.dtype), 0) + p.numel()
+        if p.requires_grad:
+            trainable_dtypes[_dtype_name(p.dtype)] = trainable_dtypes.get(_dtype_name(p.dtype), 0) + p.numel()
+        for r in range(shard):
+            local = shard_rows(rows, shard, r) * row_numel * size
+            param_rank[r] += local
+            if p.requires_grad:
+                grad_rank[r] += local
+                opt_rank[r] += len(ADAM_STATES) * local + STEP_BYTES
+    buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
+
+    groups = _group_memory(model, plan, config, shard)
+    window = 1 + max(1, config.forward_prefetch, config.backward_prefetch)
+    gathered_peak, peak_names = _gathered_peak(groups, plan, config, window)
+    reduce_scatter_peak = max((g.reduce_scatter_bytes for g in groups), default=0)
+
+    activations, act_error = None, None
+    if batch_size is not None:
+        try:
+            activations = trace_activations(model, plan.layers, batch_size, seq_len,
+                                            compute_dtype=config.param_dtype,
+                                            checkpointing=config.activation_checkpointing)
+        except Exception as e:  # noqa: BLE001 - an architecture the meta trace cannot run; report why
+            act_error = f"{type(e).__name__}: {e}"
+
+    trainable = [p for p in params if p.requires_grad]
+    notes = [
+        "parameters and gradients: every rank allocates the rank-0 (padded) shard; optimizer moments "
+        "follow the unpadded local shard, so trailing ranks may use slightly less.",
+        "16 bytes per trainable fp32 parameter = 4 (param, the fp32 master) + 4 (grad) + 8 (two moments) / "
+        "shard size; the ZeRO split 2 + 2 + 12 has the same total. A bf16 copy exists only while gathered.",
+    ]
+    if config.cpu_offload:
+        notes.append("offload: sharded params, grads and optimizer states live in CPU memory and AdamW steps on "
+                     "the CPU; the GPU holds only gathered groups, unsharded grads and activations.")
+    if replicate > 1:
+        notes.append(f"HSDP: shards over {shard} ranks; the {replicate} replicas each hold the same shards.")
+    return MemoryEstimate(
+        model_type=getattr(getattr(unwrap_peft(model), "config", None), "model_type", type(model).__name__),
+        world_size=world_size, replicate_size=replicate, shard_size=shard,
+        num_params=sum(p.numel() for p in params),
+        num_trainable_params=sum(p.numel() for p in trainable), num_trainable_tensors=len(trainable),
+        storage_dtypes=storage_dtypes, trainable_dtypes=trainable_dtypes,
+        param_dtype=_dtype_name(config.param_dtype) if config.param_dtype else None,
+        reduce_dtype=_dtype_name(config.reduce_dtype) if config.reduce_dtype else None,
+        cpu_offload=config.cpu_offload, lora_r=lora_r,
+        lora_targets=tuple(t.strip() for t in lora_targets if t.strip()) if lora_r else None,
+        param_bytes_per_rank=tuple(param_rank), grad_bytes_per_rank=tuple(grad_rank),
+        optimizer_bytes_per_rank=tuple(opt_rank), buffer_bytes=buffer_bytes,
+        groups=tuple(groups), gather_window=window, gathered_peak_bytes=gathered_peak,
+        gathered_peak_groups=tuple(peak_names), reduce_scatter_peak_bytes=reduce_scatter_peak,
+        activations=activations, activations_error=act_error, notes=tuple(notes),
+    )
+
+
+def _group_memory(model: nn.Module, plan: ShardPlan, config: FSDP2Config, shard: int) -> list[GroupMemory]:
+    """Unsharded sizes of each `fully_shard` group, in forward order: [embedding], layers, head, root."""
+    names = {id(m): n or "<root>" for n, m in model.named_modules()}
+    members: list[tuple[str, list[nn.Module]]] = []
+    if plan.embedding is not None:
+        members.append((names[id(plan.embedding)], [plan.embedding]))
+    members += [(names[id(layer)], [layer]) for layer in plan.layers]
+    if plan.head:
+        members.append(("+".join(names[id(m)] for m in plan.head), plan.head))
+    seen: set[int] = set()
+    groups = []
+    for name, modules in members:
+        ps = []
+        for p in (p for m in modules for p in m.parameters()):
+            if id(p) not in seen:  # a tied weight is one parameter, in one group, once
+                seen.add(id(p))
+                ps.append(p)
+        groups.append(_one_group(name, ps, config, shard))
+    rest = [p for p in model.parameters() if id(p) not in seen]
+    if rest:
+        groups.append(_one_group("<root>", rest, config, shard))
+    return groups
+
+
+def _one_group(name: str, params: Iterable[nn.Parameter], config: FSDP2Config, shard: int) -> GroupMemory:
+    numel = trainable = gathered = grads = rs_input = 0
+    for p in params:
+        rows, row_numel = _rows_and_row_numel(p.shape)
+        padded = -(-rows // shard) * shard * row_numel
+        # FSDP2 (_fsdp_param.init_dtype_attrs): param_dtype applies to floating params of another dtype.
+        compute = config.param_dtype if (config.param_dtype is not None and p.is_floating_point()) else p.dtype
+        gathered += padded * _itemsize(compute)
+        numel += p.numel()
+        if p.requires_grad:
+            trainable += p.numel()
+            grads += p.numel() * _itemsize(compute)
+            rs_input += padded * _itemsize(config.reduce_dtype or compute)
+    return GroupMemory(name=name, numel=numel, trainable_numel=trainable, gathered_bytes=gathered,
+                       reduce_scatter_bytes=grads + rs_input)
+
+
+def _gathered_peak(groups: list[GroupMemory], plan: ShardPlan, config: FSDP2Config,
+                   window: int) -> tuple[int, list[str]]:
+    """Largest unsharded-parameter footprint: a window of groups in flight, plus groups that forward
+    left unsharded and backward has not reached yet (those earlier in execution order)."""
+    root = [g for g in groups if g.name == "<root>"]
+    order = [g for g in groups if g.name != "<root>"]
+    if plan.tied and order:
+        order = [order[-1], *order]  # the tied [embedding, norm, head] group runs first and last
+    reshard = config.reshard_after_forward
+    n_layers = len(plan.layers)
+    first_layer = 1 if (plan.embedding is not None or plan.tied) else 0
+
+    def resident(i: int) -> int:
+        g = order[i]
+        if reshard is False:
+            return g.gathered_bytes
+        if reshard is True:
+            # hf_fsdp2 keeps the last layer and an untied head unsharded after forward (sharding.apply_fsdp)
+            last_layer = bool(n_layers) and i == first_layer + n_layers - 1
+            untied_head = bool(plan.head) and not plan.tied and i == len(order) - 1
+            kept = last_layer or untied_head
+            return g.gathered_bytes if kept else 0
+        return g.gathered_bytes // reshard  # resharded to groups of `reshard` ranks
+
+    root_bytes = sum(g.gathered_bytes for g in root)  # the root group stays gathered through forward
+    best, best_names = root_bytes, [g.name for g in root]
+    for start in range(max(1, len(order) - window + 1)):
+        win = order[start:start + window]
+        total = root_bytes + sum(g.gathered_bytes for g in win) + sum(resident(i) for i in range(start))
+        if total > best:
+            best, best_names = total, [g.name for g in win] + [g.name for g in root]
+    return best, best_names
+
+
+# ---------------------------------------------------------------------------------------------
+# Activations, measured on the meta device
+
+
+class _FusedAttention(torch.autograd.Function):
+    """Shapes-only stand-in for a fused SDPA kernel: saves what flash attention saves (q, k, v, the
+    output in (batch, seq, heads, dim) layout, and an fp32 log-sum-exp per query row)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):  # noqa: D401
+        out = q.new_empty((*q.shape[:-3], q.shape[-2], q.shape[-3], v.shape[-1])).transpose(-3, -2)
+        lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):  # pragma: no cover - the trace never runs backward
+        raise NotImplementedError("shape-only attention used by the memory estimate")
+
+
+class _FusedAttentionMode(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is F.scaled_dot_product_attention:
+            q, k, v = args[:3]
+            return _FusedAttention.apply(q, k, v)
+        return func(*args, **(kwargs or {}))
+
+
+def _storage_key(t: torch.Tensor):
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    return StorageWeakRef(t.untyped_storage())
+
+
+def trace_activations(model: nn.Module, layers: Sequence[nn.Module], batch_size: int, seq_len: int, *,
+                      compute_dtype: torch.dtype | None = None, checkpointing: bool = False) -> ActivationMemory:
+    """Run one training forward (with labels) on the meta device and measure what autograd saves.
+
+    `model` must be on the meta device; it is cast in place to `compute_dtype` (as FSDP2's
+    `param_dtype` would gather it). `layers` are the decoder layers checkpointing would wrap.
+    """
+    if any(not t.is_meta for t in model.parameters()):
+        raise ValueError("`trace_activations` needs a model on the meta device (see `build_meta_model`).")
+    if compute_dtype is not None:
+        for p in model.parameters():
+            if p.is_floating_point() and p.dtype != compute_dtype:
+                p.data = p.data.to(compute_dtype)
+    model.train()
+    param_keys = {_storage_key(p) for p in model.parameters()}
+    keep: list[torch.Tensor] = []  # holds every seen tensor, so no storage address is reused mid-trace
+    sizes: dict[Any, int] = {}
+    owner: dict[Any, int] = {}  # storage -> index of the layer that saved it first (-1: outside layers)
+    inputs: set = set()
+    active: list[int] = []
+
+    def key_of(t: torch.Tensor):
+        keep.append(t)
+        k = _storage_key(t)
+        sizes.setdefault(k, t.untyped_storage().nbytes())
+        return k
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if isinstance(t, torch.Tensor):
+            k = key_of(t)
+            if k not in param_keys:
+                owner.setdefault(k, active[-1] if active else -1)
+        return t
+
+    def pre_hook(index: int):
+        def hook(module, args, kwargs):
+            active.append(index)
+            for t in tree_leaves((args, kwargs)):
+                if isinstance(t, torch.Tensor):
+                    k = key_of(t)
+                    if k not in param_keys:
+                        inputs.add(k)
+        return hook
+
+    def post_hook(module, args, kwargs, output):
+        active.pop()
+
+    handles = []
+    for i, layer in enumerate(layers):
+        handles.append(layer.register_forward_pre_hook(pre_hook(i), with_kwargs=True))
+        handles.append(layer.register_forward_hook(post_hook, with_kwargs=True))
+    ids = torch.zeros(batch_size, seq_len, dtype=torch.long, device="meta")
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _FusedAttentionMode():
+            out = model(input_ids=ids, labels=ids)
+    finally:
+        for h in handles:
+            h.remove()
+    logits = getattr(out, "logits", None)
+    if isinstance(logits, torch.Tensor):
+        owner.setdefault(key_of(logits), -1)
+
+    def total(keys: Iterable) -> int:
+        return sum(sizes[k] for k in keys)
+
+    saved = total(owner)
+    outside = {k for k, o in owner.items() if o == -1}
+    per_layer = [total(k for k, o in owner.items() if o == i and k not in inputs) for i in range(len(layers))]
+    largest = max(per_layer, default=0)
+    checkpointed = total(outside | inputs) + largest
+    return ActivationMemory(
+        batch_size=batch_size, seq_len=seq_len, checkpointing=checkpointing,
+        peak_bytes=checkpointed if checkpointing else saved, saved_bytes=saved,
+        outside_layers_bytes=total(outside), layer_inputs_bytes=total(inputs - outside),
+        largest_layer_bytes=largest,
+    )
+
+
+__all__ = [
+    "ActivationMemory", "GroupMemory", "MemoryEstimate", "add_lora", "build_meta_model", "estimate_memory",
+    "format_bytes", "load_hf_config", "meta_copy", "shard_rows", "trace_activations",
+]
