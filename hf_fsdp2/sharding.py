@@ -227,29 +227,31 @@ def _set_prefetch(layers: list[nn.Module], config: FSDP2Config) -> None:
 
 
 def materialize(model: nn.Module, device: torch.device, *, init_weights: bool = True) -> None:
-    """Allocate the local shards of a meta-device model, then run the model's own initialisation.
+    """Allocate the local shards of a (partly) meta-device model, then run the model's own init.
 
-    `to_empty` allocates only each rank's shard (the DTensors' local tensors); transformers'
-    `_init_weights` then fills parameters and recomputes non-persistent buffers such as rotary
-    `inv_freq` (modeling_utils.PreTrainedModel._init_weights).
+    `to_empty` allocates only each rank's shard (the DTensors' local tensors) but also empties
+    tensors that were real; their values (a partly loaded model's weights, buffers the constructor
+    computed) are kept and put back. transformers' `_init_weights` fills the rest and recomputes
+    non-persistent buffers such as rotary `inv_freq` (modeling_utils.PreTrainedModel._init_weights).
     """
-    # `to_empty` also empties real buffers; keep the values the constructor computed.
-    real_buffers = {name: b.clone() for name, b in model.named_buffers() if not b.is_meta}
+    def local(t: torch.Tensor) -> torch.Tensor:
+        return t.to_local() if hasattr(t, "to_local") else t
+
+    real = {name: local(t).detach().clone() for name, t in [*model.named_parameters(), *model.named_buffers()]
+            if not local(t).is_meta}
     model.to_empty(device=device)
     with torch.no_grad():
-        for name, buf in model.named_buffers():
-            if name in real_buffers:
-                buf.copy_(real_buffers[name])
-    if not init_weights:
-        return
-    base = unwrap_peft(model)
-    init_fn = getattr(base, "_init_weights", None)
-    with torch.no_grad():
-        for module in model.modules():
-            if init_fn is not None:
-                init_fn(module)
-            elif hasattr(module, "reset_parameters"):
-                module.reset_parameters()
+        if init_weights:
+            base = unwrap_peft(model)
+            init_fn = getattr(base, "_init_weights", None)
+            for module in model.modules():
+                if init_fn is not None:
+                    init_fn(module)
+                elif hasattr(module, "reset_parameters"):
+                    module.reset_parameters()
+        for name, t in [*model.named_parameters(), *model.named_buffers()]:
+            if name in real:
+                local(t).copy_(real[name])
 
 
 def _is_meta(model: nn.Module) -> bool:

@@ -69,6 +69,20 @@ def test_fsdp2_yaml_on_cpu_shards_trains_saves_and_resumes_elsewhere(tmp_path):
     assert second["losses"] == pytest.approx(reference[3:], abs=1e-4)
 
 
+def test_cpu_ram_efficient_loading_broadcasts_rank0_weights(tmp_path):
+    """transformers leaves weights the checkpoint lacks on the meta device on every rank but 0, which
+    initialises them; the shards must hold rank 0's values, and the loaded weights untouched."""
+    from safetensors.torch import save_file
+
+    model = build_model()
+    model.save_pretrained(tmp_path / "base")
+    state = {k: v for k, v in model.state_dict().items() if k != "model.norm.weight"}  # init: ones, as saved
+    save_file(state, tmp_path / "base" / "model.safetensors", metadata={"format": "pt"})
+    out = launch("fsdp2.yaml", 2, tmp_path / "a.json", "--steps", "3", "--from-pretrained", str(tmp_path / "base"),
+                 launch_args=("--fsdp_cpu_ram_efficient_loading", "true", "--fsdp_sync_module_states", "true"))
+    assert out["losses"] == pytest.approx(reference_losses(3), abs=1e-4)
+
+
 def test_without_register_cpu_runs_unsynchronised_replicas(tmp_path):
     """Documents what stock Accelerate does here, which `register()` fixes."""
     out = launch("fsdp2.yaml", 2, tmp_path / "a.json", "--steps", "1", "--no-register")

@@ -163,3 +163,37 @@ def test_a_peer_that_never_arrives_times_out_instead_of_hanging():
     out, errors = run_ranks_collecting_errors(_stuck_peer_worker, 2, timeout=120, pg_timeout=5)
     assert 0 in out and out[0]["seconds"] is not None, (out, errors)
     assert 4 < out[0]["seconds"] < 30
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def _torchrun_restart(tmp, name, crash_at):
+    from pathlib import Path
+
+    from .dist_harness import free_port
+
+    root = Path(__file__).resolve().parents[1]
+    log = tmp / f"{name}.jsonl"
+    cmd = ["torchrun", "--nproc_per_node", "2", "--max-restarts", "1", "--master_port", str(free_port()),
+           str(root / "tests" / "scripts" / "restart_train.py"), "--root", str(tmp / name), "--loss-file", str(log),
+           "--crash-at-step", str(crash_at)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=root,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-5000:]
+    import json
+
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    final = {}
+    for r in records:  # a re-run step after the restart replaces the first attempt's record
+        final[r["step"]] = r["loss"]
+    return records, [final[s] for s in sorted(final)]
+
+
+def test_torchrun_restart_resumes_from_latest_complete_checkpoint(tmp_path):
+    records, resumed = _torchrun_restart(tmp_path, "crashy", crash_at=3)
+    assert {r["attempt"] for r in records} == {0, 1}  # rank 1 died and the job restarted
+    assert [r["step"] for r in records if r["attempt"] == 1][0] == 3  # resumed after step-2's checkpoint
+    _, whole = _torchrun_restart(tmp_path, "whole", crash_at=0)
+    assert len(resumed) == len(whole) == 6
+    assert resumed == pytest.approx(whole, abs=1e-4)

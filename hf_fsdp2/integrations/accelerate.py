@@ -221,7 +221,50 @@ def _fsdp2_prepare_model(accelerator, model: nn.Module) -> nn.Module:
         for param in model.parameters():
             if param.requires_grad and param.is_floating_point() and param.dtype != torch.float32:
                 param.data = param.data.float()
-    return shard_model(model, config, mesh=build_mesh(config))
+    mesh = build_mesh(config)
+    if getattr(accelerator.state.fsdp_plugin, "cpu_ram_efficient_loading", False):
+        return _shard_from_rank0(model, config, mesh)
+    return shard_model(model, config, mesh=mesh)
+
+
+def _shard_from_rank0(model: nn.Module, config: FSDP2Config, mesh) -> nn.Module:
+    """`fsdp_cpu_ram_efficient_loading`: transformers loads the weights on rank 0 only and leaves
+    the other ranks' tensors on the meta device. Shard an empty model, then rank 0 broadcasts one
+    tensor at a time and every rank keeps its own rows (peak: one full tensor per rank).
+    For no full copy on any rank, load with `hf_fsdp2.from_pretrained` instead.
+    Collective: call on every rank.
+    """
+    import torch.distributed as dist
+
+    from ..distributed import default_device
+    from ..tensor_export import local_data, model_tensors, row_range
+
+    device = default_device()  # NCCL broadcasts device tensors
+    is_source = dist.get_rank() == 0
+    sources = {name: t for name, t in model_tensors(model).items()} if is_source else {}
+    buffers = {name: b for name, b in model.named_buffers()} if is_source else {}
+    meta: dict[int, nn.Parameter] = {}  # tied weights stay tied
+    for module in model.modules():
+        for key, param in module._parameters.items():
+            if param is not None:
+                if id(param) not in meta:
+                    meta[id(param)] = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
+                module._parameters[key] = meta[id(param)]
+    shard_model(model, config, mesh=mesh, init_weights=False)
+    with torch.no_grad():
+        targets = list(model_tensors(model).items()) + [(f"buffer:{n}", b) for n, b in model.named_buffers()]
+        for name, target in targets:
+            source = buffers.get(name[len("buffer:"):]) if name.startswith("buffer:") else sources.get(name)
+            if is_source and (source is None or source.is_meta):
+                raise ValueError(f"`fsdp_cpu_ram_efficient_loading`: rank 0 has no weights for {name!r}; "
+                                 "load the model with from_pretrained on rank 0 (or use hf_fsdp2.from_pretrained).")
+            full = (source.to(device=device, dtype=target.dtype).contiguous() if is_source
+                    else torch.empty(target.shape, dtype=target.dtype, device=device))
+            dist.broadcast(full, src=0)
+            start, stop = row_range(target)
+            local = local_data(target)
+            local.copy_(full[start:stop] if full.dim() else full)
+    return model
 
 
 def _save_model(self, model, save_directory, max_shard_size="10GB", safe_serialization=True):

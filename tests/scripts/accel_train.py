@@ -24,6 +24,7 @@ parser.add_argument("--save-model")
 parser.add_argument("--save-state")
 parser.add_argument("--load-state")
 parser.add_argument("--seed", type=int, default=0)
+parser.add_argument("--from-pretrained", help="load the base model with transformers' from_pretrained")
 args = parser.parse_args()
 
 import hf_fsdp2  # noqa: E402
@@ -34,7 +35,12 @@ from accelerate import Accelerator  # noqa: E402
 
 # The scheduler steps once per optimizer step whatever the process count (comparable across world sizes).
 accelerator = Accelerator(gradient_accumulation_steps=args.accum, step_scheduler_with_optimizer=False)
-model = build_model(seed=args.seed)
+if args.from_pretrained:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(args.from_pretrained)
+else:
+    model = build_model(seed=args.seed)
 if args.lora:
     model = lora(model, seed=args.seed)
 opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.01)
