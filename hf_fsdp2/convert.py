@@ -36,6 +36,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from .atomic_dir import fsync_dir
 from .config import parse_dtype
 from .safetensors_io import FileWriter, TensorSpec, dtype_name, plan_checkpoint, write_json
 from .sharding import canonical_name
@@ -116,7 +117,7 @@ def convert_dcp_to_safetensors(
             files.append(INDEX_NAME)
         if config_source is not None:
             _copy_configs(config_source, staging, dtype)
-        _fsync_dir(staging)
+        fsync_dir(staging)
         _commit(staging, dst)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -328,14 +329,6 @@ def _copy_configs(source: Path, staging: Path, dtype: torch.dtype | None) -> Non
             shutil.copyfile(source / name, staging / name)
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _commit(staging: Path, dst: Path) -> None:
     """Rename the finished staging directory to `dst`; an existing `dst` is moved aside first and
     deleted only once the new one is in place."""
@@ -352,4 +345,4 @@ def _commit(staging: Path, dst: Path) -> None:
         if dst.is_dir():
             dst.rmdir()
         os.rename(staging, dst)
-    _fsync_dir(dst.parent)
+    fsync_dir(dst.parent)

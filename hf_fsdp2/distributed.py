@@ -94,18 +94,3 @@ def init_distributed(
     """
     init_process_group(init_method, backend=backend, rank=rank, world_size=world_size, timeout=timeout)
     return build_mesh(config)
-
-
-def shard_group(mesh: DeviceMesh) -> dist.ProcessGroup:
-    return mesh.get_group(SHARD_DIM) if mesh.ndim > 1 else mesh.get_group()
-
-
-def is_writer_replica(mesh: DeviceMesh) -> bool:
-    """Under HSDP every replica holds the same shards; only replica 0 writes them."""
-    return mesh.ndim == 1 or mesh.get_local_rank(REPLICATE_DIM) == 0
-
-
-def barrier(mesh: DeviceMesh | None = None) -> None:
-    """Collective: call on every rank."""
-    if dist.is_initialized():
-        dist.barrier()

@@ -86,7 +86,7 @@ def write_tensors(items: Sequence[ExportTensor], directory: Path, *, weights_nam
         write_json(directory / (weights_name + INDEX_SUFFIX), index)
 
 
-def _export_items(model: nn.Module, dtype: torch.dtype | None, merge_adapters: bool) -> tuple[list[ExportTensor], bool]:
+def export_items(model: nn.Module, dtype: torch.dtype | None, merge_adapters: bool) -> tuple[list[ExportTensor], bool]:
     """(items, is_adapter) for `model` as `save_pretrained` writes it."""
     if is_peft_model(model):
         if merge_adapters:
@@ -104,7 +104,7 @@ def _item(name: str, tensor: torch.Tensor, dtype: torch.dtype | None) -> ExportT
     return ExportTensor(name, tensor, dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype)
 
 
-def _write_configs(model: nn.Module, directory: Path, is_adapter: bool, dtype: torch.dtype | None) -> None:
+def write_configs(model: nn.Module, directory: Path, is_adapter: bool, dtype: torch.dtype | None) -> None:
     """config.json / generation_config.json, or adapter_config.json (rank 0 only)."""
     if is_adapter:
         _write_adapter_config(model, directory)
@@ -154,12 +154,12 @@ def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, *, dtyp
     one-integer all-reduces that let every rank agree that the writes succeeded.
     """
     dtype = parse_dtype(dtype, "dtype")
-    items, is_adapter = _export_items(model, dtype, merge_adapters)
+    items, is_adapter = export_items(model, dtype, merge_adapters)
     weights_name = ADAPTER_FILE if is_adapter else SINGLE_FILE
     with committed_directory(save_directory, is_ours=is_our_file, what="saving") as staging:
         write_tensors(items, staging, weights_name=weights_name, max_shard_size=max_shard_size, progress=progress)
         if _rank() == 0:
-            _write_configs(model, staging, is_adapter, dtype)
+            write_configs(model, staging, is_adapter, dtype)
             if write_extra is not None:
                 write_extra(staging)
 

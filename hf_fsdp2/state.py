@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor
 
 from .atomic_dir import agree, committed_directory, old_path, staging_path
 from .pretrained import (
-    ADAPTER_FILE, _export_items, _write_configs, is_our_file, load_pretrained, load_tensors, write_tensors,
+    ADAPTER_FILE, export_items, write_configs, is_our_file, load_pretrained, load_tensors, write_tensors,
 )
 from .safetensors_io import CheckpointError, CheckpointFiles, write_json
 from .tensor_export import ExportTensor, model_tensors
@@ -173,7 +173,7 @@ def save_state(directory: str | os.PathLike, model: nn.Module, optimizer: torch.
     if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
         raise ValueError(f"`keep_last`={keep_last!r} must be a positive int or None.")
     directory = Path(directory).absolute()
-    model_items, is_adapter = _export_items(model, None, False)
+    model_items, is_adapter = export_items(model, None, False)
     opt_items, opt_other, groups = _optimizer_items(model, optimizer)
     manifest = {
         "format": FORMAT,
@@ -194,7 +194,7 @@ def save_state(directory: str | os.PathLike, model: nn.Module, optimizer: torch.
         (staging / "rng").mkdir(exist_ok=True)
         write_json(staging / "rng" / f"rank-{_rank():05d}.json", _rng_state())
         if _rank() == 0:
-            _write_configs(model, staging, is_adapter, None)
+            write_configs(model, staging, is_adapter, None)
             if write_extra is not None:
                 write_extra(staging)
             write_json(staging / MANIFEST, manifest)
