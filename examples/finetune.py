@@ -33,6 +33,7 @@ import torch.nn.functional as F
 HERE = Path(__file__).resolve().parent
 TINY_LLAMA = HERE / "tiny-llama"
 BUNDLED_DATA = HERE / "data"
+LINEAR_LAYERS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 DATA_BUILDERS = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "json", ".csv": "csv",
                  ".parquet": "parquet"}
 
@@ -48,10 +49,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "dataset name")
     p.add_argument("--text-column", default="text")
     p.add_argument("--output-dir", default="outputs/finetune")
-    p.add_argument("--epochs", type=int, default=8)
+    p.add_argument("--epochs", type=int, default=6)
     p.add_argument("--max-steps", type=int, help="optimizer steps; overrides --epochs")
     p.add_argument("--lr", type=float,
-                   help="peak learning rate; default 8e-3 for the embedded model, else 2e-5 (2e-4 with --lora)")
+                   help="peak learning rate; default 1e-2 (5e-3 with --lora) for the embedded model, else 2e-5 "
+                        "(2e-4 with --lora)")
     p.add_argument("--lr-scheduler", default="cosine", choices=["cosine", "linear", "constant"])
     p.add_argument("--warmup-steps", type=int, default=10)
     p.add_argument("--weight-decay", type=float, default=0.01)
@@ -59,7 +61,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=8, help="sequences per process per micro-step")
     p.add_argument("--gradient-accumulation-steps", type=int, default=1)
     p.add_argument("--seq-len", type=int, default=128, help="tokens per sequence (documents are packed)")
-    p.add_argument("--lora", action="store_true", help="train a LoRA adapter on all linear layers")
+    p.add_argument("--lora", action="store_true",
+                   help="train a LoRA adapter on all linear layers (and `lm_head` of the embedded model)")
     p.add_argument("--lora-r", type=int, default=16)
     p.add_argument("--lora-alpha", type=int, help="default: 2 * r")
     p.add_argument("--save-every", type=int, default=0,
@@ -79,8 +82,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--max-steps must be at least 1, got {args.max_steps}")
     if args.save_every < 0:
         p.error(f"--save-every must be >= 0, got {args.save_every}")
-    if args.lr is None:
-        args.lr = 8e-3 if args.model is None else (2e-4 if args.lora else 2e-5)
+    if args.lr is None:  # what suits the embedded model from scratch, or a pretrained one
+        args.lr = (5e-3 if args.lora else 1e-2) if args.model is None else (2e-4 if args.lora else 2e-5)
     if args.lora_alpha is None:
         args.lora_alpha = 2 * args.lora_r
     return args
@@ -166,7 +169,10 @@ def build_model(args):
 def add_lora(model, args):
     from peft import LoraConfig, get_peft_model
 
-    config = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, target_modules="all-linear", lora_dropout=0.0,
+    # A pretrained model's output layer is usually left alone; the embedded model's is random, and
+    # its logits stay too flat to learn anything unless `lm_head` adapts as well.
+    targets = "all-linear" if args.model is not None else [*LINEAR_LAYERS, "lm_head"]
+    config = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, target_modules=targets, lora_dropout=0.0,
                         task_type="CAUSAL_LM")
     return get_peft_model(model, config)
 

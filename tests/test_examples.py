@@ -103,11 +103,17 @@ def test_lora_adapter_loads_with_peft(tmp_path):
     assert (out / "adapter_model.safetensors").exists() and (out / "adapter_config.json").exists()
     assert not (out / "model.safetensors").exists()  # the adapter only; the seeded base is in base-model/
     adapter = load_file(out / "adapter_model.safetensors")
-    assert adapter and all(".lora_A.weight" in k or ".lora_B.weight" in k for k in adapter)
     assert any(".lora_B." in k and v.abs().max() > 0 for k, v in adapter.items())  # B starts at 0: it trained
     model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(out / "base-model"), out)
     tokenizer = AutoTokenizer.from_pretrained(out)
     assert one_line(proc.stdout, "sample: ") == f"sample: {greedy(model, tokenizer)}"
+    # The gather-free adapter is what PEFT itself writes for the reloaded model (the adapted `lm_head`
+    # brings its base weight along, PEFT's `save_embedding_layers="auto"`).
+    model.save_pretrained(tmp_path / "peft")
+    reference = load_file(tmp_path / "peft" / "adapter_model.safetensors")
+    assert sorted(adapter) == sorted(reference)
+    for name, tensor in reference.items():
+        torch.testing.assert_close(adapter[name], tensor, atol=0, rtol=0)
     # adapter_config.json names the base, so PEFT's one-call loader finds it too.
     assert greedy(AutoPeftModelForCausalLM.from_pretrained(out), tokenizer) == greedy(model, tokenizer)
 

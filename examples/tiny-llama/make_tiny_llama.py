@@ -54,10 +54,12 @@ def main() -> None:
     tokenizer_config["tokenizer_class"] = "PreTrainedTokenizerFast"
     config_file.write_text(json.dumps(tokenizer_config, indent=2) + "\n")
 
-    # ~0.25M parameters: 4 layers, grouped-query attention, tied embeddings, like the small Llamas.
+    # ~0.3M parameters: 4 layers, grouped-query attention. Untied embeddings (as in Llama 2/3 8B), so
+    # a LoRA adapter on the randomly initialised model can adapt `lm_head` without touching the input
+    # embeddings.
     config = LlamaConfig(
         vocab_size=len(tokenizer), hidden_size=64, intermediate_size=192, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=True,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False,
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
