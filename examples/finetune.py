@@ -358,7 +358,9 @@ def main(argv: list[str] | None = None) -> None:
     kind = "CUDA memory allocated" if accelerator.device.type == "cuda" else "resident memory"
     accelerator.print(f"peak {kind} of rank 0: {memory_gb(accelerator.device):.2f} GB")
 
-    # Every rank writes its own rows of the Hugging Face files: no gather to rank 0.
+    # Every rank writes its own rows of the Hugging Face files: no gather to rank 0. (An adapted
+    # `lm_head` brings its frozen base weight into the adapter, as with PEFT's own save, which says so.)
+    warnings.filterwarnings("ignore", message="Setting `save_embedding_layers` to `True`")
     accelerator.save_model(model, output_dir)
     if accelerator.is_main_process:
         tokenizer.save_pretrained(output_dir)
