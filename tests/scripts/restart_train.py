@@ -25,6 +25,13 @@ parser.add_argument("--save-every", type=int, default=2)
 parser.add_argument("--crash-at-step", type=int, default=0)
 args = parser.parse_args()
 
+attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+if attempt:
+    # After a restart, gloo's rendezvous can read the dead attempt's addresses from torchrun's store
+    # (torch 2.13: "Gloo connectFullMesh failed ... Connection refused"); a fresh store per attempt
+    # avoids it. See README "Failures and timeouts".
+    os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "False"
+    os.environ["MASTER_PORT"] = str(int(os.environ["MASTER_PORT"]) + attempt)
 hf_fsdp2.register()
 from accelerate import Accelerator  # noqa: E402
 from accelerate.utils import FullyShardedDataParallelPlugin  # noqa: E402
@@ -41,7 +48,6 @@ if latest is not None:  # --resume auto
     accelerator.load_state(latest)
     start = int(latest.name.split("-")[1])
     data = accelerator.skip_first_batches(data, start)
-attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 for step, ids in enumerate(data, start=start + 1):
     loss = model(input_ids=ids, labels=ids).loss
     accelerator.backward(loss)
@@ -55,4 +61,5 @@ for step, ids in enumerate(data, start=start + 1):
         accelerator.save_state(os.path.join(args.root, f"step-{step}"))
     if step == args.crash_at_step and attempt == 0 and accelerator.process_index == 1:
         os.kill(os.getpid(), signal.SIGKILL)
+accelerator.wait_for_everyone()
 accelerator.end_training()
