@@ -83,6 +83,16 @@ def test_cpu_ram_efficient_loading_broadcasts_rank0_weights(tmp_path):
     assert out["losses"] == pytest.approx(reference_losses(3), abs=1e-4)
 
 
+def test_gradient_accumulation_and_get_state_dict(tmp_path):
+    """`accelerator.accumulate()`: micro-steps communicate nothing, and 2 x 4 rows per process equal
+    one step of 8; `get_state_dict` still returns the full state dict."""
+    out = launch("fsdp2.yaml", 2, tmp_path / "a.json", "--steps", "3", "--accum", "2",
+                 "--per-device-batch", "2")
+    assert out["reduce_scatters_in_accumulation_step"] == 0
+    assert out["losses"] == pytest.approx(reference_losses(3), abs=1e-4)
+    assert out["state_dict_keys"] == len(build_model().state_dict())
+
+
 def test_without_register_cpu_runs_unsynchronised_replicas(tmp_path):
     """Documents what stock Accelerate does here, which `register()` fixes."""
     out = launch("fsdp2.yaml", 2, tmp_path / "a.json", "--steps", "1", "--no-register")

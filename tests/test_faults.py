@@ -197,3 +197,34 @@ def test_torchrun_restart_resumes_from_latest_complete_checkpoint(tmp_path):
     _, whole = _torchrun_restart(tmp_path, "whole", crash_at=0)
     assert len(resumed) == len(whole) == 6
     assert resumed == pytest.approx(whole, abs=1e-4)
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def test_adapter_whose_target_modules_match_nothing_in_the_model(tmp_path):
+    """An adapter saved for other modules: one error naming the file and every key on both sides."""
+    import hf_fsdp2
+
+    from .common import lora
+
+    lora(build_model(), target_modules=["k_proj"]).save_pretrained(tmp_path / "adapter")
+    model = lora(build_model(), target_modules=["q_proj"])
+    with pytest.raises(CheckpointError) as info:
+        hf_fsdp2.load_pretrained(model, tmp_path / "adapter")
+    message = str(info.value)
+    assert str(tmp_path / "adapter") in message
+    assert "missing keys (6)" in message and "q_proj.lora_A.weight" in message
+    assert "unexpected keys (6)" in message and "k_proj.lora_A.weight" in message
+
+
+def test_unsupported_accelerate_version_is_refused_with_the_working_range(monkeypatch):
+    import accelerate
+
+    import hf_fsdp2
+    from hf_fsdp2.integrations import accelerate as backend
+
+    monkeypatch.setattr(accelerate, "__version__", "0.34.2")
+    with pytest.raises(RuntimeError, match=r"supports accelerate >= 1\.10, < 1\.16; found 0\.34\.2"):
+        hf_fsdp2.register()
+    assert not backend.is_registered()

@@ -45,10 +45,9 @@ if args.lora:
     model = lora(model, seed=args.seed)
 opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.01)
 sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
-rows = torch.cat(batches(steps=args.start + args.steps * args.accum,
-                         batch=args.per_device_batch * accelerator.num_processes))
-data = DataLoader(list(rows[args.start * args.per_device_batch * accelerator.num_processes:]),
-                  batch_size=args.per_device_batch, shuffle=False)
+rows_per_step = args.per_device_batch * accelerator.num_processes * args.accum
+rows = torch.cat(batches(steps=args.start + args.steps, batch=rows_per_step))
+data = DataLoader(list(rows[args.start * rows_per_step:]), batch_size=args.per_device_batch, shuffle=False)
 model, opt, data, sched = accelerator.prepare(model, opt, data, sched)
 if args.load_state:
     accelerator.load_state(args.load_state)
@@ -59,8 +58,9 @@ for ids in data:
         accelerator.backward(loss)
         if accelerator.sync_gradients:
             accelerator.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
+        opt.step()  # AcceleratedOptimizer skips it on accumulation micro-steps
+        if accelerator.sync_gradients:
+            sched.step()  # stepped by us once per optimizer step (step_scheduler_with_optimizer=False)
         opt.zero_grad()
     micro.append(accelerator.reduce(loss.detach(), reduction="mean").item())
     if accelerator.sync_gradients:
@@ -77,6 +77,16 @@ report = {
     "world": accelerator.num_processes,
     "mesh": list(getattr(next(iter(model.parameters())), "device_mesh", torch.zeros(0)).shape),
 }
+from tests.common import count_collectives  # noqa: E402
+
+if args.accum > 1:  # an accumulation micro-step inside accelerator.accumulate(): no reduce-scatter
+    ids = next(iter(data))
+    with count_collectives() as calls, accelerator.accumulate(model):
+        assert not accelerator.sync_gradients
+        accelerator.backward(model(input_ids=ids, labels=ids).loss)
+    report["reduce_scatters_in_accumulation_step"] = calls["reduce_scatter_single"]
+    opt.zero_grad()
+report["state_dict_keys"] = len(accelerator.get_state_dict(model))
 if args.save_model:
     accelerator.save_model(model, args.save_model)
 if args.save_state:
