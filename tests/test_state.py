@@ -24,12 +24,9 @@ def _scheduler(opt):
     return torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
 
 
-def _reference_losses(use_lora: bool) -> list[float]:
-    model = lora(build_model()) if use_lora else build_model()
-    opt = optimizer(model)
-    sched = _scheduler(opt)
+def _train_single(model, opt, sched, data) -> list[float]:
     losses = []
-    for ids in batches(TOTAL):
+    for ids in data:
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         opt.step()
@@ -37,6 +34,12 @@ def _reference_losses(use_lora: bool) -> list[float]:
         opt.zero_grad()
         losses.append(loss.item())
     return losses
+
+
+def _reference_losses(use_lora: bool) -> list[float]:
+    model = lora(build_model()) if use_lora else build_model()
+    opt = optimizer(model)
+    return _train_single(model, opt, _scheduler(opt), batches(TOTAL))
 
 
 def _train_phase(rank, world, directory, use_lora, phase):
@@ -90,15 +93,7 @@ def _single_process_resume(state_dir, use_lora):
     opt = optimizer(model)
     sched = _scheduler(opt)
     start, _ = load_state(state_dir, model, opt, sched)
-    losses = []
-    for ids in batches(TOTAL)[start:]:
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        sched.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return {"losses": losses}
+    return {"losses": _train_single(model, opt, sched, batches(TOTAL)[start:])}
 
 
 # ---------------------------------------------------------------------------------------------
