@@ -1,0 +1,986 @@
+"""Training-step benchmark: hf_fsdp2 against Accelerate's FSDP2, FSDP1 with PEFT's policy, and DDP.
+
+One command, one run, side by side: the same model (a Llama built from a `LlamaConfig`, no
+download), the same data and the same number of processes, on N gloo ranks on CPU that this script
+spawns itself (NCCL and one GPU per rank when CUDA is available), in two modes:
+
+  lora   PEFT LoRA r=8 on q/k/v/o/gate/up/down, frozen base
+  full   full fine-tune
+
+CONTESTANTS
+  ours        `hf_fsdp2.shard_model(model, FSDP2Config())`: one `fully_shard` group per decoder layer
+              (frozen base + LoRA together), [embedding], [final norm, lm_head], root; fp32 reduce.
+  accelerate  Accelerate's own FSDP2 path, `accelerate.utils.fsdp_utils.fsdp2_prepare_model(acc, model)`,
+              called directly because stock Accelerate does not engage FSDP on CPU. `acc` is a minimal
+              stand-in carrying exactly the attributes that function reads:
+                state.fsdp_plugin = FullyShardedDataParallelPlugin(fsdp_version=2,
+                    auto_wrap_policy="TRANSFORMER_BASED_WRAP", reshard_after_forward=True,
+                    state_dict_type="SHARDED_STATE_DICT", cpu_ram_efficient_loading=False,
+                    activation_checkpointing=False)   (layer classes from `_no_split_modules`)
+                torch_device_mesh = None   (what `Accelerator()` has without a ParallelismConfig: FSDP2's
+                                            default 1-D mesh over the world)
+                mixed_precision = "no", is_main_process, device
+              This is what `Accelerator._prepare_fsdp2` runs for the model, minus the optimizer
+              parameter swap (we build the optimizer after wrapping instead) and minus compile/AC.
+  fsdp1       `torch.distributed.fsdp.FullyShardedDataParallel(model, use_orig_params=True,
+              device_id=<cpu|cuda>, auto_wrap_policy=...)`, FULL_SHARD, torch defaults otherwise.
+              lora: `peft.utils.other.fsdp_auto_wrap_policy(model)` (every LoRA Linear its own unit,
+              plus each decoder layer): the configuration PEFT's docs and the seeds use.
+              full: `transformer_auto_wrap_policy` on the decoder layer class (Accelerate's FSDP1
+              TRANSFORMER_BASED_WRAP); `--fsdp1-full-policy peft` uses PEFT's policy there too.
+  ddp         `DistributedDataParallel` (default buckets, broadcast_buffers=True) with torch's own
+              `default_hooks.allreduce_hook` registered, so its gradient all-reduces go through
+              `dist.all_reduce` where they can be counted (the same divide + all-reduce the built-in
+              C++ hook does).
+
+PROTOCOL (per world size: one set of processes; per mode: all contestants alive at once)
+  1. Build phase, one contestant after the other: gc + malloc_trim, VmRSS baseline, reset VmHWM, build
+     the model (same seed), wrap, AdamW(lr, trainable params), then `--warmup` untimed steps. Peak RSS
+     = max(VmHWM, 5 ms VmRSS sampler) during build + warm-up, minus the baseline ("RSS delta": the
+     contestant's own model, grads, optimizer state, activations and buffers). After each warm-up
+     backward, before `optimizer.step`: gradient bytes held for frozen weights.
+  2. Timed phase: `--steps` rounds; in each round every contestant does one step (forward, backward,
+     optimizer.step, zero_grad), in an order rotated every round so machine drift hits all alike.
+     Every step starts after a barrier; its time is the slowest rank's. tokens/s = global tokens per
+     step / median step time.
+  3. Collectives: `torch.distributed.{all_gather_single, all_gather_into_tensor, all_gather,
+     _all_gather_base, reduce_scatter_single, reduce_scatter_tensor, reduce_scatter,
+     _reduce_scatter_base, all_reduce, broadcast, _broadcast_coalesced, all_to_all_single}` are
+     wrapped during the timed steps only (FSDP1 and FSDP2 call them as `dist.<name>` at run time;
+     DDP's gradient all-reduce via the hook above, its per-forward buffer broadcast via
+     `_broadcast_coalesced`). Per step: calls, payload bytes (the full, unsharded tensor: output of an
+     all-gather, input of a reduce-scatter, the tensor of an all-reduce/broadcast), and wire bytes
+     sent per rank for a ring algorithm ((n-1)/n x payload for all-gather/reduce-scatter/broadcast,
+     2(n-1)/n for all-reduce).
+  4. Losses: every contestant's global-mean loss at every step (warm-up and timed), all-reduced once
+     at the end; max |loss - ours| is printed so the comparison is of equivalent work.
+  5. `--isolated-memory`: peak RSS delta again with each contestant alone in fresh processes (build +
+     warm-up). In the shared process of 1.-2. the heap pages one contestant frees stay resident and are
+     reused by the next, which moves RSS deltas by up to ~100 MiB at the "small" size.
+
+  Opt-in what-if contestant `ours_tuned` (`--contestants ours accelerate fsdp1 ddp ours_tuned`): ours
+  plus the changes this benchmark suggests for hf_fsdp2, applied from outside (see `wrap_ours_tuned`).
+  It is not a peer and is not in the targets.
+
+    python benchmarks/train_bench.py --world-size 2 4 --model-size tiny --steps 10
+    python benchmarks/train_bench.py --world-size 2 4 --model-size small --steps 5 --warmup 1 --isolated-memory
+
+Results: tables on stdout, `benchmarks/results/train_<timestamp>.json` and `.png` beside it.
+On CUDA (not exercised on the CPU machine this was written on) the same code runs with NCCL, one GPU
+per rank, and also reports MFU (model FLOPs: 6N per token for full, 4N + 2N_trainable for LoRA, over
+`--peak-tflops` per GPU, default from the device name for fp32) and peak CUDA memory per rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import datetime as _dt
+import gc
+import json
+import multiprocessing as mp
+import os
+import platform
+import queue
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import traceback
+import warnings
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS_DIR = REPO / "benchmarks" / "results"
+MiB = 1 << 20
+CONTESTANTS = ("ours", "accelerate", "fsdp1", "ddp")
+PEERS = ("accelerate", "fsdp1", "ddp")
+EXTRA = ("ours_tuned",)  # opt-in (--contestants ... ours_tuned): not a peer, not in the targets
+MODES = ("lora", "full")
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+# Llama shapes: tiny ~5M, small ~60M parameters (untied embeddings).
+MODEL_SIZES = {
+    "tiny": dict(vocab_size=4096, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+                 num_attention_heads=8, num_key_value_heads=4),
+    "small": dict(vocab_size=16384, hidden_size=512, intermediate_size=1376, num_hidden_layers=14,
+                  num_attention_heads=8, num_key_value_heads=4),
+}
+# Default data per size: (global batch, sequence length).
+DEFAULT_DATA = {"tiny": (8, 128), "small": (8, 64)}
+# Dense fp32 (no TF32) peak per GPU, TFLOP/s, for MFU when --peak-tflops is not given.
+FP32_PEAK_TFLOPS = {"H200": 67.0, "H100": 67.0, "A100": 19.5, "L40S": 91.6, "A10": 31.2, "V100": 15.7}
+
+# ---------------------------------------------------------------------------------------------
+# Memory probes (Linux /proc)
+
+
+def _status_kb(field: bytes) -> int:
+    with open("/proc/self/status", "rb") as f:
+        data = f.read()
+    i = data.index(field)
+    return int(data[i + len(field):data.index(b"kB", i)].strip())
+
+
+def rss_bytes() -> int:
+    return _status_kb(b"VmRSS:") * 1024
+
+
+def hwm_bytes() -> int:
+    return _status_kb(b"VmHWM:") * 1024
+
+
+def reset_hwm() -> bool:
+    """Reset VmHWM to the current RSS (Linux >= 4.0); False when not permitted."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def malloc_trim() -> None:
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:
+        pass
+
+
+class RssSampler:
+    """Max VmRSS seen by a thread polling /proc/self/status every `interval` seconds."""
+
+    def __init__(self, interval: float = 0.005):
+        self.interval, self.max = interval, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        with open("/proc/self/status", "rb", buffering=0) as f:
+            while True:
+                f.seek(0)
+                data = f.read(8192)
+                i = data.index(b"VmRSS:")
+                self.max = max(self.max, int(data[i + 6:data.index(b"kB", i)].strip()) * 1024)
+                if self._stop.wait(self.interval):
+                    return
+
+    def __enter__(self) -> "RssSampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+# ---------------------------------------------------------------------------------------------
+# Collective accounting
+
+
+def _nbytes(t) -> int:
+    return t.numel() * t.element_size() if t is not None and hasattr(t, "numel") else 0
+
+
+# name -> (kind, function of (args, kwargs) giving the payload bytes: the full unsharded tensor)
+_COLLECTIVES = {
+    "all_gather_single": ("all_gather", lambda a, k: _nbytes(a[0] if a else k.get("output_tensor"))),
+    "all_gather_into_tensor": ("all_gather", lambda a, k: _nbytes(a[0] if a else k.get("output_tensor"))),
+    "_all_gather_base": ("all_gather", lambda a, k: _nbytes(a[0] if a else k.get("output_tensor"))),
+    "all_gather": ("all_gather", lambda a, k: sum(_nbytes(t) for t in (a[0] if a else k.get("tensor_list")))),
+    "reduce_scatter_single": ("reduce_scatter", lambda a, k: _nbytes(a[1] if len(a) > 1 else k.get("input"))),
+    "reduce_scatter_tensor": ("reduce_scatter", lambda a, k: _nbytes(a[1] if len(a) > 1 else k.get("input"))),
+    "_reduce_scatter_base": ("reduce_scatter", lambda a, k: _nbytes(a[1] if len(a) > 1 else k.get("input"))),
+    "reduce_scatter": ("reduce_scatter",
+                       lambda a, k: sum(_nbytes(t) for t in (a[1] if len(a) > 1 else k.get("input_list")))),
+    "all_reduce": ("all_reduce", lambda a, k: _nbytes(a[0] if a else k.get("tensor"))),
+    "broadcast": ("broadcast", lambda a, k: _nbytes(a[0] if a else k.get("tensor"))),
+    "_broadcast_coalesced": ("broadcast", lambda a, k: sum(_nbytes(t) for t in a[1])),
+    "all_to_all_single": ("all_to_all", lambda a, k: _nbytes(a[1] if len(a) > 1 else k.get("input"))),
+}
+_WIRE_FACTOR = {"all_gather": 1, "reduce_scatter": 1, "broadcast": 1, "all_to_all": 1, "all_reduce": 2}
+
+
+class CollectiveCounter:
+    """Wraps `torch.distributed.<collective>` while active; attributes calls to `self.current`."""
+
+    def __init__(self, world: int):
+        import torch.distributed as dist
+
+        self.dist, self.world = dist, world
+        self.current: str | None = None
+        self.trace = False  # record (function, payload bytes) of every call, in order
+        self.stats: dict[str, dict] = {}
+        self._originals: dict = {}
+
+    def _record(self, name: str, args, kwargs) -> None:
+        if self.current is None:
+            return
+        kind, payload_fn = _COLLECTIVES[name]
+        try:
+            payload = payload_fn(args, kwargs)
+        except Exception:  # noqa: BLE001 - an odd call signature must not break the run
+            payload = 0
+        s = self.stats.setdefault(self.current, {"calls": 0, "payload_bytes": 0, "wire_bytes": 0.0, "by_fn": {},
+                                                 "trace": []})
+        if self.trace:
+            s["trace"].append((name, payload))
+        s["calls"] += 1
+        s["payload_bytes"] += payload
+        s["wire_bytes"] += payload * _WIRE_FACTOR[kind] * (self.world - 1) / self.world
+        fn = s["by_fn"].setdefault(name, {"calls": 0, "payload_bytes": 0})
+        fn["calls"] += 1
+        fn["payload_bytes"] += payload
+
+    def __enter__(self) -> "CollectiveCounter":
+        for name in _COLLECTIVES:
+            original = getattr(self.dist, name, None)
+            if original is None:
+                continue
+            self._originals[name] = original
+
+            def counted(*args, _name=name, _orig=original, **kwargs):
+                self._record(_name, args, kwargs)
+                return _orig(*args, **kwargs)
+
+            setattr(self.dist, name, counted)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for name, original in self._originals.items():
+            setattr(self.dist, name, original)
+        self._originals.clear()
+
+
+# ---------------------------------------------------------------------------------------------
+# Models, data, contestants
+
+
+def llama_config(size: str):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(**MODEL_SIZES[size], max_position_embeddings=2048, tie_word_embeddings=False,
+                       attention_dropout=0.0, rms_norm_eps=1e-5)
+
+
+def build_model(size: str, mode: str, seed: int):
+    """The same weights (and LoRA A init) for every contestant: seeded before each random init."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(llama_config(size)).float()
+    if mode == "lora":
+        from peft import LoraConfig, get_peft_model
+
+        torch.manual_seed(seed + 1)
+        model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=LORA_TARGETS))
+    return model
+
+
+def make_batches(n: int, batch: int, seq: int, vocab: int, seed: int):
+    """Learnable sequences (each token = previous + a per-row stride), identical on every rank."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        start = torch.randint(0, vocab, (batch, 1), generator=g)
+        stride = torch.randint(1, 8, (batch, 1), generator=g)
+        out.append((start + stride * torch.arange(seq)) % vocab)
+    return out
+
+
+def wrap_ours(model, ctx):
+    from hf_fsdp2 import FSDP2Config, shard_model
+
+    return shard_model(model, FSDP2Config())  # defaults: reduce_dtype fp32, reshard_after_forward True
+
+
+def wrap_accelerate(model, ctx):
+    from types import SimpleNamespace
+
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from accelerate.utils.fsdp_utils import fsdp2_prepare_model
+
+    model.to(ctx["device"])  # Accelerator.prepare_model moves the model to its device first
+    plugin = FullyShardedDataParallelPlugin(
+        fsdp_version=2, auto_wrap_policy="TRANSFORMER_BASED_WRAP", reshard_after_forward=True,
+        state_dict_type="SHARDED_STATE_DICT", cpu_ram_efficient_loading=False, activation_checkpointing=False)
+    acc = SimpleNamespace(state=SimpleNamespace(fsdp_plugin=plugin), torch_device_mesh=None, parallelism_config=None,
+                          mixed_precision="no", is_main_process=ctx["rank"] == 0, device=ctx["device"])
+    return fsdp2_prepare_model(acc, model)
+
+
+def wrap_fsdp1(model, ctx):
+    import functools
+
+    import torch
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+
+    if ctx["mode"] == "lora" or ctx["fsdp1_full_policy"] == "peft":
+        from peft.utils.other import fsdp_auto_wrap_policy
+
+        policy = fsdp_auto_wrap_policy(model)
+    else:
+        from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+        policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={LlamaDecoderLayer})
+    device_id = ctx["device"] if ctx["device"].type == "cuda" else torch.device("cpu")
+    return FullyShardedDataParallel(model, auto_wrap_policy=policy, use_orig_params=True, device_id=device_id)
+
+
+def wrap_ddp(model, ctx):
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.nn.parallel import DistributedDataParallel
+
+    model.to(ctx["device"])
+    ddp = DistributedDataParallel(model, device_ids=[ctx["device"].index] if ctx["device"].type == "cuda" else None)
+    ddp.register_comm_hook(state=None, hook=default_hooks.allreduce_hook)
+    return ddp
+
+
+def wrap_ours_tuned(model, ctx):
+    """ours + the changes this benchmark suggests for hf_fsdp2, applied from outside (opt-in contestant):
+    the input embedding is not all-gathered again in backward (its backward never reads the weight),
+    one layer of forward prefetch, and asynchronous all-gathers (FSDP2 issues them synchronously unless
+    told otherwise; on CPU that serialises communication with compute). The optimizer steps the local
+    shards (`LocalShardOptimizer`), see `make_optimizer`."""
+    from hf_fsdp2 import FSDP2Config, shard_model
+    from hf_fsdp2.sharding import unwrap_peft
+
+    model = shard_model(model, FSDP2Config(forward_prefetch=1))
+    embedding = unwrap_peft(model).get_input_embeddings()
+    if hasattr(embedding, "set_unshard_in_backward"):
+        embedding.set_unshard_in_backward(False)
+    model._set_unshard_async_op(True)  # private FSDP2 API (torch 2.13); CPU only matters
+    return model
+
+
+WRAPPERS = {"ours": wrap_ours, "accelerate": wrap_accelerate, "fsdp1": wrap_fsdp1, "ddp": wrap_ddp,
+            "ours_tuned": wrap_ours_tuned}
+
+
+class LocalShardOptimizer:
+    """AdamW on the plain local tensors behind FSDP2's DTensor parameters.
+
+    AdamW is elementwise, so stepping each rank's shard is exactly the sharded step, without a DTensor
+    dispatch per foreach op. (Grad clipping would still need the global norm: one all-reduce.)"""
+
+    def __init__(self, params, **kwargs):
+        import torch
+
+        self.pairs = [(p, p._local_tensor.detach() if hasattr(p, "_local_tensor") else p) for p in params]
+        self.inner = torch.optim.AdamW([local for _, local in self.pairs], **kwargs)
+
+    def step(self) -> None:
+        for p, local in self.pairs:
+            g = p.grad
+            local.grad = g._local_tensor if hasattr(g, "_local_tensor") else g
+        self.inner.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p, local in self.pairs:
+            p.grad = None
+            local.grad = None
+
+
+def make_optimizer(name: str, model, lr: float):
+    import torch
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    if name == "ours_tuned":
+        return LocalShardOptimizer(params, lr=lr, weight_decay=0.0)
+    return torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+
+
+def _local(t):
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def grad_bytes(model) -> dict:
+    """Gradient bytes this rank holds after backward: for trainable and for frozen weights.
+
+    Frozen: `.grad` of requires_grad=False parameters, plus, for FSDP1, the share of each
+    FlatParameter's gradient that covers frozen original parameters (FSDP1 keeps one flat gradient
+    per unit; with `use_orig_params=True` a unit mixing frozen and trainable weights grads them all).
+    """
+    frozen = trainable = 0
+    for p in model.parameters():
+        g = p.grad
+        if g is None:
+            continue
+        if p.requires_grad:
+            trainable += _nbytes(_local(g))
+        else:
+            frozen += _nbytes(_local(g))
+    flat_frozen = flat_total = 0
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        units = FullyShardedDataParallel.fsdp_modules(model)
+    except Exception:  # noqa: BLE001
+        units = []
+    for unit in units:
+        handle = getattr(unit, "_handle", None)
+        flat = getattr(handle, "flat_param", None) if handle is not None else None
+        if flat is None:
+            continue
+        g = flat.grad if flat.grad is not None else getattr(flat, "_saved_grad_shard", None)
+        if g is None:
+            continue
+        params = getattr(flat, "_params", None) or []
+        numels = list(getattr(flat, "_numels", [p.numel() for p in params]))
+        total = sum(numels) or 1
+        frozen_numel = sum(n for p, n in zip(params, numels) if not p.requires_grad)
+        flat_total += _nbytes(g)
+        flat_frozen += int(_nbytes(g) * frozen_numel / total)
+    if units:  # with use_orig_params the .grad of original params are views of the flat gradient
+        trainable = flat_total - flat_frozen
+    return {"frozen_grad_bytes": frozen + flat_frozen, "frozen_param_grad_bytes": frozen,
+            "frozen_flat_grad_bytes": flat_frozen, "trainable_grad_bytes": trainable}
+
+
+def param_counts(model) -> tuple[int, int]:
+    """(total, trainable) global parameter counts (sharded DTensors report their global numel)."""
+    seen, total, trainable = set(), 0, 0
+    for p in model.parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        total += p.numel()
+        trainable += p.numel() if p.requires_grad else 0
+    return total, trainable
+
+
+# ---------------------------------------------------------------------------------------------
+# One rank
+
+
+def prime(job: dict, rank: int, device) -> None:
+    """One step of every contestant on a 1-layer model, discarded: imports, lazy module and
+    process-group state and thread pools are paid for here, not by whichever contestant is built
+    first in the measured build phase."""
+    import torch
+
+    ids = torch.randint(0, 256, (1, 16), device=device)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for mode in job["modes"]:
+            for name in job["contestants"]:
+                torch.manual_seed(0)
+                from transformers import LlamaConfig, LlamaForCausalLM
+
+                base = LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
+                                                    num_hidden_layers=1, num_attention_heads=4,
+                                                    num_key_value_heads=2, tie_word_embeddings=False))
+                if mode == "lora":
+                    from peft import LoraConfig, get_peft_model
+
+                    base = get_peft_model(base, LoraConfig(r=8, target_modules=LORA_TARGETS))
+                try:
+                    model = WRAPPERS[name](base, {"rank": rank, "device": device, "mode": mode,
+                                                  "fsdp1_full_policy": job["fsdp1_full_policy"]})
+                    opt = make_optimizer(name, model, 1e-3)
+                    model(input_ids=ids, labels=ids).loss.backward()
+                    opt.step()
+                except Exception:  # noqa: BLE001 - the measured build reports failures
+                    pass
+    model = opt = base = None
+    gc.collect()
+    malloc_trim()
+
+
+def run_rank(rank: int, world: int, job: dict) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    cuda = job["cuda"]
+    device = torch.device("cuda", rank % torch.cuda.device_count()) if cuda else torch.device("cpu")
+    cfg = llama_config(job["model_size"])
+    batch, seq = job["batch"], job["seq"]
+    assert batch % world == 0, "global batch must divide by the world size"
+    per = batch // world
+    nsteps = job["warmup"] + job["steps"]
+    batches = [b[rank * per:(rank + 1) * per].to(device)
+               for b in make_batches(nsteps, batch, seq, cfg.vocab_size, job["seed"] + 7)]
+    counter = CollectiveCounter(world)
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
+
+    out = {"rank": rank, "modes": {}}
+    prime(job, rank, device)
+    for mode in job["modes"]:
+        live, res = {}, {}
+        # 1. build + warm-up, one contestant after the other
+        for name in job["contestants"]:
+            r = res[name] = {"losses": [], "step_s": [], "error": None}
+            gc.collect()
+            malloc_trim()
+            if cuda:
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats(device)
+            dist.barrier()
+            base = rss_bytes()
+            hwm_ok = reset_hwm()
+            error = None
+            with RssSampler(job["sample_interval"]) as sampler, warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                try:
+                    t0 = time.perf_counter()
+                    model = WRAPPERS[name](build_model(job["model_size"], mode, job["seed"]),
+                                           {"rank": rank, "device": device, "mode": mode,
+                                            "fsdp1_full_policy": job["fsdp1_full_policy"]})
+                    opt = make_optimizer(name, model, job["lr"])
+                    r["wrap_s"] = time.perf_counter() - t0
+                    r["params_total"], r["params_trainable"] = param_counts(model)
+                    grads = []
+                    for i in range(job["warmup"]):
+                        loss = model(input_ids=batches[i], labels=batches[i]).loss
+                        loss.backward()
+                        grads.append(grad_bytes(model))
+                        opt.step()
+                        opt.zero_grad(set_to_none=True)
+                        r["losses"].append(loss.item())
+                    sync()
+                    r["grads"] = {k: max(g[k] for g in grads) for k in grads[0]} if grads else {}
+                except Exception:  # noqa: BLE001 - reported as this contestant's error
+                    error = traceback.format_exc()
+            # All ranks agree on dropping a contestant (otherwise the others would wait in its collectives).
+            flag = torch.tensor([1.0 if error else 0.0], device=device)
+            dist.all_reduce(flag)
+            if flag.item() > 0:
+                r["error"] = error or "failed on another rank"
+                res[name] = r
+                model = opt = None
+                continue
+            r["warnings"] = sorted({str(w.message).strip().split("\n")[0][:300] for w in caught})
+            r["rss_base"] = base
+            r["rss_peak"] = max(hwm_bytes() if hwm_ok else 0, sampler.max)
+            r["rss_delta"] = r["rss_peak"] - base
+            r["hwm_reset"] = hwm_ok
+            if cuda:
+                r["cuda_peak_bytes"] = torch.cuda.max_memory_allocated(device)
+            live[name] = (model, opt)
+            model = opt = None
+
+        # 2. timed rounds, order rotated every round
+        names = list(live)
+        with counter:
+            for k in range(job["steps"]):
+                ids = batches[job["warmup"] + k]
+                order = names[k % len(names):] + names[:k % len(names)] if names else []
+                for name in order:
+                    model, opt = live[name]
+                    dist.barrier()
+                    counter.current = name
+                    counter.trace = k == 0
+                    t0 = time.perf_counter()
+                    loss = model(input_ids=ids, labels=ids).loss
+                    t1 = time.perf_counter()
+                    loss.backward()
+                    t2 = time.perf_counter()
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+                    value = loss.item()
+                    sync()
+                    t3 = time.perf_counter()
+                    res[name]["step_s"].append(t3 - t0)
+                    # Phases are host-side times: exact on CPU, launch/queue times only on CUDA.
+                    res[name].setdefault("phases_s", []).append((t1 - t0, t2 - t1, t3 - t2))
+                    counter.current = None
+                    res[name]["losses"].append(value)
+        model = opt = None
+        for name in names:
+            res[name]["collectives"] = counter.stats.get(name, {"calls": 0, "payload_bytes": 0, "wire_bytes": 0.0,
+                                                                "by_fn": {}})
+        counter.stats = {}
+        # 3. global-mean losses and slowest-rank step times, one collective each
+        for name in names:
+            losses = torch.tensor(res[name]["losses"], dtype=torch.float64, device=device)
+            dist.all_reduce(losses)
+            res[name]["global_losses"] = (losses / world).tolist()
+            times = torch.tensor(res[name]["step_s"], dtype=torch.float64, device=device)
+            dist.all_reduce(times, op=dist.ReduceOp.MAX)
+            res[name]["step_s_max"] = times.tolist()
+        live.clear()
+        gc.collect()
+        malloc_trim()
+        out["modes"][mode] = res
+    return out
+
+
+def _rank_entry(rank: int, world: int, port: int, job: dict, results) -> None:
+    import torch
+    import torch.distributed as dist
+
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(job["threads"])
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    try:
+        if job["cuda"]:
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        dist.init_process_group("nccl" if job["cuda"] else "gloo", init_method="env://", rank=rank,
+                                world_size=world, timeout=_dt.timedelta(minutes=20))
+        results.put((rank, "ok", run_rank(rank, world, job)))
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        results.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_world(world: int, job: dict, timeout: float) -> list[dict]:
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_rank_entry, args=(r, world, port, job, results), daemon=True) for r in range(world)]
+    for p in procs:
+        p.start()
+    out, errors = {}, []
+    try:
+        for _ in range(world):
+            rank, status, value = results.get(timeout=timeout)
+            if status == "ok":
+                out[rank] = value
+            else:
+                errors.append(f"--- rank {rank} ---\n{value}")
+                timeout = 15
+    except queue.Empty:
+        errors.append(f"timed out after {timeout:.0f}s; finished ranks {sorted(out)}")
+    finally:
+        for p in procs:
+            p.join(timeout=10 if not errors else 1)
+            if p.is_alive():
+                p.kill()
+    if errors:
+        raise RuntimeError("benchmark ranks failed:\n" + "\n".join(errors))
+    return [out[r] for r in range(world)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Aggregation and report
+
+
+def summarize(ranks: list[dict], mode: str, name: str, job: dict, world: int, peak_tflops: float | None) -> dict:
+    per = [r["modes"][mode][name] for r in ranks]
+    r0 = per[0]
+    if r0["error"]:
+        real = [p["error"] for p in per if p["error"] and p["error"] != "failed on another rank"]
+        return {"error": real[0] if real else r0["error"]}
+    times = r0["step_s_max"]
+    med = statistics.median(times)
+    tokens = job["batch"] * job["seq"]
+    s = {
+        "step_s_median": med, "step_s": times,
+        "step_s_iqr": (statistics.quantiles(times, n=4)[0], statistics.quantiles(times, n=4)[2])
+        if len(times) >= 2 else (med, med),
+        "tokens_per_s": tokens / med,
+        "wrap_s_max": max(p["wrap_s"] for p in per),
+        "params_total": r0["params_total"], "params_trainable": r0["params_trainable"],
+        "collectives_per_step": r0["collectives"]["calls"] / job["steps"],
+        "collectives_per_step_per_rank": [p["collectives"]["calls"] / job["steps"] for p in per],
+        "payload_bytes_per_step": r0["collectives"]["payload_bytes"] / job["steps"],
+        "wire_bytes_per_rank_per_step": max(p["collectives"]["wire_bytes"] for p in per) / job["steps"],
+        "phases_ms_median_rank0": dict(zip(("forward", "backward", "optimizer"),
+                                           (statistics.median(x[i] for x in r0["phases_s"]) * 1e3 for i in range(3)))),
+        "collectives_trace_first_step": r0["collectives"].get("trace", []),
+        "collectives_by_fn_per_step": {fn: {"calls": v["calls"] / job["steps"],
+                                            "payload_bytes": v["payload_bytes"] / job["steps"]}
+                                       for fn, v in r0["collectives"]["by_fn"].items()},
+        "rss_peak_per_rank": [p["rss_peak"] for p in per],
+        "rss_delta_per_rank": [p["rss_delta"] for p in per],
+        "rss_base_per_rank": [p["rss_base"] for p in per],
+        "rss_delta_max": max(p["rss_delta"] for p in per),
+        "frozen_grad_bytes_max": max(p["grads"].get("frozen_grad_bytes", 0) for p in per),
+        "frozen_grad_detail_rank0": r0["grads"],
+        "trainable_grad_bytes_per_rank": [p["grads"].get("trainable_grad_bytes", 0) for p in per],
+        "losses": r0["global_losses"],
+        "warnings_rank0": r0.get("warnings", []),
+    }
+    if "cuda_peak_bytes" in r0:
+        s["cuda_peak_bytes_per_rank"] = [p["cuda_peak_bytes"] for p in per]
+        n, nt = r0["params_total"], r0["params_trainable"]
+        flops_per_token = 6 * n if mode == "full" else 4 * n + 2 * nt
+        s["model_flops_per_step"] = flops_per_token * tokens
+        if peak_tflops:
+            s["mfu"] = s["model_flops_per_step"] / med / (peak_tflops * 1e12 * world)
+    return s
+
+
+def isolated_memory(world: int, job: dict, contestants: list[str], timeout: float) -> dict:
+    """Peak RSS delta per rank with each contestant alone in fresh processes (build + warm-up only).
+
+    In the main run all contestants share a process, so the allocator state one leaves behind (freed
+    but resident heap pages) changes the next one's RSS delta by ~+-100 MiB at the "small" size."""
+    out: dict = {}
+    for mode in job["modes"]:
+        for name in contestants:
+            ranks = run_world(world, {**job, "modes": [mode], "contestants": [name], "steps": 0}, timeout)
+            r = [x["modes"][mode][name] for x in ranks]
+            out.setdefault(mode, {})[name] = (
+                {"error": r[0]["error"]} if r[0]["error"] else
+                {"rss_delta_per_rank": [x["rss_delta"] for x in r], "rss_peak_per_rank": [x["rss_peak"] for x in r],
+                 "rss_base_per_rank": [x["rss_base"] for x in r], "rss_delta_max": max(x["rss_delta"] for x in r),
+                 **({"cuda_peak_bytes_per_rank": [x["cuda_peak_bytes"] for x in r]} if "cuda_peak_bytes" in r[0]
+                    else {})})
+    return out
+
+
+def mib(n: float) -> str:
+    return f"{n / MiB:.1f}"
+
+
+def report(res: dict) -> list[str]:
+    world, lines = res["world_size"], []
+    cuda = res["cuda"]
+    for mode, table in res["modes"].items():
+        ours = table.get("ours", {})
+        lines.append(f"\n== {res['model_size']} Llama ({ours.get('params_total', 0) / 1e6:.2f}M params, "
+                     f"{ours.get('params_trainable', 0) / 1e6:.3f}M trainable), mode={mode}, {world} ranks "
+                     f"({'NCCL/CUDA' if cuda else 'gloo/CPU'}, {res['threads']} threads/rank), "
+                     f"{res['tokens_per_step']} tokens/step, {res['steps']} timed steps after {res['warmup']} ==")
+        head = (f"{'contestant':<11}{'tok/s':>8}{'vs ours':>8}{'step ms (IQR)':>20}{'fwd/bwd/opt ms':>16}"
+                f"{'coll/step':>10}{'vs ours':>8}{'payload MiB':>12}{'wire MiB/rank':>14}{'RSSΔ MiB run':>14}"
+                f"{'frozen grad B':>14}{'|Δloss| max':>12}")
+        if cuda:
+            head += f"{'MFU':>7}{'CUDA peak MiB':>15}"
+        lines.append(head)
+        for name, s in table.items():
+            if "error" in s:
+                first = [ln for ln in s["error"].strip().splitlines() if ln.strip()][-1][:110]
+                lines.append(f"{name:<11}{'n/a':>9}   ({first})")
+                continue
+            tps_ratio = s["tokens_per_s"] / ours["tokens_per_s"] if "tokens_per_s" in ours else float("nan")
+            coll_ratio = (s["collectives_per_step"] / ours["collectives_per_step"]
+                          if ours.get("collectives_per_step") else float("nan"))
+            iqr = f"{s['step_s_median'] * 1e3:.0f} ({s['step_s_iqr'][0] * 1e3:.0f}-{s['step_s_iqr'][1] * 1e3:.0f})"
+            dl = s.get("max_abs_loss_diff_vs_ours")
+            phases = "/".join(f"{v:.0f}" for v in s["phases_ms_median_rank0"].values())
+            line = (f"{name:<11}{s['tokens_per_s']:>8.0f}{tps_ratio:>7.2f}x{iqr:>20}{phases:>16}"
+                    f"{s['collectives_per_step']:>10.0f}{coll_ratio:>7.2f}x{mib(s['payload_bytes_per_step']):>12}"
+                    f"{mib(s['wire_bytes_per_rank_per_step']):>14}{mib(s['rss_delta_max']):>14}"
+                    f"{s['frozen_grad_bytes_max']:>14}{'-' if dl is None else f'{dl:.2e}':>12}")
+            if cuda:
+                line += f"{s.get('mfu', float('nan')) * 100:>6.1f}%{mib(max(s['cuda_peak_bytes_per_rank'])):>15}"
+            lines.append(line)
+        iso = res.get("isolated_memory", {}).get(mode)
+        if iso:
+            lines.append("  RSS Δ per rank, each contestant alone in fresh processes (MiB): " + "; ".join(
+                f"{name}: " + (" ".join(mib(x) for x in s["rss_delta_per_rank"]) if "error" not in s else "n/a")
+                for name, s in iso.items()))
+        lines.append("  RSS Δ per rank, in this run (MiB): " + "; ".join(
+            f"{name}: " + " ".join(mib(x) for x in s["rss_delta_per_rank"]) for name, s in table.items()
+            if "error" not in s))
+        if "losses" in ours:
+            lines.append(f"  global-mean loss (ours), step 1 -> {len(ours['losses'])}: {ours['losses'][0]:.5f} -> "
+                         f"{ours['losses'][-1]:.5f}; |Δloss| max = max over all steps of |loss - ours| (same data, "
+                         "same init)")
+        lines.append("  collectives per step, by function: " + "; ".join(
+            f"{name}: " + ", ".join(f"{fn}={v['calls']:.0f} ({mib(v['payload_bytes'])} MiB)"
+                                    for fn, v in sorted(s["collectives_by_fn_per_step"].items()))
+            for name, s in table.items() if "error" not in s))
+    return lines
+
+
+def targets(res: dict) -> list[tuple[bool | None, str]]:
+    world, out = res["world_size"], []
+    for mode, table in res["modes"].items():
+        ours = table.get("ours")
+        if not ours or "error" in ours:
+            out.append((False, f"{mode}, {world} ranks: ours did not run"))
+            continue
+        ran = {n: s for n, s in table.items() if n in PEERS and "error" not in s}
+        if ran:
+            best = max(ran, key=lambda n: ran[n]["tokens_per_s"])
+            ok = ours["tokens_per_s"] >= ran[best]["tokens_per_s"]
+            overlap = ours["step_s_iqr"][0] <= ran[best]["step_s_iqr"][1] and \
+                ran[best]["step_s_iqr"][0] <= ours["step_s_iqr"][1]
+            out.append((ok, f"{mode}, {world} ranks: throughput >= every peer: ours {ours['tokens_per_s']:.0f} tok/s "
+                            f"vs best peer {best} {ran[best]['tokens_per_s']:.0f} tok/s "
+                            f"({ours['tokens_per_s'] / ran[best]['tokens_per_s']:.2f}x"
+                            f"{'; step-time IQRs overlap' if overlap else ''})"))
+        if mode == "lora":
+            f1 = table.get("fsdp1")
+            if f1 and "error" not in f1:
+                ok = ours["collectives_per_step"] <= 0.5 * f1["collectives_per_step"]
+                out.append((ok, f"lora, {world} ranks: collectives/step <= half of FSDP1+PEFT policy: ours "
+                                f"{ours['collectives_per_step']:.0f} vs fsdp1 {f1['collectives_per_step']:.0f} "
+                                f"(limit {0.5 * f1['collectives_per_step']:.0f})"))
+            else:
+                out.append((None, f"lora, {world} ranks: collectives vs FSDP1: n/a (FSDP1 not run or failed)"))
+            ok = ours["frozen_grad_bytes_max"] == 0
+            out.append((ok, f"lora, {world} ranks: gradient bytes for frozen weights = 0: ours "
+                            f"{ours['frozen_grad_bytes_max']} B (max over ranks and warm-up steps)"))
+    return out
+
+
+def plot(results: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = [(r, mode) for r in results for mode in r["modes"]]
+    labels = [f"{mode}\n{r['world_size']} ranks" for r, mode in groups]
+    panels = [("tokens/s (median step)", "tokens_per_s", 1), ("collectives per step", "collectives_per_step", 1),
+              ("wire bytes sent per rank per step (MiB)", "wire_bytes_per_rank_per_step", MiB),
+              ("peak RSS delta per rank, max (MiB; contestant alone if --isolated-memory)", "rss_delta_max", MiB)]
+    fig, axes = plt.subplots(2, 2, figsize=(max(12, 2.6 * len(groups) + 4), 9))
+    names = list(dict.fromkeys(n for r, mode in groups for n in r["modes"][mode]))
+    width = 0.8 / len(names)
+    for ax, (title, key, scale) in zip(axes.flat, panels):
+        for j, name in enumerate(names):
+            vals, err = [], [[], []]
+            for r, mode in groups:
+                s = r["modes"][mode].get(name)
+                ok = s is not None and "error" not in s
+                if key == "rss_delta_max" and r.get("isolated_memory"):  # the unbiased number when measured
+                    s = r["isolated_memory"][mode].get(name)
+                    ok = s is not None and "error" not in s
+                vals.append(s[key] / scale if ok else 0)
+                if key == "tokens_per_s" and ok:  # IQR of the step times as error bars
+                    err[0].append(vals[-1] - r["tokens_per_step"] / s["step_s_iqr"][1])
+                    err[1].append(r["tokens_per_step"] / s["step_s_iqr"][0] - vals[-1])
+                else:
+                    err[0].append(0)
+                    err[1].append(0)
+            xs = [i + (j - (len(names) - 1) / 2) * width for i in range(len(groups))]
+            ax.bar(xs, vals, width, label=name, yerr=err if key == "tokens_per_s" else None, capsize=3)
+        ax.set_xticks(range(len(groups)))
+        ax.set_xticklabels(labels)
+        ax.set_title(title, fontsize=10)
+        if key == "collectives_per_step":
+            ax.set_yscale("log")
+        ax.legend(fontsize=7)
+    r0 = results[0]
+    fig.suptitle(f"hf_fsdp2 training-step benchmark: {r0['model_size']} Llama, "
+                 f"{'NCCL/CUDA' if r0['cuda'] else 'gloo/CPU'}, {r0['tokens_per_step']} tokens/step")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def git_state() -> dict:
+    def git(*args):
+        try:
+            return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=20).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+
+    return {"commit": git("rev-parse", "HEAD"), "hf_fsdp2_dirty": bool(git("status", "--porcelain", "hf_fsdp2"))}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--world-size", type=int, nargs="+", default=[2, 4], help="ranks (one run per value)")
+    ap.add_argument("--model-size", choices=sorted(MODEL_SIZES), default="tiny")
+    ap.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    ap.add_argument("--contestants", nargs="+", choices=CONTESTANTS + EXTRA, default=list(CONTESTANTS),
+                    help="ours always runs (the reference); ours_tuned is an opt-in what-if")
+    ap.add_argument("--steps", type=int, default=10, help="timed steps per contestant (median)")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed steps per contestant first (>= 1)")
+    ap.add_argument("--batch", type=int, default=None, help="global batch (sequences per step)")
+    ap.add_argument("--seq", type=int, default=None, help="sequence length")
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch threads per rank (default: CPU cores // world size, at least 1)")
+    ap.add_argument("--fsdp1-full-policy", choices=("transformer", "peft"), default="transformer",
+                    help="FSDP1 wrap policy for full fine-tune (lora always uses PEFT's fsdp_auto_wrap_policy)")
+    ap.add_argument("--peak-tflops", type=float, default=None, help="per-GPU peak for MFU (CUDA only)")
+    ap.add_argument("--no-cuda", action="store_true", help="gloo on CPU even when CUDA is available")
+    ap.add_argument("--isolated-memory", action="store_true",
+                    help="also measure peak RSS with each contestant alone in fresh processes (build + warm-up; "
+                         "unbiased by the allocator state of the others; one spawn per mode and contestant)")
+    ap.add_argument("--sample-ms", type=float, default=5.0, help="VmRSS sampling interval")
+    ap.add_argument("--timeout", type=float, default=1800.0, help="seconds to wait for the ranks, per world size")
+    ap.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
+    args = ap.parse_args(argv)
+    if args.warmup < 1 or args.steps < 1:
+        ap.error("--warmup and --steps must be >= 1")
+    import torch
+
+    cuda = torch.cuda.is_available() and not args.no_cuda
+    batch = args.batch or DEFAULT_DATA[args.model_size][0]
+    seq = args.seq or DEFAULT_DATA[args.model_size][1]
+    for w in args.world_size:
+        if batch % w:
+            ap.error(f"--batch {batch} must be divisible by every --world-size (got {w})")
+        if cuda and w > torch.cuda.device_count():
+            ap.error(f"--world-size {w} needs {w} GPUs; {torch.cuda.device_count()} visible")
+    peak_tflops = args.peak_tflops
+    if cuda and peak_tflops is None:
+        name = torch.cuda.get_device_name(0)
+        peak_tflops = next((v for k, v in FP32_PEAK_TFLOPS.items() if k in name), None)
+
+    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    contestants = ["ours"] + [c for c in args.contestants if c != "ours"]  # ours is the reference
+    meta = {"timestamp": stamp, "argv": sys.argv[1:], "git": git_state(), "python": platform.python_version(),
+            "torch": torch.__version__, "cpus": os.cpu_count(), "platform": platform.platform(),
+            "cuda": cuda, "cuda_device": torch.cuda.get_device_name(0) if cuda else None,
+            "peak_tflops_per_gpu": peak_tflops, "load_average_at_start": os.getloadavg(),
+            "versions": {}, "model_config": {**MODEL_SIZES[args.model_size]}}
+    for mod in ("transformers", "accelerate", "peft"):
+        meta["versions"][mod] = __import__(mod).__version__
+    print(f"train_bench: {args.model_size} Llama {MODEL_SIZES[args.model_size]}, batch {batch} x seq {seq}, "
+          f"{args.steps} timed steps after {args.warmup} warm-up, {'NCCL/CUDA' if cuda else 'gloo/CPU'}, "
+          f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs", flush=True)
+    results, verdicts = [], []
+    for world in args.world_size:
+        threads = args.threads or max(1, (os.cpu_count() or 1) // world)
+        job = {"model_size": args.model_size, "modes": args.modes, "contestants": contestants, "steps": args.steps,
+               "warmup": args.warmup, "batch": batch, "seq": seq, "lr": args.lr, "seed": args.seed,
+               "threads": threads, "cuda": cuda, "fsdp1_full_policy": args.fsdp1_full_policy,
+               "sample_interval": args.sample_ms / 1000}
+        t0 = time.perf_counter()
+        ranks = run_world(world, job, args.timeout)
+        res = {"world_size": world, "model_size": args.model_size, "cuda": cuda, "threads": threads,
+               "tokens_per_step": batch * seq, "batch": batch, "seq": seq, "steps": args.steps,
+               "warmup": args.warmup, "wall_s": time.perf_counter() - t0, "modes": {}}
+        for mode in args.modes:
+            table = {name: summarize(ranks, mode, name, job, world, peak_tflops) for name in contestants}
+            ref = table["ours"].get("losses")
+            for name, s in table.items():
+                if ref and "losses" in s:
+                    s["max_abs_loss_diff_vs_ours"] = max(abs(a - b) for a, b in zip(s["losses"], ref))
+            res["modes"][mode] = table
+        if args.isolated_memory:
+            res["isolated_memory"] = isolated_memory(world, job, contestants, args.timeout)
+        results.append(res)
+        for line in report(res):
+            print(line, flush=True)
+        verdicts.extend(targets(res))
+        print(f"  ({world} ranks: {res['wall_s']:.0f} s wall)", flush=True)
+
+    print("\nTargets:")
+    for ok, text in verdicts:
+        print(f"  {'PASS' if ok else ('n/a ' if ok is None else 'FAIL')}  {text}")
+    meta["verdicts"] = [{"pass": ok, "text": text} for ok, text in verdicts]
+    json_path = args.out_dir / f"train_{stamp}.json"
+    png_path = args.out_dir / f"train_{stamp}.png"
+    json_path.write_text(json.dumps({"meta": meta, "results": results}, indent=1, default=str))
+    try:
+        plot(results, png_path)
+    except Exception as e:  # noqa: BLE001 - the JSON is the record; a chart failure must not lose it
+        print(f"(chart not written: {e})")
+    print(f"\nwrote {json_path.relative_to(REPO) if json_path.is_relative_to(REPO) else json_path} and .png")
+    return 0 if all(ok is not False for ok, _ in verdicts) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
