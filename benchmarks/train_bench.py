@@ -539,6 +539,11 @@ def run_rank(rank: int, world: int, job: dict) -> dict:
                     opt = make_optimizer(name, model, job["lr"])
                     r["wrap_s"] = time.perf_counter() - t0
                     r["params_total"], r["params_trainable"] = param_counts(model)
+                    # Build peak (the whole model exists on every rank before sharding), then the
+                    # steps' own peak: VmHWM and the sampler restart from the current RSS.
+                    r["rss_peak_build"] = max(hwm_bytes() if hwm_ok else 0, sampler.max)
+                    hwm_ok = reset_hwm() and hwm_ok
+                    sampler.max = 0
                     grads = []
                     for i in range(job["warmup"]):
                         loss = model(input_ids=batches[i], labels=batches[i]).loss
@@ -561,8 +566,11 @@ def run_rank(rank: int, world: int, job: dict) -> dict:
                 continue
             r["warnings"] = sorted({str(w.message).strip().split("\n")[0][:300] for w in caught})
             r["rss_base"] = base
-            r["rss_peak"] = max(hwm_bytes() if hwm_ok else 0, sampler.max)
+            r["rss_peak_steps"] = max(hwm_bytes() if hwm_ok else 0, sampler.max, rss_bytes())
+            r["rss_peak"] = max(r["rss_peak_build"], r["rss_peak_steps"])
             r["rss_delta"] = r["rss_peak"] - base
+            r["rss_delta_build"] = r["rss_peak_build"] - base
+            r["rss_delta_steps"] = r["rss_peak_steps"] - base
             r["hwm_reset"] = hwm_ok
             if cuda:
                 r["cuda_peak_bytes"] = torch.cuda.max_memory_allocated(device)
@@ -704,6 +712,9 @@ def summarize(ranks: list[dict], mode: str, name: str, job: dict, world: int, pe
         "rss_delta_per_rank": [p["rss_delta"] for p in per],
         "rss_base_per_rank": [p["rss_base"] for p in per],
         "rss_delta_max": max(p["rss_delta"] for p in per),
+        "rss_delta_build_per_rank": [p["rss_delta_build"] for p in per],
+        "rss_delta_steps_per_rank": [p["rss_delta_steps"] for p in per],
+        "rss_delta_steps_max": max(p["rss_delta_steps"] for p in per),
         "frozen_grad_bytes_max": max(p["grads"].get("frozen_grad_bytes", 0) for p in per),
         "frozen_grad_detail_rank0": r0["grads"],
         "trainable_grad_bytes_per_rank": [p["grads"].get("trainable_grad_bytes", 0) for p in per],
@@ -733,10 +744,18 @@ def isolated_memory(world: int, job: dict, contestants: list[str], timeout: floa
             out.setdefault(mode, {})[name] = (
                 {"error": r[0]["error"]} if r[0]["error"] else
                 {"rss_delta_per_rank": [x["rss_delta"] for x in r], "rss_peak_per_rank": [x["rss_peak"] for x in r],
+                 "rss_delta_build_per_rank": [x["rss_delta_build"] for x in r],
+                 "rss_delta_steps_per_rank": [x["rss_delta_steps"] for x in r],
+                 "rss_delta_steps_max": max(x["rss_delta_steps"] for x in r),
                  "rss_base_per_rank": [x["rss_base"] for x in r], "rss_delta_max": max(x["rss_delta"] for x in r),
                  **({"cuda_peak_bytes_per_rank": [x["cuda_peak_bytes"] for x in r]} if "cuda_peak_bytes" in r[0]
                     else {})})
     return out
+
+
+def _rss_pairs(s: dict) -> str:
+    return " ".join(f"{b / MiB:.0f}/{t / MiB:.0f}"
+                    for b, t in zip(s["rss_delta_build_per_rank"], s["rss_delta_steps_per_rank"]))
 
 
 def mib(n: float) -> str:
@@ -753,7 +772,7 @@ def report(res: dict) -> list[str]:
                      f"({'NCCL/CUDA' if cuda else 'gloo/CPU'}, {res['threads']} threads/rank), "
                      f"{res['tokens_per_step']} tokens/step, {res['steps']} timed steps after {res['warmup']} ==")
         head = (f"{'contestant':<11}{'tok/s':>8}{'vs ours':>8}{'step ms (IQR)':>20}{'fwd/bwd/opt ms':>16}"
-                f"{'coll/step':>10}{'vs ours':>8}{'payload MiB':>12}{'wire MiB/rank':>14}{'RSSΔ MiB run':>14}"
+                f"{'coll/step':>10}{'vs ours':>8}{'payload MiB':>12}{'wire MiB/rank':>14}{'RSSΔ steps MiB':>15}"
                 f"{'frozen grad B':>14}{'|Δloss| max':>12}")
         if cuda:
             head += f"{'MFU':>7}{'CUDA peak MiB':>15}"
@@ -771,19 +790,18 @@ def report(res: dict) -> list[str]:
             phases = "/".join(f"{v:.0f}" for v in s["phases_ms_median_rank0"].values())
             line = (f"{name:<11}{s['tokens_per_s']:>8.0f}{tps_ratio:>7.2f}x{iqr:>20}{phases:>16}"
                     f"{s['collectives_per_step']:>10.0f}{coll_ratio:>7.2f}x{mib(s['payload_bytes_per_step']):>12}"
-                    f"{mib(s['wire_bytes_per_rank_per_step']):>14}{mib(s['rss_delta_max']):>14}"
+                    f"{mib(s['wire_bytes_per_rank_per_step']):>14}{mib(s['rss_delta_steps_max']):>15}"
                     f"{s['frozen_grad_bytes_max']:>14}{'-' if dl is None else f'{dl:.2e}':>12}")
             if cuda:
                 line += f"{s.get('mfu', float('nan')) * 100:>6.1f}%{mib(max(s['cuda_peak_bytes_per_rank'])):>15}"
             lines.append(line)
         iso = res.get("isolated_memory", {}).get(mode)
         if iso:
-            lines.append("  RSS Δ per rank, each contestant alone in fresh processes (MiB): " + "; ".join(
-                f"{name}: " + (" ".join(mib(x) for x in s["rss_delta_per_rank"]) if "error" not in s else "n/a")
-                for name, s in iso.items()))
-        lines.append("  RSS Δ per rank, in this run (MiB): " + "; ".join(
-            f"{name}: " + " ".join(mib(x) for x in s["rss_delta_per_rank"]) for name, s in table.items()
-            if "error" not in s))
+            lines.append("  peak RSS Δ per rank, build / steps, each contestant alone in fresh processes (MiB): "
+                         + "; ".join(f"{name}: " + (_rss_pairs(s) if "error" not in s else "n/a")
+                                     for name, s in iso.items()))
+        lines.append("  peak RSS Δ per rank, build / steps, in this run (MiB): " + "; ".join(
+            f"{name}: " + _rss_pairs(s) for name, s in table.items() if "error" not in s))
         if "losses" in ours:
             lines.append(f"  global-mean loss (ours), step 1 -> {len(ours['losses'])}: {ours['losses'][0]:.5f} -> "
                          f"{ours['losses'][-1]:.5f}; |Δloss| max = max over all steps of |loss - ours| (same data, "
@@ -837,7 +855,7 @@ def plot(results: list[dict], path: Path) -> None:
     labels = [f"{mode}\n{r['world_size']} ranks" for r, mode in groups]
     panels = [("tokens/s (median step)", "tokens_per_s", 1), ("collectives per step", "collectives_per_step", 1),
               ("wire bytes sent per rank per step (MiB)", "wire_bytes_per_rank_per_step", MiB),
-              ("peak RSS delta per rank, max (MiB; contestant alone if --isolated-memory)", "rss_delta_max", MiB)]
+              ("peak RSS delta per rank during the steps, max (MiB; alone if --isolated-memory)", "rss_delta_steps_max", MiB)]
     fig, axes = plt.subplots(2, 2, figsize=(max(12, 2.6 * len(groups) + 4), 9))
     names = list(dict.fromkeys(n for r, mode in groups for n in r["modes"][mode]))
     width = 0.8 / len(names)
@@ -847,7 +865,7 @@ def plot(results: list[dict], path: Path) -> None:
             for r, mode in groups:
                 s = r["modes"][mode].get(name)
                 ok = s is not None and "error" not in s
-                if key == "rss_delta_max" and r.get("isolated_memory"):  # the unbiased number when measured
+                if key == "rss_delta_steps_max" and r.get("isolated_memory"):  # the unbiased number when measured
                     s = r["isolated_memory"][mode].get(name)
                     ok = s is not None and "error" not in s
                 vals.append(s[key] / scale if ok else 0)
