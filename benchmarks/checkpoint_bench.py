@@ -69,7 +69,7 @@ PEERS_AS_SHIPPED = ("gather_rank0", "dcp_hf")
 # Whether each save makes its files durable (fsync) before returning.
 DURABLE = {
     "ours": "yes (fsync of every file + directory)",
-    "ours_nofsync": "no (FileWriter fsync patched off in this benchmark)",
+    "ours_nofsync": "no (`save_pretrained(..., durable=False)`: same atomic commit, no fsync)",
     "gather_rank0": "no",
     "gather_rank0+fsync": "yes (fsync added by this benchmark)",
     "dcp_hf": "partial (DCP fsyncs the per-rank shard files, not the consolidated file)",
@@ -266,25 +266,10 @@ def save_ours(model, out: Path, rank: int, *, fsync: bool = False) -> None:
     hf_fsdp2.save_pretrained(model, out, progress=False)
 
 
-class _NoFsync:
-    """Benchmark-only: patch hf_fsdp2's FileWriter so closing a file skips fsync."""
-
-    def __enter__(self):
-        from hf_fsdp2 import safetensors_io
-
-        self.cls = safetensors_io.FileWriter
-        self.orig = self.cls.close
-        orig = self.orig
-        self.cls.close = lambda writer, *, sync=True: orig(writer, sync=False)
-        return self
-
-    def __exit__(self, *exc):
-        self.cls.close = self.orig
-
-
 def save_ours_nofsync(model, out: Path, rank: int, *, fsync: bool = False) -> None:
-    with _NoFsync():
-        save_ours(model, out, rank)
+    import hf_fsdp2
+
+    hf_fsdp2.save_pretrained(model, out, progress=False, durable=False)
 
 
 def save_gather_rank0(model, out: Path, rank: int, *, fsync: bool = False) -> None:

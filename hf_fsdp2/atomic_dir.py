@@ -89,10 +89,11 @@ def recover(target: Path, is_ours: Callable[[str], bool]) -> None:
 
 @contextlib.contextmanager
 def committed_directory(target: str | os.PathLike, *, is_ours: Callable[[str], bool],
-                        keep_foreign: bool = True, what: str = "saving") -> Iterator[Path]:
+                        keep_foreign: bool = True, what: str = "saving", durable: bool = True) -> Iterator[Path]:
     """Yield a staging directory on every rank; commit it as `target` when every rank succeeded.
 
     `is_ours(name)`: names this save writes (old copies of them are replaced, not kept).
+    `durable=False`: no directory fsyncs (the commit is atomic for crashes of processes, not of the machine).
     Collective: call on every rank.
     """
     target = Path(target).absolute()
@@ -121,14 +122,16 @@ def committed_directory(target: str | os.PathLike, *, is_ours: Callable[[str], b
         raise
     if _rank() == 0:
         try:
-            _swap_in(staging, target, is_ours, keep_foreign)
+            _swap_in(staging, target, is_ours, keep_foreign, durable)
         except OSError as e:
             error = e
     agree(error, f"committing {target}")
 
 
-def _swap_in(staging: Path, target: Path, is_ours: Callable[[str], bool], keep_foreign: bool) -> None:
-    fsync_dir(staging)
+def _swap_in(staging: Path, target: Path, is_ours: Callable[[str], bool], keep_foreign: bool,
+             durable: bool) -> None:
+    if durable:
+        fsync_dir(staging)
     old = old_path(target)
     if target.exists():
         if keep_foreign:
@@ -137,6 +140,7 @@ def _swap_in(staging: Path, target: Path, is_ours: Callable[[str], bool], keep_f
                     os.rename(entry, staging / entry.name)
         os.rename(target, old)
     os.rename(staging, target)
-    fsync_dir(target.parent)
+    if durable:
+        fsync_dir(target.parent)
     if old.exists():
         shutil.rmtree(old)

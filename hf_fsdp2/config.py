@@ -98,6 +98,9 @@ class FSDP2Config:
         reshard_after_forward: True frees gathered params after forward (ZeRO-3), False keeps them
             (ZeRO-2), an int N reshards to groups of N ranks (must divide the shard size).
         forward_prefetch: how many following layers each layer prefetches in forward (0: none).
+            None (default): 1 on CPU, where FSDP2 has no communication stream and an all-gather only
+            overlaps compute when it is issued ahead and asynchronously; 0 on accelerators, where
+            FSDP2's implicit prefetch already overlaps on its own stream.
         backward_prefetch: how many preceding layers each layer prefetches in backward (FSDP2's default is 1).
         activation_checkpointing: recompute each decoder layer's activations in backward.
         cpu_offload: keep sharded params, grads and optimizer states in CPU memory.
@@ -112,7 +115,7 @@ class FSDP2Config:
     reduce_dtype: torch.dtype | str | None = torch.float32
     output_dtype: torch.dtype | str | None = None
     reshard_after_forward: bool | int = True
-    forward_prefetch: int = 0
+    forward_prefetch: int | None = None
     backward_prefetch: int = 1
     activation_checkpointing: bool = False
     cpu_offload: bool = False
@@ -127,7 +130,8 @@ class FSDP2Config:
         self.output_dtype = parse_dtype(self.output_dtype, "output_dtype")
         self.frozen_dtype = parse_dtype(self.frozen_dtype, "frozen_dtype")
         self.reshard_after_forward = self._parse_reshard(self.reshard_after_forward)
-        self.forward_prefetch = _parse_int(self.forward_prefetch, "forward_prefetch", 0)
+        if self.forward_prefetch is not None:
+            self.forward_prefetch = _parse_int(self.forward_prefetch, "forward_prefetch", 0)
         self.backward_prefetch = _parse_int(self.backward_prefetch, "backward_prefetch", 0)
         self.activation_checkpointing = parse_bool(self.activation_checkpointing, "activation_checkpointing")
         self.cpu_offload = parse_bool(self.cpu_offload, "cpu_offload")

@@ -446,7 +446,7 @@ def estimate_memory(
     buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
 
     groups = _group_memory(model, plan, config, shard)
-    window = 1 + max(1, config.forward_prefetch, config.backward_prefetch)
+    window = 1 + max(1, config.forward_prefetch or 0, config.backward_prefetch)
     gathered_peak, peak_names = _gathered_peak(groups, plan, config, window)
     reduce_scatter_peak = max((g.reduce_scatter_bytes for g in groups), default=0)
 

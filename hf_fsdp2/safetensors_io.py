@@ -162,11 +162,14 @@ class FileWriter:
 
     `create=True` (one process per file) writes the header and sets the final size; no one truncates,
     so writers that open the file before or after that never lose each other's bytes.
+    `durable=False` skips the fsync on close (the bytes survive a crash of the process, not of the
+    machine).
     """
 
-    def __init__(self, path: str | os.PathLike, layout: FileLayout, *, create: bool):
+    def __init__(self, path: str | os.PathLike, layout: FileLayout, *, create: bool, durable: bool = True):
         self.path = Path(path)
         self.layout = layout
+        self.durable = durable
         self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT, 0o644)
         try:
             if create:
@@ -200,7 +203,7 @@ class FileWriter:
 
     def close(self, *, sync: bool = True) -> None:
         try:
-            if sync:
+            if sync and self.durable:
                 os.fsync(self.fd)
         finally:
             os.close(self.fd)
@@ -221,13 +224,14 @@ def _pwrite_all(fd: int, data: memoryview, offset: int, path: Path) -> None:
         data, offset = data[n:], offset + n
 
 
-def write_json(path: str | os.PathLike, obj: object) -> None:
-    """Write JSON and fsync it."""
+def write_json(path: str | os.PathLike, obj: object, *, durable: bool = True) -> None:
+    """Write JSON and (if `durable`) fsync it."""
     with open(path, "w", encoding="utf-8") as f:
         json.dump(obj, f, indent=2, sort_keys=True)
         f.write("\n")
         f.flush()
-        os.fsync(f.fileno())
+        if durable:
+            os.fsync(f.fileno())
 
 
 # ---------------------------------------------------------------------------------------------

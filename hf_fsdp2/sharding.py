@@ -208,18 +208,46 @@ def apply_fsdp(model: nn.Module, plan: ShardPlan, config: FSDP2Config, mesh: Dev
         fully_shard(layer, reshard_after_forward=False if (last and reshard is True) else reshard, **kwargs)
     if plan.embedding is not None:
         fully_shard(plan.embedding, reshard_after_forward=reshard, **kwargs)
+        if _backward_reads_no_weight(plan.embedding):
+            # An embedding's weight gradient is built from the indices and the output gradient
+            # alone (`embedding_dense_backward`), so its all-gather in backward is wasted: this
+            # is the case `FSDPModule.set_unshard_in_backward` documents. Its gradient is still
+            # reduce-scattered as usual.
+            plan.embedding.set_unshard_in_backward(False)
     if plan.head:
         # With tied weights the group is used first and last, so it must be freed after forward.
         head_reshard = reshard if plan.tied else (False if reshard is True else reshard)
         fully_shard(plan.head if len(plan.head) > 1 else plan.head[0], reshard_after_forward=head_reshard, **kwargs)
     fully_shard(model, reshard_after_forward=reshard, **kwargs)
-    _set_prefetch(plan.layers, config)
+    on_cpu = mesh.device_type == "cpu"
+    if on_cpu:
+        # Without CUDA streams FSDP2 all-gathers synchronously (`FSDPParamGroup.unshard_async_op`
+        # is False), so a prefetch would only run earlier, not alongside compute. Issued
+        # asynchronously, gloo moves the next layer's shards on its own thread while this layer
+        # computes (torch 2.13 keeps the switch private: `FSDPModule._set_unshard_async_op`).
+        set_async = getattr(model, "_set_unshard_async_op", None)
+        if set_async is not None:
+            set_async(True)
+    _set_prefetch(plan, config, on_cpu)
 
 
-def _set_prefetch(layers: list[nn.Module], config: FSDP2Config) -> None:
-    if config.forward_prefetch:
-        for i, layer in enumerate(layers[:-1]):
-            layer.set_modules_to_forward_prefetch(layers[i + 1: i + 1 + config.forward_prefetch])
+def _backward_reads_no_weight(module: nn.Module) -> bool:
+    """A plain `nn.Embedding` (its own forward, no adapter or wrapper inside) owning only its weight."""
+    return (isinstance(module, nn.Embedding) and type(module).forward is nn.Embedding.forward
+            and [name for name, _ in module.named_parameters()] == ["weight"])
+
+
+def _set_prefetch(plan: ShardPlan, config: FSDP2Config, on_cpu: bool) -> None:
+    layers = plan.layers
+    forward = config.forward_prefetch if config.forward_prefetch is not None else (1 if on_cpu else 0)
+    if forward:
+        # Forward order of the groups: embedding, layers, [norm, head] (a tied group runs both
+        # first and last, so it stays out of the chain).
+        chain = ([plan.embedding] if plan.embedding is not None else []) + layers
+        if plan.head and not plan.tied:
+            chain.append(plan.head[0])  # any module of a list-form group stands for the group
+        for i, group in enumerate(chain[:-1]):
+            group.set_modules_to_forward_prefetch(chain[i + 1: i + 1 + forward])
     if config.backward_prefetch != 1:  # 1 is FSDP2's implicit default
         for i, layer in enumerate(layers):
             previous = layers[max(0, i - config.backward_prefetch): i][::-1]

@@ -159,13 +159,14 @@ def _to_json(value: Any, what: str) -> Any:
 
 def save_state(directory: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer,
                scheduler: Any = None, *, step: int, extra: dict | None = None, keep_last: int | None = None,
-               write_extra: Callable[[Path], None] | None = None, progress: bool | None = None) -> Path:
+               write_extra: Callable[[Path], None] | None = None, progress: bool | None = None,
+               durable: bool = True) -> Path:
     """Save model, optimizer, scheduler and RNG states to `directory`, committed atomically.
 
     `extra`: any JSON-serialisable dict, returned by `load_state`. `keep_last=N` deletes older
     complete states in the same parent directory, keeping the N with the highest step.
     `write_extra(staging_dir)`: runs on rank 0 to add files (a tokenizer, the Trainer's state) that
-    must commit together with the checkpoint.
+    must commit together with the checkpoint. `durable=False` skips the fsyncs (see `save_pretrained`).
     Collective: call on every rank.
     """
     if not isinstance(step, int) or step < 0:
@@ -186,19 +187,20 @@ def save_state(directory: str | os.PathLike, model: nn.Module, optimizer: torch.
         "optimizer_state": _to_json(opt_other, "optimizer state"),
         "scheduler": _to_json(scheduler.state_dict(), "scheduler.state_dict()") if scheduler is not None else None,
     }
-    with committed_directory(directory, is_ours=_is_state_file, keep_foreign=False, what="saving state") as staging:
+    with committed_directory(directory, is_ours=_is_state_file, keep_foreign=False, what="saving state",
+                             durable=durable) as staging:
         write_tensors(model_items, staging, weights_name=ADAPTER_FILE if is_adapter else "model.safetensors",
-                      progress=progress)
+                      progress=progress, durable=durable)
         if opt_items:
-            write_tensors(opt_items, staging, weights_name=OPTIMIZER_FILE, progress=progress)
+            write_tensors(opt_items, staging, weights_name=OPTIMIZER_FILE, progress=progress, durable=durable)
         (staging / "rng").mkdir(exist_ok=True)
-        write_json(staging / "rng" / f"rank-{_rank():05d}.json", _rng_state())
+        write_json(staging / "rng" / f"rank-{_rank():05d}.json", _rng_state(), durable=durable)
         if _rank() == 0:
             write_configs(model, staging, is_adapter, None)
             if write_extra is not None:
                 write_extra(staging)
-            write_json(staging / MANIFEST, manifest)
-            write_json(staging / MARKER, {"format": FORMAT, "step": step})
+            write_json(staging / MANIFEST, manifest, durable=durable)
+            write_json(staging / MARKER, {"format": FORMAT, "step": step}, durable=durable)
     error = None
     if keep_last is not None and _rank() == 0:
         try:

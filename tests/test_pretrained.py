@@ -35,10 +35,18 @@ def _save_worker(rank, world, out_dir, model_kwargs, save_kwargs, config_kwargs)
         return n
 
     FileWriter.write_rows = counting
-    with count_collectives() as calls:
-        hf_fsdp2.save_pretrained(model, out_dir, **save_kwargs)
-    FileWriter.write_rows = original
-    return {"calls": {k: v for k, v in calls.items() if v}, "written": written["bytes"]}
+    import os
+
+    fsyncs = []
+    real_fsync = os.fsync
+    os.fsync = lambda fd: (fsyncs.append(fd), real_fsync(fd))[1]
+    try:
+        with count_collectives() as calls:
+            hf_fsdp2.save_pretrained(model, out_dir, **save_kwargs)
+    finally:
+        FileWriter.write_rows = original
+        os.fsync = real_fsync
+    return {"calls": {k: v for k, v in calls.items() if v}, "written": written["bytes"], "fsyncs": len(fsyncs)}
 
 
 def _assert_equals_reference(directory: Path, reference: dict[str, torch.Tensor], dtype=torch.float32):
@@ -64,6 +72,18 @@ def test_save_uneven_shards_loads_with_from_pretrained(tmp_path, world):
         assert r["calls"]["elements"] == r["calls"]["all_reduce"] <= 3
     model_bytes = sum(t.numel() * 4 for t in plain_params(build_model(**UNEVEN)).values())
     assert sum(r["written"] for r in out) == model_bytes  # each byte written once
+    assert all(r["fsyncs"] >= 1 for r in out)  # durable by default: every rank syncs its file
+
+
+def test_save_without_fsync_still_commits_a_loadable_checkpoint(tmp_path):
+    target = tmp_path / "ckpt"
+    run_ranks(_save_worker, 2, str(target), UNEVEN, {}, {})
+    (target / "tokenizer.json").write_text("{}")
+    out = run_ranks(_save_worker, 2, str(target), UNEVEN, {"durable": False}, {})
+    assert [r["fsyncs"] for r in out] == [0, 0]
+    _assert_equals_reference(target, plain_params(build_model(**UNEVEN)))
+    assert (target / "tokenizer.json").read_text() == "{}"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no staging or old copies left
 
 
 def test_save_bf16_several_files_with_index(tmp_path):

@@ -75,6 +75,57 @@ def test_activation_checkpointing_and_cpu_offload_match_reference():
         assert_close_dicts(out[0]["params"], ref_params, atol=PARAM_ATOL)
 
 
+def _schedule_worker(rank, world, config_kwargs, lora_targets):
+    model = build_model()
+    if lora_targets:
+        model = lora(model, target_modules=lora_targets)
+    shard_model(model, FSDP2Config(**config_kwargs))
+    base = model.base_model.model if lora_targets else model
+    ids = local_rows(batches()[0], rank, world)
+    with count_collectives() as fwd:
+        loss = model(input_ids=ids, labels=ids).loss
+    with count_collectives() as bwd:
+        loss.backward()
+    model.zero_grad(set_to_none=True)
+    first_layer = base.model.layers[0]._get_fsdp_state()
+    chain = ["layers.0" if s is first_layer else "other"
+             for s in base.model.embed_tokens._get_fsdp_state()._states_to_forward_prefetch]
+    losses = sharded_train(model, batches(), rank, world)
+    params = full_params(model)  # collective: every rank
+    return {"fwd": fwd["all_gather_single"], "bwd": bwd["all_gather_single"], "embedding_prefetches": chain,
+            "losses": losses, "n_layers": base.config.num_hidden_layers, "params": params if rank == 0 else None}
+
+
+def test_cpu_schedule_skips_embedding_regather_and_prefetches():
+    """Forward gathers each group once; backward re-gathers only the resharded layers (not the last
+    one, the head, or the embedding, whose backward reads no weight); results equal the reference."""
+    ref_losses, ref_params = _reference(build_model, batches())
+    r = run_ranks(_schedule_worker, 2, {}, None)[0]
+    n = r["n_layers"]
+    assert (r["fwd"], r["bwd"]) == (n + 2, n - 1)
+    assert r["embedding_prefetches"] == ["layers.0"]  # forward_prefetch=None is 1 on CPU
+    assert r["losses"] == pytest.approx(ref_losses, abs=LOSS_ATOL)
+    assert_close_dicts(r["params"], ref_params, atol=PARAM_ATOL)
+    # Explicit 0 turns the chain off; the gather counts stay.
+    r = run_ranks(_schedule_worker, 2, {"forward_prefetch": 0}, None)[0]
+    assert (r["fwd"], r["bwd"], r["embedding_prefetches"]) == (n + 2, n - 1, [])
+
+
+def test_lora_on_embedding_is_gathered_again_in_backward():
+    """An adapted embedding's backward reads its LoRA weights, so it keeps its backward all-gather."""
+    targets = ["embed_tokens", "q_proj"]
+
+    def ref_model():
+        return lora(build_model(), target_modules=targets)
+
+    ref_losses, ref_params = _reference(ref_model, batches())
+    r = run_ranks(_schedule_worker, 2, {}, targets)[0]
+    assert r["bwd"] == r["n_layers"] - 1 + 1
+    assert r["losses"] == pytest.approx(ref_losses, abs=LOSS_ATOL)
+    assert_close_dicts({k: v for k, v in r["params"].items() if "lora_" in k},
+                       {k: v for k, v in ref_params.items() if "lora_" in k}, atol=PARAM_ATOL)
+
+
 def test_hsdp_2x2_matches_reference():
     ref_losses, ref_params = _reference(build_model, batches())
     out = run_ranks(_full_finetune, 4, {"replicate_size": 2}, {})

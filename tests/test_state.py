@@ -131,3 +131,19 @@ def test_state_weights_load_with_from_pretrained(tmp_path):
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "s")
     for (n, a), (_, b) in zip(model.named_parameters(), loaded.named_parameters()):
         assert torch.equal(a, b), n
+
+
+def test_state_without_fsync_loads_and_syncs_nothing(tmp_path, monkeypatch):
+    import os
+
+    model = build_model()
+    opt = optimizer(model)
+    calls = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (calls.append(fd), real_fsync(fd))[1])
+    save_state(tmp_path / "step-1", model, opt, step=1, durable=False)
+    assert calls == []
+    save_state(tmp_path / "step-2", model, opt, step=2)
+    assert len(calls) >= 4  # weights, optimizer, JSON files, directories
+    assert load_state(tmp_path / "step-1", model, opt)[0] == 1
+    assert latest_state(tmp_path) == tmp_path / "step-2"
