@@ -22,6 +22,7 @@ CONTESTANTS
                 mixed_precision = "no", is_main_process, device
               This is what `Accelerator._prepare_fsdp2` runs for the model, minus the optimizer
               parameter swap (we build the optimizer after wrapping instead) and minus compile/AC.
+  ours_zero2  opt-in (`--contestants ... ours_zero2`), not a peer: ours with reshard_after_forward=False.
   fsdp1       `torch.distributed.fsdp.FullyShardedDataParallel(model, use_orig_params=True,
               device_id=<cpu|cuda>, auto_wrap_policy=...)`, FULL_SHARD, torch defaults otherwise.
               lora: `peft.utils.other.fsdp_auto_wrap_policy(model)` (every LoRA Linear its own unit,
@@ -58,9 +59,10 @@ PROTOCOL (per world size: one set of processes; per mode: all contestants alive 
      warm-up). In the shared process of 1.-2. the heap pages one contestant frees stay resident and are
      reused by the next, which moves RSS deltas by up to ~100 MiB at the "small" size.
 
-  Opt-in what-if contestant `ours_tuned` (`--contestants ours accelerate fsdp1 ddp ours_tuned`): ours
-  plus the changes this benchmark suggests for hf_fsdp2, applied from outside (see `wrap_ours_tuned`).
-  It is not a peer and is not in the targets.
+  Optimizer: AdamW for every contestant, `--optimizer fused` by default (the Transformers Trainer's
+  default `adamw_torch_fused` since torch 2.8); `loop` is torch's CPU default for a hand-built AdamW
+  (one dispatch per op per parameter, which costs FSDP2's DTensor parameters ~8x on the full
+  fine-tune's optimizer step here), `foreach` in between.
 
     python benchmarks/train_bench.py --world-size 2 4 --model-size tiny --steps 10
     python benchmarks/train_bench.py --world-size 2 4 --model-size small --steps 5 --warmup 1 --isolated-memory
@@ -96,8 +98,9 @@ REPO = Path(__file__).resolve().parent.parent
 RESULTS_DIR = REPO / "benchmarks" / "results"
 MiB = 1 << 20
 CONTESTANTS = ("ours", "accelerate", "fsdp1", "ddp")
+EXTRA = ("ours_zero2",)  # opt-in (--contestants ... ours_zero2): a setting of ours, not a peer or a target
 PEERS = ("accelerate", "fsdp1", "ddp")
-EXTRA = ("ours_tuned",)  # opt-in (--contestants ... ours_tuned): not a peer, not in the targets
+OPTIMIZERS = {"fused": {"fused": True}, "foreach": {"foreach": True}, "loop": {"foreach": False}}
 MODES = ("lora", "full")
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -343,51 +346,23 @@ def wrap_ddp(model, ctx):
     return ddp
 
 
-def wrap_ours_tuned(model, ctx):
-    """ours + a change this benchmark suggests, applied from outside (opt-in contestant): the optimizer
-    steps the plain local shards (`LocalShardOptimizer`, see `make_optimizer`) instead of dispatching
-    every AdamW op through DTensor. (The earlier what-ifs here, no embedding re-gather in backward,
-    forward prefetch and asynchronous all-gathers on CPU, are now hf_fsdp2's defaults.)"""
+def wrap_ours_zero2(model, ctx):
+    """ours with `reshard_after_forward=False`: layers stay gathered from forward to backward (no
+    re-gather in backward; more memory), for users whose model fits that way."""
     from hf_fsdp2 import FSDP2Config, shard_model
 
-    return shard_model(model, FSDP2Config())
+    return shard_model(model, FSDP2Config(reshard_after_forward=False))
 
 
 WRAPPERS = {"ours": wrap_ours, "accelerate": wrap_accelerate, "fsdp1": wrap_fsdp1, "ddp": wrap_ddp,
-            "ours_tuned": wrap_ours_tuned}
+            "ours_zero2": wrap_ours_zero2}
 
 
-class LocalShardOptimizer:
-    """AdamW on the plain local tensors behind FSDP2's DTensor parameters.
-
-    AdamW is elementwise, so stepping each rank's shard is exactly the sharded step, without a DTensor
-    dispatch per foreach op. (Grad clipping would still need the global norm: one all-reduce.)"""
-
-    def __init__(self, params, **kwargs):
-        import torch
-
-        self.pairs = [(p, p._local_tensor.detach() if hasattr(p, "_local_tensor") else p) for p in params]
-        self.inner = torch.optim.AdamW([local for _, local in self.pairs], **kwargs)
-
-    def step(self) -> None:
-        for p, local in self.pairs:
-            g = p.grad
-            local.grad = g._local_tensor if hasattr(g, "_local_tensor") else g
-        self.inner.step()
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for p, local in self.pairs:
-            p.grad = None
-            local.grad = None
-
-
-def make_optimizer(name: str, model, lr: float):
+def make_optimizer(model, lr: float, kind: str):
     import torch
 
     params = [p for p in model.parameters() if p.requires_grad]
-    if name == "ours_tuned":
-        return LocalShardOptimizer(params, lr=lr, weight_decay=0.0)
-    return torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    return torch.optim.AdamW(params, lr=lr, weight_decay=0.0, **OPTIMIZERS[kind])
 
 
 def _local(t):
@@ -477,7 +452,7 @@ def prime(job: dict, rank: int, device) -> None:
                 try:
                     model = WRAPPERS[name](base, {"rank": rank, "device": device, "mode": mode,
                                                   "fsdp1_full_policy": job["fsdp1_full_policy"]})
-                    opt = make_optimizer(name, model, 1e-3)
+                    opt = make_optimizer(model, 1e-3, job["optimizer"])
                     model(input_ids=ids, labels=ids).loss.backward()
                     opt.step()
                 except Exception:  # noqa: BLE001 - the measured build reports failures
@@ -529,7 +504,7 @@ def run_rank(rank: int, world: int, job: dict) -> dict:
                     model = WRAPPERS[name](build_model(job["model_size"], mode, job["seed"]),
                                            {"rank": rank, "device": device, "mode": mode,
                                             "fsdp1_full_policy": job["fsdp1_full_policy"]})
-                    opt = make_optimizer(name, model, job["lr"])
+                    opt = make_optimizer(model, job["lr"], job["optimizer"])
                     r["wrap_s"] = time.perf_counter() - t0
                     r["params_total"], r["params_trainable"] = param_counts(model)
                     # Build peak (the whole model exists on every rank before sharding), then the
@@ -901,7 +876,9 @@ def main(argv=None) -> int:
     ap.add_argument("--model-size", choices=sorted(MODEL_SIZES), default="tiny")
     ap.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     ap.add_argument("--contestants", nargs="+", choices=CONTESTANTS + EXTRA, default=list(CONTESTANTS),
-                    help="ours always runs (the reference); ours_tuned is an opt-in what-if")
+                    help="ours always runs (the reference); ours_zero2 is an opt-in setting of ours")
+    ap.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="fused",
+                    help="AdamW implementation for every contestant (fused: the Trainer's default)")
     ap.add_argument("--steps", type=int, default=10, help="timed steps per contestant (median)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps per contestant first (>= 1)")
     ap.add_argument("--batch", type=int, default=None, help="global batch (sequences per step)")
@@ -949,18 +926,20 @@ def main(argv=None) -> int:
     for mod in ("transformers", "accelerate", "peft"):
         meta["versions"][mod] = __import__(mod).__version__
     print(f"train_bench: {args.model_size} Llama {MODEL_SIZES[args.model_size]}, batch {batch} x seq {seq}, "
-          f"{args.steps} timed steps after {args.warmup} warm-up, {'NCCL/CUDA' if cuda else 'gloo/CPU'}, "
+          f"{args.steps} timed steps after {args.warmup} warm-up, AdamW {args.optimizer}, "
+          f"{'NCCL/CUDA' if cuda else 'gloo/CPU'}, "
           f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs", flush=True)
     results, verdicts = [], []
     for world in args.world_size:
         threads = args.threads or max(1, (os.cpu_count() or 1) // world)
         job = {"model_size": args.model_size, "modes": args.modes, "contestants": contestants, "steps": args.steps,
                "warmup": args.warmup, "batch": batch, "seq": seq, "lr": args.lr, "seed": args.seed,
-               "threads": threads, "cuda": cuda, "fsdp1_full_policy": args.fsdp1_full_policy,
+               "optimizer": args.optimizer, "threads": threads, "cuda": cuda, "fsdp1_full_policy": args.fsdp1_full_policy,
                "sample_interval": args.sample_ms / 1000}
         t0 = time.perf_counter()
         ranks = run_world(world, job, args.timeout)
         res = {"world_size": world, "model_size": args.model_size, "cuda": cuda, "threads": threads,
+               "optimizer": args.optimizer,
                "tokens_per_step": batch * seq, "batch": batch, "seq": seq, "steps": args.steps,
                "warmup": args.warmup, "wall_s": time.perf_counter() - t0, "modes": {}}
         for mode in args.modes:

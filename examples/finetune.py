@@ -272,7 +272,10 @@ def main(argv: list[str] | None = None) -> None:
             model.name_or_path = str(base_dir)
         model = add_lora(model, args)
     trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.95))
+    # fused: one kernel per step for all parameters (the Trainer's default, adamw_torch_fused). The
+    # default per-parameter loop dispatches every op through DTensor: ~8x slower steps on CPU shards.
+    optimizer = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.95),
+                                  fused=True)
     train_loader = DataLoader(splits["train"], batch_size=args.batch_size, shuffle=True, drop_last=True)
     eval_loader = DataLoader(splits["validation"], batch_size=args.batch_size)
 
