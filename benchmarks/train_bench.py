@@ -23,6 +23,8 @@ CONTESTANTS
               This is what `Accelerator._prepare_fsdp2` runs for the model, minus the optimizer
               parameter swap (we build the optimizer after wrapping instead) and minus compile/AC.
   ours_zero2  opt-in (`--contestants ... ours_zero2`), not a peer: ours with reshard_after_forward=False.
+  ours_plain  opt-in ablation: ours without its CPU schedule (sync all-gathers, no forward prefetch,
+              embedding re-gathered in backward).
   fsdp1       `torch.distributed.fsdp.FullyShardedDataParallel(model, use_orig_params=True,
               device_id=<cpu|cuda>, auto_wrap_policy=...)`, FULL_SHARD, torch defaults otherwise.
               lora: `peft.utils.other.fsdp_auto_wrap_policy(model)` (every LoRA Linear its own unit,
@@ -98,7 +100,7 @@ REPO = Path(__file__).resolve().parent.parent
 RESULTS_DIR = REPO / "benchmarks" / "results"
 MiB = 1 << 20
 CONTESTANTS = ("ours", "accelerate", "fsdp1", "ddp")
-EXTRA = ("ours_zero2",)  # opt-in (--contestants ... ours_zero2): a setting of ours, not a peer or a target
+EXTRA = ("ours_zero2", "ours_plain")  # opt-in settings of ours: not peers, not in the targets
 PEERS = ("accelerate", "fsdp1", "ddp")
 OPTIMIZERS = {"fused": {"fused": True}, "foreach": {"foreach": True}, "loop": {"foreach": False}}
 MODES = ("lora", "full")
@@ -354,8 +356,22 @@ def wrap_ours_zero2(model, ctx):
     return shard_model(model, FSDP2Config(reshard_after_forward=False))
 
 
+def wrap_ours_plain(model, ctx):
+    """ours without its CPU schedule (the ablation): synchronous all-gathers, no forward prefetch,
+    the embedding all-gathered again in backward, as plain FSDP2 does."""
+    from hf_fsdp2 import FSDP2Config, shard_model
+    from hf_fsdp2.sharding import unwrap_peft
+
+    model = shard_model(model, FSDP2Config(forward_prefetch=0))
+    model._set_unshard_async_op(False)
+    embedding = unwrap_peft(model).get_input_embeddings()
+    if hasattr(embedding, "set_unshard_in_backward"):
+        embedding.set_unshard_in_backward(True)
+    return model
+
+
 WRAPPERS = {"ours": wrap_ours, "accelerate": wrap_accelerate, "fsdp1": wrap_fsdp1, "ddp": wrap_ddp,
-            "ours_zero2": wrap_ours_zero2}
+            "ours_zero2": wrap_ours_zero2, "ours_plain": wrap_ours_plain}
 
 
 def make_optimizer(model, lr: float, kind: str):
@@ -876,7 +892,7 @@ def main(argv=None) -> int:
     ap.add_argument("--model-size", choices=sorted(MODEL_SIZES), default="tiny")
     ap.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     ap.add_argument("--contestants", nargs="+", choices=CONTESTANTS + EXTRA, default=list(CONTESTANTS),
-                    help="ours always runs (the reference); ours_zero2 is an opt-in setting of ours")
+                    help="ours always runs (the reference); ours_zero2 / ours_plain are opt-in settings of ours")
     ap.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="fused",
                     help="AdamW implementation for every contestant (fused: the Trainer's default)")
     ap.add_argument("--steps", type=int, default=10, help="timed steps per contestant (median)")
