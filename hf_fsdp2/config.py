@@ -98,9 +98,10 @@ class FSDP2Config:
         reshard_after_forward: True frees gathered params after forward (ZeRO-3), False keeps them
             (ZeRO-2), an int N reshards to groups of N ranks (must divide the shard size).
         forward_prefetch: how many following groups (embedding, layers, [norm, head]) each group
-            prefetches in forward (0: none). None (default): 1 on CPU, where FSDP2 has no communication stream and an all-gather only
-            overlaps compute when it is issued ahead and asynchronously; 0 on accelerators, where
-            FSDP2's implicit prefetch already overlaps on its own stream.
+            prefetches in forward (0: none). None (default): 1 on CPU, where FSDP2 has no
+            communication stream and an all-gather only overlaps compute when it is issued ahead
+            and asynchronously; 0 on accelerators, where FSDP2's implicit prefetch already
+            overlaps on its own stream.
         backward_prefetch: how many preceding layers each layer prefetches in backward (FSDP2's default is 1).
         activation_checkpointing: recompute each decoder layer's activations in backward.
         cpu_offload: keep sharded params, grads and optimizer states in CPU memory.
