@@ -1,5 +1,6 @@
 """hf_fsdp2: PyTorch FSDP2 for Hugging Face models."""
 
+from . import exit_guard
 from .config import FSDP2Config
 from .distributed import build_mesh, init_distributed
 from .integrations import accelerate as _accelerate_backend
@@ -9,6 +10,9 @@ from .safetensors_io import CheckpointError
 from .sharding import no_sync, shard_model
 
 __version__ = "0.1.0"
+
+# Every process that imports us exits cleanly after gloo collectives (see exit_guard.py).
+exit_guard.install()
 
 
 def register(**overrides) -> None:

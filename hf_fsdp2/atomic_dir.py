@@ -13,7 +13,6 @@ import contextlib
 import errno as errno_codes
 import os
 import shutil
-import time
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -50,27 +49,11 @@ def agree(error: BaseException | None, what: str) -> None:
         flag = torch.tensor([code], dtype=torch.int64)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         code = int(flag.item())
-        wait_until_backend_releases(flag)
     if error is not None:
         raise error
     if code:
         reason = os.strerror(code) if code in errno_codes.errorcode else "see that rank's error"
         raise RuntimeError(f"another rank failed while {what} ({reason}); nothing was committed.")
-
-
-def wait_until_backend_releases(tensor: torch.Tensor, timeout: float = 1.0) -> None:
-    """Return once the process group's worker thread has dropped its reference to `tensor`.
-
-    gloo destroys a finished work on its worker thread after `wait()` has returned, and releasing
-    a tensor that Python created takes the GIL there (`c10::TensorImpl::decref_pyobject`). When a
-    script ends right after a save, the interpreter can start finalizing before that thread got
-    the GIL; it then exits inside C++ and the process aborts ("terminate called without an active
-    exception", seen in 1 of ~8 `accelerate launch` runs ending in `save_state`). Waiting for the
-    use count to drop (microseconds) keeps our last collective from outliving the interpreter.
-    """
-    deadline = time.monotonic() + timeout
-    while tensor._use_count() > 1 and time.monotonic() < deadline:
-        time.sleep(0.0002)  # releases the GIL, which the worker thread needs
 
 
 def fsync_dir(path: Path) -> None:

@@ -228,27 +228,3 @@ def test_unsupported_accelerate_version_is_refused_with_the_working_range(monkey
     with pytest.raises(RuntimeError, match=r"supports accelerate >= 1\.10, < 1\.16; found 0\.34\.2"):
         hf_fsdp2.register()
     assert not backend.is_registered()
-
-
-def _release_worker(rank, world):
-    import torch
-    import torch.distributed as dist
-
-    from hf_fsdp2.atomic_dir import wait_until_backend_releases
-
-    held_after_return = held_after_wait = 0
-    for i in range(300):
-        flag = torch.tensor([i], dtype=torch.int64)
-        dist.all_reduce(flag)
-        held_after_return += flag._use_count() > 1
-        wait_until_backend_releases(flag)
-        held_after_wait += flag._use_count() > 1
-    return held_after_return, held_after_wait
-
-
-def test_agreement_tensor_is_released_by_gloo_before_returning():
-    """gloo's worker thread can still hold a finished all-reduce's tensor after `wait()` returns, and
-    needs the GIL to drop it: a script ending right after a save then aborted at interpreter exit
-    ("terminate called without an active exception"). `agree` waits for that release."""
-    out = run_ranks(_release_worker, 2)
-    assert all(after == 0 for _, after in out), out
