@@ -1,26 +1,54 @@
 """Atomic directory commits for multi-rank saves, and failure agreement between ranks.
 
 Every rank writes into a hidden staging sibling of the target; once all ranks agree that their
-writes succeeded, rank 0 swaps the staging directory in with renames. A crash at any point leaves
-either the previous directory or the new one, never a mix, and the next save repairs the leftovers
-(`recover`). Foreign files in the target (a tokenizer, a README, `checkpoint-*` folders) are moved
-into the new directory, not lost.
+writes succeeded, rank 0 commits:
+
+- Replaced: only what this save writes, plus the weights layout a previous save of the same
+  weights name left (its single file, index and `-0000k-of-0000n` shards, as transformers'
+  `save_pretrained` cleans them). Every other entry of the target (a tokenizer, a README,
+  `model_ema.safetensors`, `checkpoint-*/`) is carried over unchanged: files are hard-linked into
+  the new directory (same inode, bytes and mode), subdirectories moved.
+- Swap: on Linux, `renameat2(RENAME_EXCHANGE)` exchanges staging and target in one step, so at
+  every instant the target path is one complete checkpoint, then the old copy is deleted. Where
+  the call or the filesystem lacks it, two renames (target -> old copy, staging -> target) leave
+  a window of microseconds with no target; a crash inside it is repaired by the next save.
+- A target that is a mount point cannot be renamed: staging then lives inside it and the entries
+  are renamed in one by one (each file atomic, the set not: a reader can see a mix).
+- A symlinked target is written through (the link stays); the directory's and files' modes of
+  an overwritten checkpoint are kept; a symlink planted at a staging or old-copy name is refused.
+- One writer per target: an advisory `flock` on `.<name>.hf_fsdp2-lock` in the parent (removed
+  after the commit) makes a second concurrent save fail at once with a clear error.
+
+A crash at any point leaves the previous checkpoint or the new one, never a mix, and the next save
+repairs the leftovers (`recover`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno as errno_codes
+import fcntl
 import os
+import re
 import shutil
+import stat
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Iterable, Iterator
 
 import torch
 import torch.distributed as dist
 
 STAGING_SUFFIX = ".hf_fsdp2-staging"
 OLD_SUFFIX = ".hf_fsdp2-old"
+LOCK_SUFFIX = ".hf_fsdp2-lock"
+IN_PLACE_STAGING = ".hf_fsdp2-staging"  # inside a mount-point target
+_RENAME_EXCHANGE = 2  # linux/fs.h
+_AT_FDCWD = -100
+
+
+class TargetBusyError(RuntimeError):
+    """Another job is saving into the same directory."""
 
 
 def staging_path(target: Path) -> Path:
@@ -31,8 +59,19 @@ def old_path(target: Path) -> Path:
     return target.parent / f".{target.name}{OLD_SUFFIX}"
 
 
+def lock_path(target: Path) -> Path:
+    return target.parent / f".{target.name}{LOCK_SUFFIX}"
+
+
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _error_code(error: BaseException) -> int:
+    """A positive code for any failure: an errno where there is a real one, else 1.
+    (`socket.gaierror.errno` is negative; it must still count as a failure in the MAX.)"""
+    code = getattr(error, "errno", None)
+    return code if isinstance(code, int) and 0 < code < 4096 else 1
 
 
 def agree(error: BaseException | None, what: str) -> None:
@@ -42,9 +81,7 @@ def agree(error: BaseException | None, what: str) -> None:
     becomes a clear error everywhere instead of a hang at the next barrier.
     Collective: call on every rank.
     """
-    code = 0
-    if error is not None:
-        code = getattr(error, "errno", None) or 1
+    code = 0 if error is None else _error_code(error)
     if dist.is_initialized():
         flag = torch.tensor([code], dtype=torch.int64)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
@@ -64,20 +101,75 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def recover(target: Path, is_ours: Callable[[str], bool]) -> None:
-    """Repair what a crashed commit of `target` left behind. Run by one process only.
+# ---------------------------------------------------------------------------------------------
+# What a save replaces
 
-    Commit order is: move foreign entries into staging, rename target -> old, staging -> target,
-    delete old. So: old without target means staging is complete (finish the swap); staging beside
-    a target means the save never committed (give foreign entries back, drop the rest).
+
+def weights_family(weights_name: str) -> re.Pattern:
+    """`model.safetensors`, its index and its `model-0000k-of-0000n.safetensors` shards."""
+    stem, _, suffix = weights_name.rpartition(".")
+    return re.compile(rf"{re.escape(weights_name)}(\.index\.json)?|{re.escape(stem)}-\d{{5}}-of-\d{{5}}\.{re.escape(suffix)}")
+
+
+def replaced_by(written: Iterable[str], weights_names: Iterable[str]):
+    """The predicate `name -> bool` of target entries a save that wrote `written` replaces."""
+    written = set(written)
+    families = [weights_family(w) for w in weights_names]
+    return lambda name: name in written or any(f.fullmatch(name) for f in families)
+
+
+# ---------------------------------------------------------------------------------------------
+# Locking, recovery, the swap
+
+
+def _refuse_link(path: Path) -> None:
+    if path.is_symlink():
+        raise FileExistsError(errno_codes.EEXIST, f"{path} is a symbolic link where hf_fsdp2 keeps its staging "
+                              "copy; refusing to touch it (or what it points to). Remove it and save again.")
+
+
+@contextlib.contextmanager
+def target_lock(target: Path) -> Iterator[None]:
+    """An exclusive, non-blocking `flock` on the target's lock file; busy -> `TargetBusyError`."""
+    path = lock_path(target)
+    _refuse_link(path)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            # The holder unlinks the file when done: a lock on an unlinked inode is no lock.
+            if os.stat(path, follow_symlinks=False).st_ino != os.fstat(fd).st_ino:
+                raise BlockingIOError
+        except (BlockingIOError, FileNotFoundError):
+            raise TargetBusyError(f"{target} is being written by another job (it holds {path}); "
+                                  "nothing was changed. Save elsewhere or wait for it to finish.") from None
+        try:
+            yield
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+    finally:
+        os.close(fd)
+
+
+def recover(target: Path, replaced) -> None:
+    """Repair what a crashed commit of `target` left behind. Run by one process, under the lock.
+
+    A staging directory beside the target is either a save that never committed or, after an
+    exchange, the previous copy: both are dropped, after giving back entries that are not
+    replaced (foreign subdirectories moved into staging) and that the target lacks. An old copy
+    without a target (the two-rename fallback crashed between its renames) is the last complete
+    checkpoint when no staging exists, else staging is complete and finishes the swap.
     """
     staging, old = staging_path(target), old_path(target)
+    _refuse_link(staging)
+    _refuse_link(old)
     if old.exists() and not target.exists() and staging.exists():
         os.rename(staging, target)
     elif staging.exists():
         if target.exists():
             for entry in staging.iterdir():
-                if not is_ours(entry.name) and not (target / entry.name).exists():
+                if not replaced(entry.name) and not os.path.lexists(target / entry.name):
                     os.rename(entry, target / entry.name)
         shutil.rmtree(staging)
     if old.exists():
@@ -85,62 +177,161 @@ def recover(target: Path, is_ours: Callable[[str], bool]) -> None:
             shutil.rmtree(old)
         else:  # only old survives (staging vanished): put it back
             os.rename(old, target)
+    inside = target / IN_PLACE_STAGING
+    if target.is_dir() and not target.is_symlink() and os.path.lexists(inside):
+        _refuse_link(inside)
+        shutil.rmtree(inside)
+
+
+def rename_exchange(a: Path, b: Path) -> bool:
+    """Atomically exchange two paths (Linux `renameat2`); False where unsupported."""
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (AttributeError, OSError):
+        return False
+    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno_codes.ENOSYS, errno_codes.EINVAL, errno_codes.ENOTSUP, errno_codes.EOPNOTSUPP):
+        return False
+    raise OSError(err, f"exchanging {a} and {b}: {os.strerror(err)}")
+
+
+def is_mount_point(path: Path) -> bool:
+    return path.is_dir() and os.path.ismount(path)
+
+
+def _copy_modes(old: Path, new: Path, replaced) -> None:
+    """Give the new directory and files the modes of the copy they replace (a private 0700/0600
+    checkpoint stays private); new names take the mode of any replaced file."""
+    os.chmod(new, stat.S_IMODE(os.stat(old).st_mode))
+    old_modes = {e.name: stat.S_IMODE(e.stat(follow_symlinks=False).st_mode)
+                 for e in os.scandir(old) if replaced(e.name) and not e.is_symlink()}
+    file_modes = [m for n, m in old_modes.items() if (old / n).is_file()]
+    for entry in os.scandir(new):
+        if entry.is_symlink():
+            continue
+        mode = old_modes.get(entry.name)
+        if mode is None and entry.is_file() and file_modes:
+            mode = file_modes[0]
+        if mode is not None:
+            os.chmod(entry.path, mode)
+
+
+def _carry_over(old: Path, new: Path, replaced) -> None:
+    """Entries of `old` this save does not replace go into `new`: files hard-linked (both copies
+    hold them until the swap), everything else moved."""
+    for entry in old.iterdir():
+        if replaced(entry.name) or entry.name == IN_PLACE_STAGING or os.path.lexists(new / entry.name):
+            continue
+        if entry.is_file() and not entry.is_symlink():
+            try:
+                os.link(entry, new / entry.name)
+                continue
+            except OSError:
+                pass  # no hard links here: move it
+        os.rename(entry, new / entry.name)
+
+
+def swap_in(staging: Path, target: Path, replaced, durable: bool) -> None:
+    """Make `staging` the new `target` (see the module docstring). Rank 0 only, under the lock."""
+    if durable:
+        fsync_dir(staging)
+    if not target.exists():
+        os.rename(staging, target)
+    else:
+        _copy_modes(target, staging, replaced)
+        _carry_over(target, staging, replaced)
+        if durable:
+            fsync_dir(staging)
+        if rename_exchange(staging, target):
+            if durable:
+                fsync_dir(target.parent)
+            shutil.rmtree(staging, ignore_errors=True)  # the previous copy; leftovers: see `recover`
+            return
+        old = old_path(target)
+        os.rename(target, old)
+        os.rename(staging, target)
+        if durable:
+            fsync_dir(target.parent)
+        shutil.rmtree(old, ignore_errors=True)
+        return
+    if durable:
+        fsync_dir(target.parent)
+
+
+def swap_in_place(staging: Path, target: Path, replaced, durable: bool) -> None:
+    """Commit a staging directory inside a mount-point target, entry by entry."""
+    written = {entry.name for entry in staging.iterdir()}
+    _copy_modes(target, staging, replaced)
+    for entry in target.iterdir():  # stale files of ours (shards of a larger previous save)
+        if replaced(entry.name) and entry.name not in written and entry.name != IN_PLACE_STAGING:
+            shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+    for name in sorted(written):
+        source, dest = staging / name, target / name
+        if source.is_dir() and dest.is_dir() and not dest.is_symlink():
+            if not rename_exchange(source, dest):
+                shutil.rmtree(dest)
+                os.rename(source, dest)
+                continue
+            shutil.rmtree(source)
+        else:
+            os.replace(source, dest)
+    os.rmdir(staging)
+    if durable:
+        fsync_dir(target)
+
+
+def _resolve(target: str | os.PathLike) -> Path:
+    """The directory to replace: a symlinked target is written through to what it points to."""
+    path = Path(target).absolute()
+    return Path(os.path.realpath(path)) if path.is_symlink() else path
 
 
 @contextlib.contextmanager
-def committed_directory(target: str | os.PathLike, *, is_ours: Callable[[str], bool],
-                        keep_foreign: bool = True, what: str = "saving", durable: bool = True) -> Iterator[Path]:
+def committed_directory(target: str | os.PathLike, *, weights_names: Iterable[str] = (), what: str = "saving",
+                        durable: bool = True) -> Iterator[Path]:
     """Yield a staging directory on every rank; commit it as `target` when every rank succeeded.
 
-    `is_ours(name)`: names this save writes (old copies of them are replaced, not kept).
-    `durable=False`: no directory fsyncs (the commit is atomic for crashes of processes, not of the machine).
+    `weights_names`: the weights files this save writes (their previous layouts are replaced too).
+    Any exception on any rank, of any type, leaves the previous `target` as it was and raises on
+    every rank. `durable=False`: no fsyncs (atomic for crashes of processes, not of the machine).
     Collective: call on every rank.
     """
-    target = Path(target).absolute()
-    staging = staging_path(target)
+    target = _resolve(target)
+    weights_names = tuple(weights_names)
     error: BaseException | None = None
-    if _rank() == 0:
-        try:
-            if target.exists() and not target.is_dir():
-                raise NotADirectoryError(errno_codes.ENOTDIR, f"{target} exists and is not a directory")
-            target.parent.mkdir(parents=True, exist_ok=True)
-            recover(target, is_ours)
-            staging.mkdir()
-        except OSError as e:
-            error = e
-    agree(error, f"preparing {target}")
-    error = None
-    try:
-        yield staging
-    except BaseException as e:  # noqa: BLE001 - every rank must learn about it
-        error = e
-    try:
-        agree(error, f"{what} {target}")
-    except BaseException:
+    with contextlib.ExitStack() as stack:
         if _rank() == 0:
-            shutil.rmtree(staging, ignore_errors=True)  # the previous `target` is untouched
-        raise
-    if _rank() == 0:
+            try:
+                if target.exists() and not target.is_dir():
+                    raise NotADirectoryError(errno_codes.ENOTDIR, f"{target} exists and is not a directory")
+                target.parent.mkdir(parents=True, exist_ok=True)
+                stack.enter_context(target_lock(target))
+                recover(target, replaced_by((), weights_names))
+                staging = target / IN_PLACE_STAGING if is_mount_point(target) else staging_path(target)
+                staging.mkdir()
+            except BaseException as e:  # noqa: BLE001 - every rank must learn about it
+                error = e
+        agree(error, f"preparing {target}")
+        # Every rank sees the same filesystem: a mount-point target stages inside itself.
+        staging = target / IN_PLACE_STAGING if is_mount_point(target) else staging_path(target)
         try:
-            _swap_in(staging, target, is_ours, keep_foreign, durable)
-        except OSError as e:
+            yield staging
+        except BaseException as e:  # noqa: BLE001 - every rank must learn about it
             error = e
-    agree(error, f"committing {target}")
-
-
-def _swap_in(staging: Path, target: Path, is_ours: Callable[[str], bool], keep_foreign: bool,
-             durable: bool) -> None:
-    if durable:
-        fsync_dir(staging)
-    old = old_path(target)
-    if target.exists():
-        if keep_foreign:
-            for entry in target.iterdir():
-                if not is_ours(entry.name) and not (staging / entry.name).exists():
-                    os.rename(entry, staging / entry.name)
-        os.rename(target, old)
-    os.rename(staging, target)
-    if durable:
-        fsync_dir(target.parent)
-    if old.exists():
-        shutil.rmtree(old)
+        try:
+            agree(error, f"{what} {target}")
+        except BaseException:
+            if _rank() == 0:
+                shutil.rmtree(staging, ignore_errors=True)  # the previous `target` is untouched
+            raise
+        if _rank() == 0:
+            replaced = replaced_by((e.name for e in staging.iterdir()), weights_names)
+            try:
+                (swap_in_place if staging.parent == target else swap_in)(staging, target, replaced, durable)
+            except BaseException as e:  # noqa: BLE001
+                error = e
+                with contextlib.suppress(Exception):
+                    recover(target, replaced)  # back to one complete copy: the previous or the new
+        agree(error, f"committing {target}")

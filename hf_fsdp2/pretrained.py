@@ -9,7 +9,6 @@ the meta device, shards it and loads it, so the full model never exists on any r
 from __future__ import annotations
 
 import contextlib
-import fnmatch
 import os
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
@@ -33,14 +32,7 @@ from .tensor_export import (
 
 ADAPTER_FILE = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
-# Files a save of ours replaces; anything else already in the directory is kept.
-_OUR_FILES = ("config.json", "generation_config.json", "model*.safetensors", "model.safetensors.index.json",
-              "adapter_model*.safetensors", "adapter_model.safetensors.index.json", ADAPTER_CONFIG)
 PROGRESS_MIN_BYTES = 1 << 30  # progress bars for checkpoints of 1 GiB and more
-
-
-def is_our_file(name: str) -> bool:
-    return any(fnmatch.fnmatch(name, pattern) for pattern in _OUR_FILES)
 
 
 def _rank() -> int:
@@ -147,8 +139,9 @@ def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, *, dtyp
     `model.safetensors.index.json`). `PeftModel`: PEFT's adapter layout, loadable with
     `PeftModel.from_pretrained`; with `merge_adapters=True`, the full model with W + scale·B·A
     merged per local shard (this all-gathers only the small LoRA A matrices). `dtype` casts shard by
-    shard. Under HSDP only replica 0 writes. The directory is replaced atomically; files of others in
-    it (tokenizer, README, subfolders) are kept. `write_extra(staging_dir)` runs on rank 0 to add
+    shard. Under HSDP only replica 0 writes. The directory is replaced atomically (`atomic_dir`):
+    only the files this save writes and a previous layout of the same weights file are replaced;
+    everything else in it (tokenizer, README, other weights, subfolders) is kept byte for byte. `write_extra(staging_dir)` runs on rank 0 to add
     files (a tokenizer) that commit with the weights. Files and directories are fsynced before the
     commit; `durable=False` skips that (about 3x faster for small models here, see benchmarks/README.md):
     a crashed process still never leaves a partial directory, a crashed machine may.
@@ -159,7 +152,8 @@ def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, *, dtyp
     dtype = parse_dtype(dtype, "dtype")
     items, is_adapter = export_items(model, dtype, merge_adapters)
     weights_name = ADAPTER_FILE if is_adapter else SINGLE_FILE
-    with committed_directory(save_directory, is_ours=is_our_file, what="saving", durable=durable) as staging:
+    with committed_directory(save_directory, weights_names=(weights_name,), what="saving",
+                             durable=durable) as staging:
         write_tensors(items, staging, weights_name=weights_name, max_shard_size=max_shard_size, progress=progress,
                       durable=durable)
         if _rank() == 0:

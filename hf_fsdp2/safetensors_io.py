@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +39,45 @@ INDEX_SUFFIX = ".index.json"
 
 class CheckpointError(ValueError):
     """A checkpoint file or index is malformed, or does not match the model. Names the file and key."""
+
+
+MAX_JSON_BYTES = 256 * 1024 * 1024  # an index of 400,000 tensors is ~40 MB
+
+
+def open_regular(path: Path, dir_fd: int | None = None) -> int:
+    """A read-only fd on `path` (relative to `dir_fd` if given), for regular files only: a FIFO or a
+    device would block or never end, so it is refused with an error naming the file."""
+    try:
+        fd = os.open(path.name if dir_fd is not None else path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC,
+                     dir_fd=dir_fd)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: file not found.") from None
+    except OSError as e:  # no permission, a loop of links, ...
+        raise CheckpointError(f"{path}: cannot be read ({e.strerror}).") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise CheckpointError(f"{path}: not a regular file (a directory, FIFO or device); refused.")
+    os.set_blocking(fd, True)
+    return fd
+
+
+def read_json_file(path: Path, dir_fd: int | None = None, *, limit: int = MAX_JSON_BYTES) -> object:
+    """Parse a JSON file of at most `limit` bytes; any problem (missing, not a regular file, too large,
+    not UTF-8 JSON, nested too deeply) is a `CheckpointError` naming the file."""
+    fd = open_regular(path, dir_fd)
+    try:
+        size = os.fstat(fd).st_size
+        if size > limit:
+            raise CheckpointError(f"{path}: {size} bytes, more than the {limit} a JSON file here may have.")
+        raw = os.pread(fd, size + 1, 0)
+    finally:
+        os.close(fd)
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except (UnicodeError, ValueError) as e:  # JSONDecodeError is a ValueError
+        raise CheckpointError(f"{path}: not valid JSON ({e}).") from None
+    except RecursionError:
+        raise CheckpointError(f"{path}: JSON nested too deeply.") from None
 
 
 @dataclass(frozen=True)
@@ -238,29 +278,33 @@ def write_json(path: str | os.PathLike, obj: object, *, durable: bool = True) ->
 # Reading
 
 
-def read_layout(path: str | os.PathLike) -> FileLayout:
+def read_layout(path: str | os.PathLike, fd: int | None = None) -> FileLayout:
     """Parse and check a safetensors header: errors name the file and the offending tensor.
 
     Accepts only what `safetensors` itself accepts (strict UTF-8 JSON, `__metadata__` a str -> str map,
     shapes and offsets lists of non-negative ints, a data section covering the rest of the file exactly),
     so a file that passes here also opens with `safe_open`. Tensor names appearing twice are refused too.
+    `fd`: an open descriptor of the file (see `CheckpointFiles`); else `path` is opened.
     """
     path = Path(path)
+    own = fd is None
+    if own:
+        fd = open_regular(path)
     try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            prefix = f.read(8)
-            if len(prefix) < 8:
-                raise CheckpointError(f"{path}: truncated: {size} bytes, too short for a safetensors header.")
-            (n,) = struct.unpack("<Q", prefix)
-            if n > _MAX_HEADER or 8 + n > size:
-                raise CheckpointError(f"{path}: header length {n} does not fit in the file ({size} bytes); "
-                                      "the file is truncated or not safetensors.")
-            raw = f.read(n)
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: file not found.") from None
-    except OSError as e:  # a directory, no permission, ...
+        size = os.fstat(fd).st_size
+        prefix = os.pread(fd, 8, 0)
+        if len(prefix) < 8:
+            raise CheckpointError(f"{path}: truncated: {size} bytes, too short for a safetensors header.")
+        (n,) = struct.unpack("<Q", prefix)
+        if n > _MAX_HEADER or 8 + n > size:
+            raise CheckpointError(f"{path}: header length {n} does not fit in the file ({size} bytes); "
+                                  "the file is truncated or not safetensors.")
+        raw = os.pread(fd, n, 8)
+    except OSError as e:
         raise CheckpointError(f"{path}: cannot be read ({e.strerror}).") from None
+    finally:
+        if own:
+            os.close(fd)
     if len(raw) != n:  # the file shrank between stat() and read()
         raise CheckpointError(f"{path}: truncated while reading its {n}-byte header.")
 
@@ -287,6 +331,8 @@ def read_layout(path: str | os.PathLike) -> FileLayout:
         json.dumps(header, ensure_ascii=False).encode("utf-8")  # raises on a lone surrogate
     except (UnicodeError, ValueError) as e:  # JSONDecodeError is a ValueError
         raise CheckpointError(f"{path}: header is not valid JSON ({e}).") from None
+    except RecursionError:
+        raise CheckpointError(f"{path}: header JSON is nested too deeply.") from None
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: header is not a JSON object.")
     metadata = header.get("__metadata__")
@@ -349,7 +395,7 @@ def read_layout(path: str | os.PathLike) -> FileLayout:
 
 
 def read_rows(path: str | os.PathLike, layout: FileLayout, name: str, first_row: int, stop_row: int,
-              out: torch.Tensor | None = None) -> torch.Tensor:
+              out: torch.Tensor | None = None, fd: int | None = None) -> torch.Tensor:
     """Read rows [first_row, stop_row) of `name` (rows [0, 1) of a scalar).
 
     With `out` (shape `(stop_row - first_row, *shape[1:])`, or `()` for a scalar) the rows land in it,
@@ -373,15 +419,21 @@ def read_rows(path: str | os.PathLike, layout: FileLayout, name: str, first_row:
         target = out
     if target.numel():
         buf = memoryview(target.reshape(-1).view(torch.uint8).numpy()).cast("B")
-        with open(path, "rb", buffering=0) as f:
+        own = fd is None
+        if own:
+            fd = open_regular(Path(path))
+        try:
             offset = layout.row_offset(name, first_row)
             got = 0
             while got < len(buf):
-                more = os.preadv(f.fileno(), [buf[got:]], offset + got)
+                more = os.preadv(fd, [buf[got:]], offset + got)
                 if more == 0:
                     raise CheckpointError(f"{path}: tensor {name!r}: file ended while reading rows "
                                           f"{first_row}:{stop_row}.")
                 got += more
+        finally:
+            if own:
+                os.close(fd)
     if out is not None and target is not out:
         out.copy_(target)
         return out
@@ -396,16 +448,14 @@ def _safe_member(directory: Path, filename: object, source: Path) -> Path:
     return directory / filename
 
 
-def read_index(index_path: str | os.PathLike) -> dict[str, Path]:
+def read_index(index_path: str | os.PathLike, dir_fd: int | None = None) -> dict[str, Path]:
     """tensor name -> file, from a `*.safetensors.index.json`; names pointing elsewhere are refused."""
     index_path = Path(index_path)
     try:
-        index = json.loads(index_path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise CheckpointError(f"{index_path}: file not found.") from None
-    except OSError as e:
-        raise CheckpointError(f"{index_path}: cannot be read ({e.strerror}).") from None
-    except (UnicodeError, ValueError):  # JSONDecodeError is a ValueError
+        index = read_json_file(index_path, dir_fd)
+    except CheckpointError as e:
+        if "not valid JSON" not in str(e) and "nested too deeply" not in str(e):
+            raise
         index = None
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict):
@@ -414,20 +464,60 @@ def read_index(index_path: str | os.PathLike) -> dict[str, Path]:
 
 
 class CheckpointFiles:
-    """Every tensor of a safetensors checkpoint (one file, or an index and its files), headers checked."""
+    """Every tensor of a safetensors checkpoint (one file, or an index and its files), headers checked.
+
+    The directory and every file are opened once, relative to the directory's descriptor, and read
+    through those descriptors: a save that replaces the directory meanwhile (`atomic_dir` swaps it)
+    cannot make one load read some files of the old checkpoint and some of the new. Call `close()`
+    (or use `with`) when done; the descriptors are also closed when the object is collected.
+    """
 
     def __init__(self, directory: str | os.PathLike, weights_name: str = SINGLE_FILE):
         self.directory = Path(directory)
+        self._fds: dict[Path, int] = {}
+        self._dir_fd = None
+        for attempt in range(5):
+            try:
+                self._dir_fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            except OSError as e:
+                raise CheckpointError(f"{self.directory}: no {weights_name} here: not a readable directory "
+                                      f"({e.strerror}).") from None
+            try:
+                self._open(weights_name)
+                return
+            except BaseException:
+                replaced = self._replaced_meanwhile()
+                self.close()
+                if not replaced or attempt == 4:
+                    raise
+            # A save swapped the directory and deleted the copy we had opened: open the new one.
+
+    def _replaced_meanwhile(self) -> bool:
+        try:
+            return os.stat(self.directory).st_ino != os.fstat(self._dir_fd).st_ino
+        except OSError:
+            return False
+
+    def _exists(self, name: str) -> bool:
+        try:
+            os.stat(name, dir_fd=self._dir_fd)
+            return True
+        except OSError:
+            return False
+
+    def _open(self, weights_name: str) -> None:
         index_path = self.directory / (weights_name + INDEX_SUFFIX)
         single = self.directory / weights_name
-        if index_path.exists():
-            weight_map = read_index(index_path)
-        elif single.exists():
+        if self._exists(index_path.name):
+            weight_map = read_index(index_path, self._dir_fd)
+        elif self._exists(single.name):
             weight_map = None
         else:
             raise CheckpointError(f"{self.directory}: no {weights_name} or {index_path.name} found.")
         files = sorted(set(weight_map.values())) if weight_map is not None else [single]
-        self.layouts: dict[Path, FileLayout] = {p: read_layout(p) for p in files}
+        for p in files:
+            self._fds[p] = open_regular(p, self._dir_fd)
+        self.layouts: dict[Path, FileLayout] = {p: read_layout(p, self._fds[p]) for p in files}
         self.where: dict[str, Path] = {}
         for path, layout in self.layouts.items():
             for name in layout.specs:
@@ -440,6 +530,23 @@ class CheckpointFiles:
                 raise CheckpointError(f"{index_path}: {len(lost)} tensor(s) listed in the index are not in their "
                                       f"file: {', '.join(lost[:10])}.")
 
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds = {}
+        if getattr(self, "_dir_fd", None) is not None:
+            os.close(self._dir_fd)
+            self._dir_fd = None
+
+    def __enter__(self) -> "CheckpointFiles":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        self.close()
+
     def names(self) -> Iterable[str]:
         return self.where.keys()
 
@@ -448,7 +555,7 @@ class CheckpointFiles:
 
     def read_rows(self, name: str, first_row: int, stop_row: int, out: torch.Tensor | None = None) -> torch.Tensor:
         path = self.where[name]
-        return read_rows(path, self.layouts[path], name, first_row, stop_row, out=out)
+        return read_rows(path, self.layouts[path], name, first_row, stop_row, out=out, fd=self._fds[path])
 
     def read(self, name: str) -> torch.Tensor:
         spec = self.spec(name)

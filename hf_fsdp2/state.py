@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor
 
 from .atomic_dir import agree, committed_directory, old_path, staging_path
 from .pretrained import (
-    ADAPTER_FILE, export_items, write_configs, is_our_file, load_pretrained, load_tensors, write_tensors,
+    ADAPTER_FILE, export_items, write_configs, load_pretrained, load_tensors, write_tensors,
 )
 from .safetensors_io import CheckpointError, CheckpointFiles, write_json
 from .tensor_export import ExportTensor, model_tensors
@@ -39,18 +39,10 @@ FORMAT = "hf_fsdp2.state/1"
 MARKER = "COMPLETE.json"
 MANIFEST = "hf_fsdp2_state.json"  # not trainer_state.json: the Trainer writes its own beside it
 OPTIMIZER_FILE = "optimizer.safetensors"
-_STATE_FILES = (MARKER, MANIFEST, OPTIMIZER_FILE, "optimizer-*.safetensors", "optimizer.safetensors.index.json",
-                "rng")
 
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _is_state_file(name: str) -> bool:
-    import fnmatch
-
-    return is_our_file(name) or any(fnmatch.fnmatch(name, p) for p in _STATE_FILES)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -187,9 +179,10 @@ def save_state(directory: str | os.PathLike, model: nn.Module, optimizer: torch.
         "optimizer_state": _to_json(opt_other, "optimizer state"),
         "scheduler": _to_json(scheduler.state_dict(), "scheduler.state_dict()") if scheduler is not None else None,
     }
-    with committed_directory(directory, is_ours=_is_state_file, keep_foreign=False, what="saving state",
+    weights_name = ADAPTER_FILE if is_adapter else "model.safetensors"
+    with committed_directory(directory, weights_names=(weights_name, OPTIMIZER_FILE), what="saving state",
                              durable=durable) as staging:
-        write_tensors(model_items, staging, weights_name=ADAPTER_FILE if is_adapter else "model.safetensors",
+        write_tensors(model_items, staging, weights_name=weights_name,
                       progress=progress, durable=durable)
         if opt_items:
             write_tensors(opt_items, staging, weights_name=OPTIMIZER_FILE, progress=progress, durable=durable)
