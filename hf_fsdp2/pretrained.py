@@ -166,11 +166,11 @@ def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, *, dtyp
 # Reading
 
 
-def load_tensors(targets: dict[str, torch.Tensor], files: CheckpointFiles, *, aliases: dict[str, str] | None = None,
-                 strict: bool = True, progress: bool | None = None) -> None:
-    """Fill each target's local rows from `files`. Float dtypes are cast; anything else must match.
+def match_tensors(targets: dict[str, torch.Tensor], files: CheckpointFiles, *, aliases: dict[str, str] | None = None,
+                  strict: bool = True) -> dict[str, str]:
+    """{target name: checkpoint name} after checking every key, shape and dtype; changes nothing.
 
-    Missing, unexpected and mismatched keys are collected and reported in one error. No collectives.
+    Missing, unexpected and mismatched keys are collected and reported in one error.
     """
     aliases = aliases or {}
     source_of = {}
@@ -200,6 +200,12 @@ def load_tensors(targets: dict[str, torch.Tensor], files: CheckpointFiles, *, al
         problems.append(f"mismatched ({len(mismatched)}): " + "; ".join(mismatched))
     if problems:
         raise CheckpointError(f"{files.directory} does not match the model:\n  " + "\n  ".join(problems))
+    return source_of
+
+
+def read_tensors(targets: dict[str, torch.Tensor], files: CheckpointFiles, source_of: dict[str, str], *,
+                 progress: bool | None = None) -> None:
+    """Fill each target's local rows from `files` (as matched by `match_tensors`). Floats are cast."""
     total = sum(files.spec(s).nbytes for s in source_of.values())
     with _progress(total, f"loading {files.directory.name}", progress) as bar, torch.no_grad():
         for name, source in source_of.items():
@@ -211,10 +217,42 @@ def load_tensors(targets: dict[str, torch.Tensor], files: CheckpointFiles, *, al
             bar.update(files.spec(source).row_bytes * (stop - start))
 
 
+def load_tensors(targets: dict[str, torch.Tensor], files: CheckpointFiles, *, aliases: dict[str, str] | None = None,
+                 strict: bool = True, progress: bool | None = None) -> None:
+    """Check every key first (one error listing all problems), then fill each target's local rows.
+    No collectives."""
+    read_tensors(targets, files, match_tensors(targets, files, aliases=aliases, strict=strict), progress=progress)
+
+
 def _existing_dir(directory: Path) -> Path:
     if not directory.is_dir():
         raise CheckpointError(f"{directory}: not a directory.")
     return directory
+
+
+class WeightsPlan:
+    """What `load_pretrained` will read, checked against the model, before anything changes."""
+
+    def __init__(self, model: nn.Module, directory: Path, strict: bool = True):
+        if is_peft_model(model) and ((directory / ADAPTER_FILE).exists()
+                                     or (directory / (ADAPTER_FILE + INDEX_SUFFIX)).exists()):
+            self.targets, self.files = adapter_tensors(model), CheckpointFiles(directory, ADAPTER_FILE)
+            aliases = None
+        else:
+            base = model.get_base_model() if is_peft_model(model) else model
+            self.targets, self.files = model_tensors(base), CheckpointFiles(directory, SINGLE_FILE)
+            aliases = tied_aliases(base)
+        try:
+            self.source_of = match_tensors(self.targets, self.files, aliases=aliases, strict=strict)
+        except BaseException:
+            self.files.close()
+            raise
+
+    def read(self, progress: bool | None = None) -> None:
+        try:
+            read_tensors(self.targets, self.files, self.source_of, progress=progress)
+        finally:
+            self.files.close()
 
 
 def load_pretrained(model: nn.Module, directory: str | os.PathLike, *, strict: bool = True,
@@ -223,18 +261,10 @@ def load_pretrained(model: nn.Module, directory: str | os.PathLike, *, strict: b
 
     Reads what `save_pretrained` (ours or transformers') writes: one file or an index and shards.
     For a `PeftModel` and a directory with `adapter_model.safetensors`, loads the adapter only.
+    Every key, shape and dtype is checked before any weight changes.
     Collective: call on every rank (no communication; every rank reads its rows in parallel).
     """
-    directory = _existing_dir(Path(directory))
-    if is_peft_model(model) and ((directory / ADAPTER_FILE).exists()
-                                 or (directory / (ADAPTER_FILE + INDEX_SUFFIX)).exists()):
-        load_tensors(adapter_tensors(model), CheckpointFiles(directory, ADAPTER_FILE), strict=strict,
-                     progress=progress)
-        return model
-    base = model.get_base_model() if is_peft_model(model) else model
-    targets = model_tensors(base)
-    load_tensors(targets, CheckpointFiles(directory, SINGLE_FILE), aliases=tied_aliases(base), strict=strict,
-                 progress=progress)
+    WeightsPlan(model, _existing_dir(Path(directory)), strict).read(progress)
     return model
 
 

@@ -16,6 +16,7 @@ Layout of a state directory:
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import shutil
@@ -29,12 +30,11 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from .atomic_dir import agree, committed_directory, old_path, staging_path
-from .pretrained import (
-    ADAPTER_FILE, export_items, write_configs, load_pretrained, load_tensors, write_tensors,
-)
-from .safetensors_io import CheckpointError, CheckpointFiles, write_json
+from .pretrained import ADAPTER_FILE, WeightsPlan, export_items, load_tensors, write_configs, write_tensors
+from .safetensors_io import CheckpointError, CheckpointFiles, TensorSpec, read_json_file, write_json
 from .tensor_export import ExportTensor, model_tensors
 
+logger = logging.getLogger(__name__)
 FORMAT = "hf_fsdp2.state/1"
 MARKER = "COMPLETE.json"
 MANIFEST = "hf_fsdp2_state.json"  # not trainer_state.json: the Trainer writes its own beside it
@@ -77,40 +77,95 @@ def _optimizer_items(model: nn.Module, optimizer: torch.optim.Optimizer) -> tupl
     return items, other, groups
 
 
-def _load_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, directory: Path, manifest: dict) -> None:
-    names = _param_names(model)
-    saved_groups = manifest["param_groups"]
-    if len(saved_groups) != len(optimizer.param_groups):
-        raise CheckpointError(f"{directory / MANIFEST}: {len(saved_groups)} optimizer param groups saved, the "
-                              f"optimizer has {len(optimizer.param_groups)}.")
-    by_name: dict[str, torch.Tensor] = {}
-    for saved, group in zip(saved_groups, optimizer.param_groups):
-        current = [names.get(id(p)) for p in group["params"]]
-        if current != saved["params"]:
-            diff = sorted(set(map(str, current)) ^ set(saved["params"]))
-            raise CheckpointError(f"{directory / MANIFEST}: optimizer parameters differ from the checkpoint's: "
-                                  f"{', '.join(diff[:10])}.")
-        group.update({k: v for k, v in saved.items() if k != "params"})
-        by_name.update({names[id(p)]: p for p in group["params"]})
-    files = CheckpointFiles(directory, OPTIMIZER_FILE) if (directory / OPTIMIZER_FILE).exists() or (
-        directory / (OPTIMIZER_FILE + ".index.json")).exists() else None
-    optimizer.state.clear()
-    targets: dict[str, torch.Tensor] = {}
-    for key in (files.names() if files is not None else []):
-        name, _, state_key = key.rpartition("/")
-        if name not in by_name:
-            raise CheckpointError(f"{directory / OPTIMIZER_FILE}: state for unknown parameter {name!r}.")
-        param, spec = by_name[name], files.spec(key)
-        # States shaped like their parameter are sharded like it; others (Adam's step) are whole.
-        like_param = tuple(spec.shape) == tuple(param.shape) and isinstance(param, DTensor)
-        target = torch.zeros_like(param, dtype=spec.dtype) if like_param else torch.zeros(
-            spec.shape, dtype=spec.dtype, device=param.device if not isinstance(param, DTensor) else "cpu")
-        optimizer.state[param][state_key] = target
-        targets[key] = target
-    if files is not None:
-        load_tensors(targets, files)
-    for name, values in manifest.get("optimizer_state", {}).items():
-        optimizer.state[by_name[name]].update(values)
+# State tensors torch's optimizers keep in the shape of their parameter (Adam(W), SGD, RMSprop, Adagrad,
+# Adadelta, Adamax, NAdam, RAdam, ASGD); "step" is a scalar. Other keys are checked against a state
+# the optimizer already holds, if any.
+_PARAM_SHAPED = {"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "square_avg", "grad_avg", "sum",
+                 "acc_delta", "exp_inf", "ax", "eta", "mu"}
+
+
+def _compatible(saved: Any, current: Any) -> bool:
+    """Whether a saved hyperparameter can stand in for the optimizer's current value."""
+    if current is None or saved is None:
+        return True
+    if isinstance(current, bool) or isinstance(saved, bool):
+        return isinstance(current, bool) and isinstance(saved, bool)
+    if isinstance(current, (int, float)) or isinstance(current, torch.Tensor) and current.numel() == 1:
+        return isinstance(saved, (int, float))
+    if isinstance(current, (list, tuple)):
+        return isinstance(saved, list) and len(saved) == len(current) and all(
+            _compatible(a, b) for a, b in zip(saved, current))
+    return isinstance(saved, type(current))
+
+
+class OptimizerPlan:
+    """The optimizer state of a checkpoint, checked against `optimizer` before anything changes:
+    parameter names per group, hyperparameter types, and every state tensor's name, shape and dtype."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, directory: Path, manifest: dict):
+        where = directory / MANIFEST
+        names = _param_names(model)
+        saved_groups = manifest["param_groups"]
+        if len(saved_groups) != len(optimizer.param_groups):
+            raise CheckpointError(f"{where}: {len(saved_groups)} optimizer param groups saved, the "
+                                  f"optimizer has {len(optimizer.param_groups)}.")
+        self.by_name: dict[str, torch.Tensor] = {}
+        for i, (saved, group) in enumerate(zip(saved_groups, optimizer.param_groups)):
+            current = [names.get(id(p)) for p in group["params"]]
+            if current != saved["params"]:
+                diff = sorted(set(map(str, current)) ^ set(map(str, saved["params"])))
+                raise CheckpointError(f"{where}: optimizer parameters differ from the checkpoint's: "
+                                      f"{', '.join(diff[:10]) or 'their order'}.")
+            for key, value in saved.items():
+                if key != "params" and key in group and not _compatible(value, group[key]):
+                    raise CheckpointError(f"{where}: param group {i}: {key}={value!r} cannot replace the "
+                                          f"optimizer's {key}={group[key]!r} (another type).")
+            self.by_name.update({names[id(p)]: p for p in group["params"]})
+        for name, values in manifest["optimizer_state"].items():
+            if name not in self.by_name or not isinstance(values, dict):
+                raise CheckpointError(f"{where}: `optimizer_state` for unknown parameter {name!r}.")
+        self.other = manifest["optimizer_state"]
+        self.files = None
+        if (directory / OPTIMIZER_FILE).exists() or (directory / (OPTIMIZER_FILE + ".index.json")).exists():
+            self.files = CheckpointFiles(directory, OPTIMIZER_FILE)
+        self.plan: dict[str, tuple[torch.Tensor, str, TensorSpec]] = {}
+        for key in (self.files.names() if self.files is not None else []):
+            name, _, state_key = key.rpartition("/")
+            if name not in self.by_name:
+                raise CheckpointError(f"{directory / OPTIMIZER_FILE}: state for unknown parameter {name!r}.")
+            param, spec = self.by_name[name], self.files.spec(key)
+            held = optimizer.state.get(param, {}).get(state_key)
+            problem = None
+            if state_key in _PARAM_SHAPED and (tuple(spec.shape) != tuple(param.shape)
+                                               or not spec.dtype.is_floating_point):
+                problem = f"{spec.dtype} {list(spec.shape)}, expected floating point {list(param.shape)}"
+            elif state_key == "step" and spec.numel != 1:
+                problem = f"shape {list(spec.shape)}, expected a scalar"
+            elif isinstance(held, torch.Tensor) and (tuple(held.shape) != tuple(spec.shape) or held.dtype != spec.dtype):
+                problem = f"{spec.dtype} {list(spec.shape)}, the optimizer holds {held.dtype} {list(held.shape)}"
+            if problem:
+                raise CheckpointError(f"{self.files.where[key]}: optimizer state {key!r}: {problem}.")
+            self.plan[key] = (param, state_key, spec)
+
+    def apply(self, optimizer: torch.optim.Optimizer, manifest: dict) -> None:
+        for saved, group in zip(manifest["param_groups"], optimizer.param_groups):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+        optimizer.state.clear()
+        targets: dict[str, torch.Tensor] = {}
+        for key, (param, state_key, spec) in self.plan.items():
+            # States shaped like their parameter are sharded like it; others (Adam's step) are whole.
+            like_param = tuple(spec.shape) == tuple(param.shape) and isinstance(param, DTensor)
+            target = torch.zeros_like(param, dtype=spec.dtype) if like_param else torch.zeros(
+                spec.shape, dtype=spec.dtype, device=param.device if not isinstance(param, DTensor) else "cpu")
+            optimizer.state[param][state_key] = target
+            targets[key] = target
+        if self.files is not None:
+            try:
+                load_tensors(targets, self.files)
+            finally:
+                self.files.close()
+        for name, values in self.other.items():
+            optimizer.state[self.by_name[name]].update(values)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -127,6 +182,22 @@ def _rng_state() -> dict[str, Any]:
     if torch.cuda.is_available():
         state["cuda"] = [s.tolist() for s in torch.cuda.get_rng_state_all()]
     return state
+
+
+def check_rng_state(state: Any, where: Path) -> None:
+    """Refuse a malformed RNG state before anything is set: each part is tried on a throwaway generator."""
+    try:
+        if not isinstance(state, dict) or not {"python", "numpy", "torch"} <= state.keys():
+            raise ValueError("needs `python`, `numpy` and `torch` states")
+        version, internal, gauss = state["python"]
+        random.Random().setstate((version, tuple(internal), gauss))
+        kind, keys, pos, has_gauss, cached = state["numpy"]
+        np.random.RandomState().set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+        if not isinstance(state["torch"], list) or len(state["torch"]) != len(torch.get_rng_state()):
+            raise ValueError("`torch` is not a CPU generator state")
+        torch.Generator().set_state(torch.tensor(state["torch"], dtype=torch.uint8))
+    except (TypeError, ValueError, OverflowError, RuntimeError) as e:
+        raise CheckpointError(f"{where}: not a valid RNG state ({e}).") from None
 
 
 def _set_rng_state(state: dict[str, Any]) -> None:
@@ -204,8 +275,16 @@ def save_state(directory: str | os.PathLike, model: nn.Module, optimizer: torch.
     return directory
 
 
+_MANIFEST_TYPES = {"step": int, "extra": dict, "world_size": int, "weights": str, "param_groups": list,
+                   "optimizer_state": dict}
+
+
+_NUMERIC_HYPERPARAMETERS = {"lr", "initial_lr", "weight_decay", "eps", "momentum", "dampening", "betas", "alpha"}
+
+
 def read_manifest(directory: str | os.PathLike) -> dict:
-    """The manifest of a complete state directory; a clear error for a partial or foreign one."""
+    """The manifest of a complete state directory, its fields checked; a `CheckpointError` naming
+    the file for a partial, foreign or damaged one."""
     directory = Path(directory)
     if not directory.is_dir():
         hint = ""
@@ -215,12 +294,27 @@ def read_manifest(directory: str | os.PathLike) -> dict:
     if not (directory / MARKER).exists():
         raise CheckpointError(f"{directory}: incomplete training state (no {MARKER}); it was not fully saved "
                               "and cannot be resumed from.")
-    try:
-        manifest = json.loads((directory / MANIFEST).read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{directory / MANIFEST}: unreadable manifest ({e}).") from None
-    if manifest.get("format") != FORMAT:
-        raise CheckpointError(f"{directory / MANIFEST}: format {manifest.get('format')!r}, expected {FORMAT!r}.")
+    read_json_file(directory / MARKER, limit=1 << 20)
+    where = directory / MANIFEST
+    manifest = read_json_file(where)
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        found = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
+        raise CheckpointError(f"{where}: format {found!r}, expected {FORMAT!r}.")
+    for key, kind in _MANIFEST_TYPES.items():
+        if not isinstance(manifest.get(key), kind) or kind is int and isinstance(manifest[key], bool):
+            raise CheckpointError(f"{where}: `{key}` must be a {kind.__name__}, found {manifest.get(key)!r:.80}.")
+    if manifest["step"] < 0 or manifest["world_size"] < 1:
+        raise CheckpointError(f"{where}: `step` {manifest['step']} / `world_size` {manifest['world_size']} out of range.")
+    for i, group in enumerate(manifest["param_groups"]):
+        if not isinstance(group, dict) or not isinstance(group.get("params"), list) or not all(
+                isinstance(p, str) for p in group["params"]):
+            raise CheckpointError(f"{where}: param group {i} must be an object with a `params` list of names.")
+        for key in _NUMERIC_HYPERPARAMETERS & group.keys():
+            values = group[key] if isinstance(group[key], list) else [group[key]]
+            if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+                raise CheckpointError(f"{where}: param group {i}: `{key}` must be a number, found {group[key]!r:.80}.")
+    if manifest.get("scheduler") is not None and not isinstance(manifest["scheduler"], dict):
+        raise CheckpointError(f"{where}: `scheduler` must be an object or null.")
     return manifest
 
 
@@ -228,31 +322,49 @@ def load_state(directory: str | os.PathLike, model: nn.Module, optimizer: torch.
                scheduler: Any = None, *, load_weights: bool = True, progress: bool | None = None) -> tuple[int, dict]:
     """Restore a state saved by `save_state` on any number of ranks; returns (step, extra).
 
+    Everything is read and checked first (manifest, RNG file, weights and optimizer tensors against
+    the model and optimizer); only then is anything changed, so a damaged or foreign checkpoint
+    raises one `CheckpointError` naming the file and leaves the model and optimizer as they were.
     Each rank reads only the rows of its own shards. RNG: see `load_rng_state`.
     `load_weights=False` skips the model weights (already loaded with `load_pretrained`).
     Collective: call on every rank.
     """
     directory = Path(directory)
     manifest = read_manifest(directory)
-    if load_weights:
-        load_pretrained(model, directory, progress=progress)
-    if optimizer is not None:
-        _load_optimizer(model, optimizer, directory, manifest)
+    rng_file = _rng_file(directory)
+    rng = read_json_file(rng_file)
+    check_rng_state(rng, rng_file)
+    if scheduler is not None and manifest.get("scheduler") is None:
+        raise CheckpointError(f"{directory / MANIFEST}: no scheduler state was saved.")
+    weights = WeightsPlan(model, directory) if load_weights else None
+    try:
+        opt_plan = OptimizerPlan(model, optimizer, directory, manifest) if optimizer is not None else None
+    except BaseException:
+        if weights is not None:
+            weights.files.close()
+        raise
+    if weights is not None:
+        weights.read(progress)
+    if opt_plan is not None:
+        opt_plan.apply(optimizer, manifest)
     if scheduler is not None:
-        if manifest.get("scheduler") is None:
-            raise CheckpointError(f"{directory / MANIFEST}: no scheduler state was saved.")
         scheduler.load_state_dict(manifest["scheduler"])
-    load_rng_state(directory)
+    _set_rng_state(rng)
     return manifest["step"], manifest["extra"]
+
+
+def _rng_file(directory: Path) -> Path:
+    """Rank r's saved RNG states (rank 0's when the checkpoint had fewer ranks)."""
+    rng_file = directory / "rng" / f"rank-{_rank():05d}.json"
+    return rng_file if rng_file.exists() else directory / "rng" / "rank-00000.json"
 
 
 def load_rng_state(directory: str | os.PathLike) -> None:
     """Rank r restores rank r's saved RNG states (rank 0's when the checkpoint had fewer ranks)."""
-    rng_dir = Path(directory) / "rng"
-    rng_file = rng_dir / f"rank-{_rank():05d}.json"
-    if not rng_file.exists():
-        rng_file = rng_dir / "rank-00000.json"
-    _set_rng_state(json.loads(rng_file.read_text(encoding="utf-8")))
+    rng_file = _rng_file(Path(directory))
+    state = read_json_file(rng_file)
+    check_rng_state(state, rng_file)
+    _set_rng_state(state)
 
 
 def list_states(root: str | os.PathLike) -> list[tuple[int, Path]]:
@@ -266,8 +378,8 @@ def list_states(root: str | os.PathLike) -> list[tuple[int, Path]]:
         if child.is_dir() and not child.name.startswith(".") and (child / MARKER).exists():
             try:
                 found.append((read_manifest(child)["step"], child))
-            except CheckpointError:
-                continue
+            except CheckpointError as e:
+                logger.debug("skipping %s: %s", child, e)
     return sorted(found)
 
 

@@ -4,6 +4,7 @@ symlinks, mount points, modes, and failures of any type (hf_fsdp2/atomic_dir.py)
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import socket
@@ -18,7 +19,7 @@ from hf_fsdp2 import atomic_dir
 from hf_fsdp2.atomic_dir import TargetBusyError, committed_directory, lock_path, staging_path
 from hf_fsdp2.pretrained import save_pretrained
 from hf_fsdp2.safetensors_io import CheckpointError, CheckpointFiles
-from hf_fsdp2.state import load_state, save_state
+from hf_fsdp2.state import latest_state, load_state, save_state
 
 from .common import build_model, optimizer
 from .dist_harness import run_ranks_collecting_errors
@@ -229,3 +230,64 @@ def _swap_then_die(staging, target, replaced, durable):
     atomic_dir._carry_over(target, staging, replaced)
     assert atomic_dir.rename_exchange(staging, target)
     raise KeyboardInterrupt  # as if SIGKILLed before the old copy was deleted
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading validates everything before anything changes
+
+
+def _damage_lr(d):
+    m = json.loads((d / "hf_fsdp2_state.json").read_text())
+    m["param_groups"][0]["lr"] = "0.01"
+    (d / "hf_fsdp2_state.json").write_text(json.dumps(m))
+
+
+def _damage_exp_avg(d):
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(d / "optimizer.safetensors")
+    key = next(k for k in tensors if k.endswith("/exp_avg"))
+    tensors[key] = torch.zeros(3, 4)
+    save_file(tensors, d / "optimizer.safetensors")
+
+
+def _damage_rng(d):
+    (d / "rng" / "rank-00000.json").write_text(json.dumps({"python": [3, [1, 2], None], "numpy": [], "torch": []}))
+
+
+def _damage_manifest(d):
+    (d / "hf_fsdp2_state.json").write_text("[" * 100_000 + "]" * 100_000)
+
+
+def _fifo_weights(d):
+    (d / "model.safetensors").unlink()
+    os.mkfifo(d / "model.safetensors")
+
+
+@pytest.mark.parametrize("damage, file", [(_damage_lr, "hf_fsdp2_state.json"), (_damage_exp_avg, "optimizer.safetensors"),
+                                          (_damage_rng, "rank-00000.json"), (_damage_manifest, "hf_fsdp2_state.json"),
+                                          (_fifo_weights, "model.safetensors")])
+def test_damaged_state_is_refused_before_anything_changes(tmp_path, damage, file):
+    model = build_model()
+    opt = optimizer(model)
+    model(input_ids=torch.arange(8)[None], labels=torch.arange(8)[None]).loss.backward()
+    opt.step()
+    save_state(tmp_path / "step-1", model, opt, step=1)
+    save_state(tmp_path / "step-2", model, opt, step=2)
+    damage(tmp_path / "step-2")
+    fresh = build_model(seed=3)
+    fresh_opt = optimizer(fresh)
+    before = {k: v.clone() for k, v in fresh.state_dict().items()}
+    with pytest.raises(CheckpointError, match=file):
+        load_state(tmp_path / "step-2", fresh, fresh_opt)
+    assert all(torch.equal(before[k], v) for k, v in fresh.state_dict().items())  # nothing was loaded
+    assert not fresh_opt.state and fresh_opt.param_groups[0]["lr"] == 1e-2
+    if file == "hf_fsdp2_state.json":  # a state whose manifest is invalid is never the latest
+        assert latest_state(tmp_path) == tmp_path / "step-1"
+
+
+def test_deeply_nested_index_is_a_clear_error(tmp_path):
+    save_pretrained(build_model(), tmp_path / "ckpt", max_shard_size="100KB")
+    (tmp_path / "ckpt" / "model.safetensors.index.json").write_text('{"weight_map": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    with pytest.raises(CheckpointError, match="model.safetensors.index.json"):
+        CheckpointFiles(tmp_path / "ckpt")

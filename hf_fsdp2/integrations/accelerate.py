@@ -28,7 +28,8 @@ from ..config import FSDP2Config
 from ..distributed import build_mesh
 from ..pretrained import save_pretrained
 from ..sharding import shard_model, unwrap_peft
-from ..state import latest_state, load_state, save_state
+from ..safetensors_io import CheckpointError
+from ..state import MANIFEST, latest_state, load_state, read_manifest, save_state
 
 # Tested with 1.15; the internals patched here are unchanged since 1.10.
 SUPPORTED_ACCELERATE = ((1, 10), (1, 16))  # [min, max) as (major, minor)
@@ -325,14 +326,19 @@ def _load_state(self, input_dir=None, load_kwargs=None, **kwargs):
         if input_dir is None:
             raise FileNotFoundError(f"no complete checkpoint under {Path(self.project_dir) / 'checkpoints'}.")
     model, optimizer = self._models[0], self._optimizers[0]
-    step, extra = load_state(input_dir, model, optimizer)
-    saved = extra.get("accelerate", {})
+    # Check what Accelerate adds before load_state changes anything.
+    saved = read_manifest(input_dir)["extra"].get("accelerate", {})
+    pairs = []
     for what, objs, states in (("schedulers", self._schedulers, saved.get("schedulers", [])),
                                ("registered objects", self._custom_objects, saved.get("custom_objects", []))):
-        if len(objs) != len(states):
-            raise ValueError(f"{input_dir}: {len(states)} {what} saved, {len(objs)} prepared/registered now.")
-        for obj, state in zip(objs, states):
-            obj.load_state_dict(state)
+        if not isinstance(states, list) or len(objs) != len(states) or not all(isinstance(s, dict) for s in states):
+            count = len(states) if isinstance(states, list) else "malformed"
+            raise CheckpointError(f"{Path(input_dir) / MANIFEST}: {count} {what} saved, {len(objs)} "
+                                  "prepared/registered now.")
+        pairs += zip(objs, states)
+    step, _ = load_state(input_dir, model, optimizer)
+    for obj, state in pairs:
+        obj.load_state_dict(state)
     for dl, dl_state in zip(self._dataloaders, saved.get("dataloaders", [])):
         if hasattr(dl, "set_epoch"):
             dl.set_epoch(dl_state["iteration"])
