@@ -73,8 +73,22 @@ def persistent_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
+def reshard(model: nn.Module) -> None:
+    """Put every FSDP group of `model` back in its sharded state. A forward without backward (an
+    evaluation step under `no_grad`) leaves groups with `reshard_after_forward=False` (the root,
+    the last layer, the head) unsharded, so their registered parameters are the full tensors, not
+    the sharded ones the optimizer holds. No communication: it only frees the gathered copies."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
 def model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Canonical name -> parameter or persistent buffer; a tied weight appears once, under its first name."""
+    """Canonical name -> parameter or persistent buffer; a tied weight appears once, under its first name.
+    The model is resharded first, whatever state its last forward left it in."""
+    reshard(model)
     out = {canonical_name(n): p for n, p in model.named_parameters()}
     out.update({canonical_name(n): b for n, b in persistent_buffers(model)})
     return out

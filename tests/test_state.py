@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import hf_fsdp2
-from hf_fsdp2 import FSDP2Config, shard_model
+from hf_fsdp2 import FSDP2Config, save_pretrained, shard_model
 from hf_fsdp2.safetensors_io import CheckpointError
 from hf_fsdp2.state import latest_state, list_states, load_state, read_manifest, save_state
 
@@ -147,3 +147,28 @@ def test_state_without_fsync_loads_and_syncs_nothing(tmp_path, monkeypatch):
     assert len(calls) >= 4  # weights, optimizer, JSON files, directories
     assert load_state(tmp_path / "step-1", model, opt)[0] == 1
     assert latest_state(tmp_path) == tmp_path / "step-2"
+
+
+def _eval_then_save_worker(rank, world, root):
+    """Issue: save_state after an evaluation forward (no backward) found unsharded parameters."""
+    model = build_model()
+    shard_model(model)
+    opt = optimizer(model)
+    ids = local_rows(batches(1)[0], rank, world)
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    opt.zero_grad()
+    model.eval()
+    with torch.no_grad():
+        model(input_ids=ids, labels=ids)
+    save_state(os.path.join(root, "state"), model, opt, step=1)
+    save_pretrained(model, os.path.join(root, "model"))
+    model.train()
+    step, _ = load_state(os.path.join(root, "state"), model, opt)
+    model(input_ids=ids, labels=ids).loss.backward()  # trains on after the reload
+    opt.step()
+    return step
+
+
+def test_save_and_load_after_an_evaluation_forward(tmp_path):
+    assert run_ranks(_eval_then_save_worker, 2, str(tmp_path)) == [1, 1]
