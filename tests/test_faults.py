@@ -175,7 +175,10 @@ def _torchrun_restart(tmp, name, crash_at):
 
     root = Path(__file__).resolve().parents[1]
     log = tmp / f"{name}.jsonl"
-    cmd = ["torchrun", "--nproc_per_node", "2", "--max-restarts", "1", "--master_port", str(free_port()),
+    import sys
+
+    # `python -m torch.distributed.run` is torchrun, with this interpreter (no launcher on PATH needed).
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--max-restarts", "1", "--master_port", str(free_port()),
            str(root / "tests" / "scripts" / "restart_train.py"), "--root", str(tmp / name), "--loss-file", str(log),
            "--crash-at-step", str(crash_at)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=root,
