@@ -80,7 +80,7 @@ def read_json_file(path: Path, dir_fd: int | None = None, *, limit: int = MAX_JS
         raise CheckpointError(f"{path}: JSON nested too deeply.") from None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class TensorSpec:
     name: str
     dtype: torch.dtype
@@ -278,6 +278,65 @@ def write_json(path: str | os.PathLike, obj: object, *, durable: bool = True) ->
 # Reading
 
 
+# Bytes of a header that need the exact (slow) parse: a bare -0 value, or a \\u escape of a surrogate.
+_BARE_MINUS_ZERO = re.compile(rb"[:\[,]\s*-0\s*[,\]}]")
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _no_duplicate_keys(pairs: list[tuple[str, object]]) -> dict:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise ValueError(f"key {key!r} appears twice")
+            seen.add(key)
+    return out
+
+
+def _refuse_constant(text: str) -> object:
+    raise ValueError(f"{text} is not JSON")
+
+
+def _parse_header_json(raw: bytes, path: Path) -> object:
+    """Parse a header as safetensors (serde_json) does: UTF-8 only (json.loads(bytes) would also guess
+    UTF-16/32), no NaN/Infinity, no duplicate keys in a map, no lone surrogates, and "-0" read as the
+    float -0.0 (Python: int 0), which is no size or offset.
+
+    Fast path (C speed for a 400,000-tensor header): a plain parse, then duplicates are ruled out by
+    counting. When no quote is escaped and every ':' follows a quote, each '":' in the bytes ends a
+    key, so the parsed maps hold that many keys unless two were equal. Anything else (and a bare -0,
+    a surrogate escape) takes the exact parse with hooks.
+    """
+    try:
+        text = raw.decode("utf-8")
+        if b'\\"' not in raw and raw.count(b":") == raw.count(b'":') and not (
+                b"-0" in raw and _BARE_MINUS_ZERO.search(raw)):
+            header = json.loads(text, parse_constant=_refuse_constant)
+            if _count_keys(header) != raw.count(b'":'):
+                header = None  # a duplicate key, or maps deeper than a header has: decide exactly
+        else:
+            header = None
+        if header is None:
+            header = json.loads(text, object_pairs_hook=_no_duplicate_keys, parse_constant=_refuse_constant,
+                                parse_int=lambda t: -0.0 if t == "-0" else int(t))
+        if b"\\u" in raw and _SURROGATE_ESCAPE.search(raw):
+            json.dumps(header, ensure_ascii=False).encode("utf-8")  # raises on a lone surrogate
+    except (UnicodeError, ValueError) as e:  # JSONDecodeError is a ValueError
+        raise CheckpointError(f"{path}: header is not valid JSON ({e}).") from None
+    except RecursionError:
+        raise CheckpointError(f"{path}: header JSON is nested too deeply.") from None
+    return header
+
+
+def _count_keys(header: object) -> int:
+    """Keys of the top-level map and of the maps directly inside it (a header has no deeper maps;
+    if one does, the count falls short and the caller parses exactly)."""
+    if type(header) is not dict:
+        return -1
+    return len(header) + sum(len(v) for v in header.values() if type(v) is dict)
+
+
 def read_layout(path: str | os.PathLike, fd: int | None = None) -> FileLayout:
     """Parse and check a safetensors header: errors name the file and the offending tensor.
 
@@ -308,31 +367,7 @@ def read_layout(path: str | os.PathLike, fd: int | None = None) -> FileLayout:
     if len(raw) != n:  # the file shrank between stat() and read()
         raise CheckpointError(f"{path}: truncated while reading its {n}-byte header.")
 
-    # safetensors (serde_json) takes UTF-8 only (json.loads(bytes) would also guess UTF-16/32), no
-    # NaN/Infinity, no duplicate keys in a map, no lone surrogates, and reads "-0" as the float -0.0
-    # (Python: int 0), which is no size or offset; mirror all of that.
-    def no_duplicate_keys(pairs: list[tuple[str, object]]) -> dict:
-        seen: dict[str, object] = {}
-        for key, value in pairs:
-            if key in seen:
-                raise ValueError(f"key {key!r} appears twice")
-            seen[key] = value
-        return seen
-
-    def refuse_constant(text: str) -> object:
-        raise ValueError(f"{text} is not JSON")
-
-    def is_uint(x: object) -> bool:
-        return type(x) is int and 0 <= x < 2**64
-
-    try:
-        header = json.loads(raw.decode("utf-8"), object_pairs_hook=no_duplicate_keys, parse_constant=refuse_constant,
-                            parse_int=lambda text: -0.0 if text == "-0" else int(text))
-        json.dumps(header, ensure_ascii=False).encode("utf-8")  # raises on a lone surrogate
-    except (UnicodeError, ValueError) as e:  # JSONDecodeError is a ValueError
-        raise CheckpointError(f"{path}: header is not valid JSON ({e}).") from None
-    except RecursionError:
-        raise CheckpointError(f"{path}: header JSON is nested too deeply.") from None
+    header = _parse_header_json(raw, path)
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: header is not a JSON object.")
     metadata = header.get("__metadata__")
@@ -343,34 +378,43 @@ def read_layout(path: str | os.PathLike, fd: int | None = None) -> FileLayout:
     specs: dict[str, TensorSpec] = {}
     begins: dict[str, int] = {}
     spans = []
+    limit, from_name = 2**64, _FROM_NAME  # locals: this loop runs once per tensor (400,000 in big files)
     for name, entry in header.items():
         if name == "__metadata__":
             continue
-        where = f"{path}: tensor {name!r}"
-        if not isinstance(entry, dict) or not {"dtype", "shape", "data_offsets"} <= entry.keys():
-            raise CheckpointError(f"{where}: malformed header entry {entry!r}; needs `dtype`, `shape` and "
-                                  "`data_offsets`.")
+        if type(entry) is not dict or "dtype" not in entry or "shape" not in entry or "data_offsets" not in entry:
+            raise CheckpointError(f"{path}: tensor {name!r}: malformed header entry {entry!r}; needs `dtype`, "
+                                  "`shape` and `data_offsets`.")
         dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
-        if not isinstance(dtype, str) or dtype not in _FROM_NAME:
-            raise CheckpointError(f"{where}: dtype {dtype!r} is not supported (known: {', '.join(_FROM_NAME)}).")
-        if not isinstance(shape, list) or not all(is_uint(d) for d in shape):
-            raise CheckpointError(f"{where}: shape {shape!r} is not a list of non-negative integers.")
-        if not isinstance(offsets, list) or len(offsets) != 2 or not all(is_uint(x) for x in offsets):
-            raise CheckpointError(f"{where}: data_offsets {offsets!r} is not a pair of non-negative integers.")
-        spec = TensorSpec(name, _FROM_NAME[dtype], tuple(shape))
+        torch_dtype = from_name.get(dtype) if type(dtype) is str else None
+        if torch_dtype is None:
+            raise CheckpointError(f"{path}: tensor {name!r}: dtype {dtype!r} is not supported "
+                                  f"(known: {', '.join(from_name)}).")
+        if type(shape) is not list:
+            raise CheckpointError(f"{path}: tensor {name!r}: shape {shape!r} is not a list of non-negative integers.")
         numel = 1
         for d in shape:  # safetensors refuses a shape whose running product overflows 64 bits
+            if type(d) is not int or not 0 <= d < limit:
+                raise CheckpointError(f"{path}: tensor {name!r}: shape {shape!r} is not a list of non-negative "
+                                      "integers.")
             numel *= d
-            if numel >= 2**64:
-                raise CheckpointError(f"{where}: shape {shape} overflows 64 bits.")
+            if numel >= limit:
+                raise CheckpointError(f"{path}: tensor {name!r}: shape {shape} overflows 64 bits.")
+        if type(offsets) is not list or len(offsets) != 2:
+            raise CheckpointError(f"{path}: tensor {name!r}: data_offsets {offsets!r} is not a pair of "
+                                  "non-negative integers.")
         lo, hi = offsets
-        if numel * spec.dtype.itemsize * 8 >= 2**64 or hi - lo != spec.nbytes:
-            raise CheckpointError(f"{where}: data_offsets [{lo}, {hi}] hold {hi - lo} bytes, "
-                                  f"but {dtype} {shape} needs {spec.nbytes}.")
+        if type(lo) is not int or type(hi) is not int or not (0 <= lo < limit and 0 <= hi < limit):
+            raise CheckpointError(f"{path}: tensor {name!r}: data_offsets {offsets!r} is not a pair of "
+                                  "non-negative integers.")
+        nbytes = numel * torch_dtype.itemsize
+        if nbytes * 8 >= limit or hi - lo != nbytes:
+            raise CheckpointError(f"{path}: tensor {name!r}: data_offsets [{lo}, {hi}] hold {hi - lo} bytes, "
+                                  f"but {dtype} {shape} needs {nbytes}.")
         if start + hi > size:
-            raise CheckpointError(f"{where}: data ends at byte {start + hi}, past the end of the "
+            raise CheckpointError(f"{path}: tensor {name!r}: data ends at byte {start + hi}, past the end of the "
                                   f"file ({size} bytes); the file is truncated.")
-        specs[name], begins[name] = spec, start + lo
+        specs[name], begins[name] = TensorSpec(name, torch_dtype, tuple(shape)), start + lo
         spans.append((lo, hi, name))
     spans.sort()
     # Overlaps first, then gaps: a tensor moved onto another is reported with both names, not as a gap
