@@ -231,3 +231,12 @@ def test_unsupported_accelerate_version_is_refused_with_the_working_range(monkey
     with pytest.raises(RuntimeError, match=r"supports accelerate >= 1\.10, < 1\.16; found 0\.34\.2"):
         hf_fsdp2.register()
     assert not backend.is_registered()
+
+
+@pytest.mark.parametrize("seed", [3, 11, 20])
+def test_random_sigkill_during_saves_never_loses_the_last_complete_checkpoint(tmp_path, seed):
+    """A few of `benchmarks/kill_stress.py`'s randomized trials (see tests/kill_trials.py)."""
+    from .kill_trials import run_trial
+
+    result = run_trial(tmp_path, seed)
+    assert not result["unexpected_errors"], result

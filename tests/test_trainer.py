@@ -62,3 +62,34 @@ def test_checkpoint_and_resume_on_another_process_count(tmp_path, use_lora, befo
         from transformers import AutoModelForCausalLM
 
         AutoModelForCausalLM.from_pretrained(tmp_path / "final")
+
+
+def launch_trainer(tmp: Path, name: str, max_steps: int, *extra: str, launch_args: tuple = ()) -> dict:
+    """The same Trainer script under `accelerate launch --config_file accelerate_configs/fsdp2.yaml`
+    and no `--fsdp` flag: how libraries built on the Trainer document FSDP."""
+    report = tmp / f"{name}.json"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+           str(ROOT / "accelerate_configs" / "fsdp2.yaml"), "--num_processes", "2",
+           "--main_process_port", str(free_port()), *launch_args, str(SCRIPT), "--report", str(report),
+           "--output_dir", str(tmp / name), "--max_steps", str(max_steps),
+           "--per_device_train_batch_size", str(GLOBAL_BATCH // 2), "--learning_rate", "1e-2",
+           "--lr_scheduler_type", "constant", "--logging_steps", "1", "--report_to", "none",
+           "--disable_tqdm", "true", "--save_strategy", "no", *extra]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
+    out = json.loads(report.read_text())
+    out["losses"] = [out["losses"][str(i)] for i in range(1, max_steps + 1)]
+    return out
+
+
+def test_trainer_script_under_accelerate_launch_is_sharded_on_cpu(tmp_path):
+    """Issue: on a CPU-only machine this ran two unsynchronised unsharded copies, silently."""
+    out = launch_trainer(tmp_path, "launched", 3)
+    assert out["all_dtensor"] and out["world"] == 2
+    # Same data order and optimizer as the single-process reference (AdamW, lr 1e-2, constant).
+    single = train(tmp_path, "single", 1, 3, "--save_strategy", "no")
+    assert out["losses"] == pytest.approx(single["losses"], abs=1e-4)
+    # bf16 on CPU: runs (CPU autocast) instead of stopping at the Trainer's GPU check.
+    bf16 = launch_trainer(tmp_path, "bf16", 2, "--bf16", "true")
+    assert bf16["all_dtensor"] and bf16["losses"][0] == pytest.approx(out["losses"][0], abs=5e-2)

@@ -29,10 +29,8 @@ def register() -> None:
         from transformers import Trainer, TrainingArguments
     except ImportError:  # transformers without torch/accelerate extras: nothing to patch
         return
-    _originals["TrainingArguments._setup_devices"] = TrainingArguments.__dict__["_setup_devices"]
-    setup = functools.cached_property(_setup_devices)
-    setup.__set_name__(TrainingArguments, "_setup_devices")
-    TrainingArguments._setup_devices = setup
+    _originals["TrainingArguments.__post_init__"] = TrainingArguments.__post_init__
+    TrainingArguments.__post_init__ = functools.wraps(TrainingArguments.__post_init__)(_post_init)
     for name, replacement in (("save_model", _save_model), ("_save_checkpoint", _save_checkpoint),
                               ("_load_from_checkpoint", _load_from_checkpoint),
                               ("_load_optimizer_and_scheduler", _load_optimizer_and_scheduler),
@@ -46,23 +44,35 @@ def unregister() -> None:
         return
     from transformers import Trainer, TrainingArguments
 
-    TrainingArguments._setup_devices = _originals.pop("TrainingArguments._setup_devices")
+    TrainingArguments.__post_init__ = _originals.pop("TrainingArguments.__post_init__")
     for name, original in _originals.items():
         setattr(Trainer, name, original)
     _originals.clear()
 
 
-def _setup_devices(self):
-    """TrainingArguments._setup_devices: with `--fsdp` on a machine without GPUs, start gloo.
+def wants_fsdp(args) -> bool:
+    """FSDP asked for by the Trainer's own flag (`--fsdp`) or by `accelerate launch` with an FSDP
+    config, which sets ACCELERATE_USE_FSDP=true (accelerate/commands/launch.py) and no flag."""
+    return bool(args.fsdp) or os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true"
 
-    Otherwise PartialState finds no device, picks DistributedType.NO, and the Trainer refuses FSDP
-    ("Using fsdp only works in distributed training"); this is what `--use_cpu` would do.
+
+def _post_init(self):
+    """TrainingArguments.__post_init__: on a machine without GPUs, FSDP runs on CPU processes (gloo).
+
+    Without `use_cpu`, PartialState finds no device and picks DistributedType.NO: each process then
+    trains its own unsharded copy, silently (under `accelerate launch`), or the Trainer refuses FSDP
+    (under `--fsdp`); and `bf16=True` fails the Trainer's GPU check. Set here, before those checks,
+    `use_cpu` starts gloo (what `--use_cpu` would do); the Accelerate backend then turns the
+    MULTI_CPU state into FSDP, and bf16 runs as CPU autocast.
     """
     import torch
 
-    if self.fsdp and not self.use_cpu and not torch.cuda.is_available():
-        self.use_cpu = True
-    return _originals["TrainingArguments._setup_devices"].func(self)
+    if wants_fsdp(self) and not self.use_cpu and not torch.cuda.is_available():
+        from accelerate.utils import is_xpu_available
+
+        if not is_xpu_available():
+            self.use_cpu = True
+    return _originals["TrainingArguments.__post_init__"](self)
 
 
 def _ours(trainer) -> bool:
