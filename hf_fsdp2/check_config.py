@@ -328,8 +328,13 @@ def _check_fsdp_config(cfg: Mapping[str, Any], out: list[Finding]) -> _Fsdp:
     _check_ignored_by_fsdp2(fsdp, out)
     _check_state_dict_type(fsdp, out)
     if fsdp.has("fsdp_ignored_modules"):
-        _error(out, fsdp.key("fsdp_ignored_modules"), "hf_fsdp2 shards every module and does not support "
-                                                      "ignored_modules; remove it.")
+        import re
+
+        try:
+            re.compile(str(fsdp.raw("fsdp_ignored_modules")))
+        except re.error as e:
+            _error(out, fsdp.key("fsdp_ignored_modules"), f"not a regular expression ({e}); Accelerate and "
+                                                          "hf_fsdp2 match it against module names.")
     return fsdp
 
 
@@ -378,18 +383,14 @@ def _check_wrapping(fsdp: _Fsdp, out: list[Finding]) -> None:
         value = fsdp.raw("fsdp_transformer_layer_cls_to_wrap")
         if policy != "TRANSFORMER_BASED_WRAP":
             _warn(out, layers_key, f"ignored: Accelerate reads the layer classes only with `fsdp_auto_wrap_policy: "
-                                   f"TRANSFORMER_BASED_WRAP` (here {policy}), so hf_fsdp2 uses the model's "
-                                   "`_no_split_modules`.")
+                                   f"TRANSFORMER_BASED_WRAP` (here {policy}); hf_fsdp2 honours {policy}"
+                                   + (" (one fully_shard group for the whole model)" if policy == "NO_WRAP" else "")
+                                   + ". Set TRANSFORMER_BASED_WRAP for one group per decoder layer.")
         elif isinstance(value, (list, tuple)):
             _warn(out, layers_key, f"a yaml list is mangled by Accelerate's launcher (str(list) into an environment "
                                    f"variable, split on commas: {str(value).split(',')}); hf_fsdp2 repairs it once "
                                    f"register() is called, Accelerate alone would look for those names and fail. "
                                    f"Write a comma-separated string: {','.join(str(v) for v in value)}")
-    if policy == "SIZE_BASED_WRAP":
-        _warn(out, fsdp.key("fsdp_auto_wrap_policy"), "SIZE_BASED_WRAP is not how hf_fsdp2 groups parameters: it "
-                                                      "makes one fully_shard group per decoder layer regardless "
-                                                      "(and Accelerate checkpoints activations by size). Use "
-                                                      "TRANSFORMER_BASED_WRAP.")
     ac = _launcher_bool(fsdp.raw("fsdp_activation_checkpointing"))
     if ac and policy == "NO_WRAP":
         _error(out, fsdp.key("fsdp_activation_checkpointing"), "Accelerate applies activation checkpointing through "
@@ -549,12 +550,17 @@ def fsdp2_values(cfg: Mapping[str, Any]) -> dict[str, Any]:
     if mp is None and cfg.get("fp16"):
         mp = "fp16"
     values: dict[str, Any] = {
+        "wrap_policy": policy,
         "layer_cls_names": _layer_names(plugin_names),
         "reshard_after_forward": _launcher_bool(fsdp.raw("fsdp_reshard_after_forward")),
         "cpu_offload": bool(_launcher_bool(fsdp.raw("fsdp_offload_params"))),
         "activation_checkpointing": False,  # Accelerate applies its own before hf_fsdp2 shards
         "param_dtype": {"bf16": "bf16", "fp16": "fp16"}.get(str(mp).lower()),
     }
+    if policy == "SIZE_BASED_WRAP":
+        values["min_num_params"] = _int(fsdp.raw("fsdp_min_num_params")) or 0
+    if fsdp.raw("fsdp_ignored_modules"):
+        values["ignored_modules"] = str(fsdp.raw("fsdp_ignored_modules"))
     sizes = cfg.get("parallelism_config") or {}
     replicate = _int(sizes.get("parallelism_config_dp_replicate_size", 1)) or 1
     shard = _int(sizes.get("parallelism_config_dp_shard_size", 1)) or 1

@@ -6,6 +6,7 @@ Nothing here touches torch.distributed; the sharding engine turns a config into 
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -72,6 +73,19 @@ def _parse_names(value: Any) -> tuple[str, ...] | None:
     return tuple(dict.fromkeys(names))
 
 
+# Accelerate's names (FSDP_AUTO_WRAP_POLICY) and ours.
+_WRAP_POLICIES = {"transformer": "transformer", "transformer_based_wrap": "transformer", "size": "size",
+                  "size_based_wrap": "size", "none": "none", "no_wrap": "none"}
+
+
+def _parse_wrap_policy(value: Any) -> str:
+    key = str(value).strip().lower() if isinstance(value, str) else None
+    if key not in _WRAP_POLICIES:
+        raise ValueError(f"`wrap_policy`={value!r} is not one of transformer (TRANSFORMER_BASED_WRAP), "
+                         "size (SIZE_BASED_WRAP), none (NO_WRAP).")
+    return _WRAP_POLICIES[key]
+
+
 def _parse_int(value: Any, field_name: str, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, str)):
         raise TypeError(f"`{field_name}` must be an integer, got {value!r}.")
@@ -89,8 +103,15 @@ class FSDP2Config:
     """How `shard_model` shards a model. Every field is validated in `__post_init__`.
 
     Attributes:
+        wrap_policy: how modules are grouped, as Accelerate's `fsdp_auto_wrap_policy`: "transformer"
+            (TRANSFORMER_BASED_WRAP: one group per `layer_cls_names` module, plus the input
+            embedding and [final norm, head]), "size" (SIZE_BASED_WRAP: every module with more than
+            `min_num_params` parameters, bottom-up) or "none" (NO_WRAP: the root group only).
         layer_cls_names: classes that each become one `fully_shard` group (a list or a comma string).
-            None: the model's `_no_split_modules`.
+            None: the model's `_no_split_modules`. Used by the "transformer" policy.
+        min_num_params: the "size" policy's threshold (Accelerate's `fsdp_min_num_params`).
+        ignored_modules: a regular expression; modules whose full name matches it are left out of
+            FSDP (replicated, not sharded, gradients not reduced), as Accelerate's `fsdp_ignored_modules`.
         param_dtype: dtype parameters are all-gathered and computed in (mixed precision); None keeps theirs.
         reduce_dtype: dtype gradients are reduce-scattered in. float32 by default: unlike Accelerate,
             a bf16 `param_dtype` does not silently reduce gradients in bf16.
@@ -111,7 +132,10 @@ class FSDP2Config:
             under fp32 LoRA adapters; None leaves them as they are.
     """
 
+    wrap_policy: str = "transformer"
     layer_cls_names: list[str] | str | tuple[str, ...] | None = None
+    min_num_params: int = 0
+    ignored_modules: str | None = None
     param_dtype: torch.dtype | str | None = None
     reduce_dtype: torch.dtype | str | None = torch.float32
     output_dtype: torch.dtype | str | None = None
@@ -125,7 +149,16 @@ class FSDP2Config:
     frozen_dtype: torch.dtype | str | None = None
 
     def __post_init__(self) -> None:
+        self.wrap_policy = _parse_wrap_policy(self.wrap_policy)
         self.layer_cls_names = _parse_names(self.layer_cls_names)
+        self.min_num_params = _parse_int(self.min_num_params, "min_num_params", 0)
+        if self.ignored_modules is not None:
+            if not isinstance(self.ignored_modules, str) or not self.ignored_modules:
+                raise TypeError(f"`ignored_modules` must be a regular expression string, got {self.ignored_modules!r}.")
+            try:
+                re.compile(self.ignored_modules)
+            except re.error as e:
+                raise ValueError(f"`ignored_modules`={self.ignored_modules!r} is not a regular expression ({e}).") from None
         self.param_dtype = parse_dtype(self.param_dtype, "param_dtype")
         self.reduce_dtype = parse_dtype(self.reduce_dtype, "reduce_dtype")
         self.output_dtype = parse_dtype(self.output_dtype, "output_dtype")
@@ -136,6 +169,9 @@ class FSDP2Config:
         self.backward_prefetch = _parse_int(self.backward_prefetch, "backward_prefetch", 0)
         self.activation_checkpointing = parse_bool(self.activation_checkpointing, "activation_checkpointing")
         self.cpu_offload = parse_bool(self.cpu_offload, "cpu_offload")
+        if self.activation_checkpointing and self.wrap_policy != "transformer":
+            raise ValueError(f"`activation_checkpointing` recomputes each decoder layer: it needs "
+                             f"`wrap_policy`='transformer', not {self.wrap_policy!r}.")
         self.replicate_size = _parse_int(self.replicate_size, "replicate_size", 1)
         if self.shard_size is not None:
             self.shard_size = _parse_int(self.shard_size, "shard_size", 1)

@@ -8,6 +8,8 @@ One small function per technique (torchtitan's `parallelize.py` is the model), c
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import re
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -52,6 +54,8 @@ class ShardPlan:
     embedding: nn.Module | None
     head: list[nn.Module]  # [final norm, lm_head]; with tied embeddings also the embedding
     tied: bool
+    in_forward_order: bool = True  # layers are a flat stack run one after another (prefetch chains)
+    ignored_params: set = dataclasses.field(default_factory=set)  # kept out of FSDP (`ignored_modules`)
 
 
 def resolve_layer_class_names(model: nn.Module, config: FSDP2Config) -> tuple[str, ...]:
@@ -114,7 +118,47 @@ def _find_final_norm(model: nn.Module, layers: list[nn.Module]) -> nn.Module | N
     return None
 
 
+def ignored_parameters(model: nn.Module, pattern: str | None) -> set:
+    """Parameters of the modules whose full name matches `pattern` (Accelerate's `fsdp_ignored_modules`
+    semantics: `re.fullmatch` on `named_modules()` names); a pattern matching nothing is an error."""
+    if pattern is None:
+        return set()
+    regex = re.compile(pattern)
+    matched = [module for name, module in model.named_modules() if name and regex.fullmatch(name)]
+    if not matched:
+        names = [name for name, _ in model.named_modules() if name][:12]
+        raise ValueError(f"`ignored_modules`={pattern!r} matches no module of {type(model).__name__} "
+                         f"(module names look like: {', '.join(names)}, ...).")
+    return {p for module in matched for p in module.parameters()}
+
+
+def size_based_groups(model: nn.Module, min_num_params: int, ignored: set) -> list[nn.Module]:
+    """Accelerate's SIZE_BASED_WRAP for FSDP2: every module below the root with more than
+    `min_num_params` parameters, children before parents. A module is skipped when a parameter of
+    its own is also reached from outside it (a tied or shared weight), so no weight is in two groups."""
+    owners: dict[int, set[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        owners.setdefault(id(param), set()).add(name.rpartition(".")[0])
+    groups = []
+    for name, module in reversed(list(model.named_modules())):
+        if not name or isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+            continue
+        params = [p for p in module.parameters() if p not in ignored]
+        if sum(p.numel() for p in params) <= min_num_params:
+            continue
+        inside = lambda owner: owner == name or owner.startswith(name + ".")  # noqa: E731
+        if all(inside(o) for p in params for o in owners[id(p)]):
+            groups.append(module)
+    return groups
+
+
 def plan_groups(model: nn.Module, config: FSDP2Config) -> ShardPlan:
+    ignored = ignored_parameters(model, config.ignored_modules)
+    if config.wrap_policy == "none":
+        return ShardPlan(layers=[], embedding=None, head=[], tied=False, ignored_params=ignored)
+    if config.wrap_policy == "size":
+        return ShardPlan(layers=size_based_groups(model, config.min_num_params, ignored), embedding=None, head=[],
+                         tied=False, in_forward_order=False, ignored_params=ignored)
     layers = find_layers(model, resolve_layer_class_names(model, config))
     base = unwrap_peft(model)
     embedding = base.get_input_embeddings() if hasattr(base, "get_input_embeddings") else None
@@ -137,7 +181,7 @@ def plan_groups(model: nn.Module, config: FSDP2Config) -> ShardPlan:
             raise ValueError(f"{type(module).__name__} shares parameters with a decoder layer; "
                              "a parameter can only be in one fully_shard group.")
     return ShardPlan(layers=layers, embedding=embedding if embedding is not None and _has_params(embedding) else None,
-                     head=head, tied=tied)
+                     head=head, tied=tied, ignored_params=ignored)
 
 
 def _has_params(module: nn.Module) -> bool:
@@ -201,10 +245,12 @@ def _fsdp_kwargs(config: FSDP2Config, mesh: DeviceMesh) -> dict:
 def apply_fsdp(model: nn.Module, plan: ShardPlan, config: FSDP2Config, mesh: DeviceMesh) -> None:
     """`fully_shard` bottom-up: each layer, the embedding, [norm, head], then the root."""
     kwargs = _fsdp_kwargs(config, mesh)
+    if plan.ignored_params:
+        kwargs["ignored_params"] = plan.ignored_params
     reshard = config.reshard_after_forward
     for index, layer in enumerate(plan.layers):
         # The last layer's backward runs right after forward: resharding it would only re-gather it.
-        last = index == len(plan.layers) - 1
+        last = index == len(plan.layers) - 1 and plan.in_forward_order
         fully_shard(layer, reshard_after_forward=False if (last and reshard is True) else reshard, **kwargs)
     if plan.embedding is not None:
         fully_shard(plan.embedding, reshard_after_forward=reshard, **kwargs)
@@ -240,6 +286,8 @@ def _backward_reads_no_weight(module: nn.Module) -> bool:
 def _set_prefetch(plan: ShardPlan, config: FSDP2Config, on_cpu: bool) -> None:
     layers = plan.layers
     forward = config.forward_prefetch if config.forward_prefetch is not None else (1 if on_cpu else 0)
+    if not plan.in_forward_order:  # nested size-based groups: FSDP2's implicit order only
+        return
     if forward:
         # Forward order of the groups: embedding, layers, [norm, head] (a tied group runs both
         # first and last, so it stays out of the chain).

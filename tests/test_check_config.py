@@ -148,6 +148,9 @@ def test_bundled_config_parses_with_accelerate_as_the_checker_predicts(path, mon
     {"fsdp_transformer_layer_cls_to_wrap": "LlamaDecoderLayer, MistralDecoderLayer"},
     {"fsdp_transformer_layer_cls_to_wrap": None},
     {"fsdp_reshard_after_forward": "False", "fsdp_offload_params": "yes"},
+    {"fsdp_auto_wrap_policy": "NO_WRAP"},
+    {"fsdp_auto_wrap_policy": "SIZE_BASED_WRAP", "fsdp_min_num_params": 20000},
+    {"fsdp_ignored_modules": "lm_head"},
     {"reshard_after_forward": False, "offload_params": True},  # Accelerate adds the fsdp_ prefix itself
     {"mixed_precision": "bf16"},
     {"mixed_precision": "FP16"},
@@ -225,7 +228,7 @@ CASES = {
                                                "error", "fsdp_config.fsdp_cpu_ram_efficient_loading", "quoted"),
     "layer names without the transformer policy": (drop("fsdp_auto_wrap_policy"),
                                                    "warning", "fsdp_config.fsdp_transformer_layer_cls_to_wrap",
-                                                   "_no_split_modules"),
+                                                   "one fully_shard group for the whole model"),
     # settings hf_fsdp2 cannot honour
     "not FSDP": (top(distributed_type="MULTI_GPU"), "error", "distributed_type", "FSDP"),
     "no distributed_type": (drop("distributed_type"), "error", "distributed_type", "missing"),
@@ -252,11 +255,10 @@ CASES = {
                          "error", "fsdp_config.fsdp_state_dict_type", "LOCAL_STATE_DICT"),
     "bad backward prefetch": (fsdp(fsdp_backward_prefetch="EARLY"), "error", "fsdp_config.fsdp_backward_prefetch",
                               "BACKWARD_PRE"),
-    "ignored_modules": (fsdp(fsdp_ignored_modules="lm_head"), "error", "fsdp_config.fsdp_ignored_modules", "remove"),
+    "ignored_modules not a regex": (fsdp(fsdp_ignored_modules="lm_head("), "error", "fsdp_config.fsdp_ignored_modules",
+                                    "regular expression"),
     "bad wrap policy": (fsdp(fsdp_auto_wrap_policy="LAYER_WRAP"), "error", "fsdp_config.fsdp_auto_wrap_policy",
                         "TRANSFORMER_BASED_WRAP"),
-    "size-based wrap": (fsdp(fsdp_auto_wrap_policy="SIZE_BASED_WRAP"), "warning", "fsdp_config.fsdp_auto_wrap_policy",
-                        "per decoder layer"),
     "sharding strategy": (fsdp(fsdp_sharding_strategy="HYBRID_SHARD"), "warning", "fsdp_config.fsdp_sharding_strategy",
                           "parallelism_config"),
     "backward prefetch": (fsdp(fsdp_backward_prefetch="BACKWARD_POST"), "warning",
@@ -433,7 +435,8 @@ def test_accelerate_checkpointing_needs_a_wrap_policy(tmp_path, monkeypatch):
 def test_fp8_would_silently_train_in_fp32():
     from hf_fsdp2.integrations.accelerate import config_from_accelerator
 
-    plugin = SimpleNamespace(transformer_cls_names_to_wrap=None, reshard_after_forward=True, cpu_offload=False)
+    plugin = SimpleNamespace(transformer_cls_names_to_wrap=None, reshard_after_forward=True, cpu_offload=False,
+                             auto_wrap_policy=None, min_num_params=0, ignored_modules=None)
     accelerator = SimpleNamespace(state=SimpleNamespace(fsdp_plugin=plugin), mixed_precision="fp8",
                                   parallelism_config=None)
     assert config_from_accelerator(accelerator).param_dtype is None

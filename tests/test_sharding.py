@@ -252,3 +252,72 @@ def test_meta_device_deferred_init_materialises_only_local_shards():
         assert r["local"] <= r["total"] // 2 + 64 * 2  # a shard, plus rounding of uneven rows
         torch.testing.assert_close(r["inv_freq"], reference.model.rotary_emb.inv_freq)
         assert 3.0 < r["loss"] < 6.0  # freshly initialised: near ln(vocab) = 4.85
+
+
+# ---------------------------------------------------------------------------------------------
+# Accelerate's wrap policies and ignored modules (from Accelerate's FSDP2 options: NO_WRAP,
+# SIZE_BASED_WRAP with fsdp_min_num_params, fsdp_ignored_modules)
+
+
+class _NoLayers(torch.nn.Module):
+    """A model without decoder layers or `_no_split_modules` (like Accelerate's RegressionModel)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = torch.nn.Linear(8, 16)
+        self.b = torch.nn.Linear(16, 1)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+def _policies_worker(rank, world):
+    out = {}
+    for policy, kwargs in (("none", {}), ("size", {"min_num_params": 20_000})):
+        model = build_model()
+        shard_model(model, FSDP2Config(wrap_policy=policy, **kwargs))
+        groups = _fsdp_groups(model)
+        losses = sharded_train(model, batches(3), rank, world)
+        out[policy] = {"groups": len(groups), "losses": losses,
+                       "all_dtensor": all(isinstance(p, DTensor) for p in model.parameters())}
+    model = _NoLayers()
+    shard_model(model, FSDP2Config(wrap_policy="none"))
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
+    model(x).sum().backward()
+    out["no_layers_groups"] = len(_fsdp_groups(model))
+    model = build_model()
+    shard_model(model, FSDP2Config(ignored_modules=r"lm_head"))
+    out["ignored_is_plain"] = not isinstance(model.lm_head.weight, DTensor)
+    out["others_dtensor"] = all(isinstance(p, DTensor) for n, p in model.named_parameters() if "lm_head" not in n)
+    out["ignored_first_loss"] = sharded_train(model, batches(1), rank, world)[0]
+    return out
+
+
+def test_no_wrap_size_based_wrap_and_ignored_modules():
+    ref_losses, _ = _reference(build_model, batches(3))
+    out = run_ranks(_policies_worker, 2)[0]
+    assert out["none"]["groups"] == 1 and out["none"]["all_dtensor"]  # the root group only
+    n = build_model().config.num_hidden_layers
+    # Size-based: every module over 20,000 parameters (layers, their MLPs, embedding, head), bottom-up.
+    assert out["size"]["groups"] > n + 1 and out["size"]["all_dtensor"]
+    for policy in ("none", "size"):
+        assert out[policy]["losses"] == pytest.approx(ref_losses, abs=LOSS_ATOL)
+    assert out["no_layers_groups"] == 1
+    assert out["ignored_is_plain"] and out["others_dtensor"]
+    assert out["ignored_first_loss"] == pytest.approx(ref_losses[0], abs=LOSS_ATOL)
+
+
+def test_wrap_policy_and_ignored_modules_are_validated():
+    with pytest.raises(ValueError, match="wrap_policy"):
+        FSDP2Config(wrap_policy="LAYER_WRAP")
+    assert FSDP2Config(wrap_policy="SIZE_BASED_WRAP").wrap_policy == "size"
+    assert FSDP2Config(wrap_policy="NO_WRAP").wrap_policy == "none"
+    with pytest.raises(ValueError, match="ignored_modules"):
+        FSDP2Config(ignored_modules="(")
+    with pytest.raises(ValueError, match="activation_checkpointing"):
+        FSDP2Config(wrap_policy="none", activation_checkpointing=True)
+    from hf_fsdp2.sharding import ignored_parameters
+
+    with pytest.raises(ValueError, match=r"matches no module of LlamaForCausalLM .*model\.embed_tokens"):
+        ignored_parameters(build_model(), "vision_tower")

@@ -132,6 +132,7 @@ def config_from_accelerator(accelerator) -> FSDP2Config:
     from torch.distributed.fsdp import CPUOffloadPolicy
 
     values: dict[str, Any] = {
+        **_wrap_policy(plugin),
         "layer_cls_names": _layer_names(plugin.transformer_cls_names_to_wrap),
         "reshard_after_forward": plugin.reshard_after_forward,
         "cpu_offload": isinstance(plugin.cpu_offload, CPUOffloadPolicy) or plugin.cpu_offload is True,
@@ -147,6 +148,36 @@ def config_from_accelerator(accelerator) -> FSDP2Config:
     values.update(_overrides)
     values.update(env_overrides())
     return FSDP2Config.from_dict(values, source="Accelerate config")
+
+
+def _wrap_policy(plugin) -> dict[str, Any]:
+    """Accelerate's `auto_wrap_policy` (a torch wrap function, a partial of one, or None for NO_WRAP,
+    as `FullyShardedDataParallelPlugin.__post_init__` leaves it), `min_num_params`, `ignored_modules`."""
+    from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy, transformer_auto_wrap_policy
+
+    fn = plugin.auto_wrap_policy
+    fn = fn.func if isinstance(fn, functools.partial) else fn
+    if fn is None:
+        values: dict[str, Any] = {"wrap_policy": "none"}
+    elif fn is transformer_auto_wrap_policy:
+        values = {"wrap_policy": "transformer"}
+    elif fn is size_based_auto_wrap_policy:
+        values = {"wrap_policy": "size", "min_num_params": plugin.min_num_params or 0}
+    else:
+        raise ValueError(f"fsdp_auto_wrap_policy: a custom policy ({getattr(fn, '__name__', fn)!r}) is not supported "
+                         "by hf_fsdp2; use TRANSFORMER_BASED_WRAP, SIZE_BASED_WRAP or NO_WRAP.")
+    if isinstance(plugin.ignored_modules, str) and plugin.ignored_modules:
+        values["ignored_modules"] = plugin.ignored_modules
+    return values
+
+
+def _module_names_pattern(model: nn.Module, modules) -> str:
+    """`ignored_modules` given as module objects (Python API) -> a regex of their exact names."""
+    wanted = {id(m) for m in modules}
+    names = [re.escape(name) for name, m in model.named_modules() if id(m) in wanted]
+    if len(names) < len(wanted):
+        raise ValueError("`ignored_modules`: some of the given modules are not part of the prepared model.")
+    return "|".join(names)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -216,6 +247,9 @@ def _fsdp2_prepare_model(accelerator, model: nn.Module) -> nn.Module:
     if hasattr(model, "_hf_fsdp2_mesh"):
         return model
     config = config_from_accelerator(accelerator)
+    ignored = accelerator.state.fsdp_plugin.ignored_modules
+    if ignored is not None and not isinstance(ignored, str):
+        config = config.replace(ignored_modules=_module_names_pattern(model, ignored))
     if accelerator.mixed_precision != "no":
         # Mixed precision keeps fp32 master weights for what trains (as Accelerate does);
         # frozen weights stay as they are, or in `frozen_dtype`.

@@ -36,7 +36,7 @@ hf_fsdp2.register()
 from accelerate import Accelerator  # noqa: E402
 from accelerate.utils import FullyShardedDataParallelPlugin  # noqa: E402
 
-accelerator = Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2))
+accelerator = Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap"))
 model = build_model()
 opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
 rows = torch.cat(batches(steps=args.steps, batch=8))
