@@ -16,15 +16,23 @@ be avoided; we read it with an unpickler restricted to an allowlist of DCP's met
 "Restricting Globals" recipe of the `pickle` docs) and hand the result to DCP. Tensor chunks are read by DCP
 with `torch.load(weights_only=True)`. Non-tensor entries, which DCP would read with
 `torch.load(weights_only=False)`, are refused before anything is read. Nothing here writes pickle.
+
+On damaged checkpoints: `dcp.load` trusts the metadata (it allocates what it says, copies chunks that
+overlap, leaves uncovered elements as they were). So before any allocation or write, every tensor's
+metadata is type-checked, its chunks must tile it exactly, and every chunk's record must lie in a regular
+data file and be at least the chunk's size (`check_storage`). Every such problem, and a record DCP then
+fails to read, is a `CheckpointError` (a ValueError) naming the file, one line for the CLI.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import os
 import pickle
 import shutil
+import stat
 import uuid
 import warnings
 from pathlib import Path
@@ -33,12 +41,15 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException as DCPException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
 from .atomic_dir import fsync_dir
 from .config import parse_dtype
-from .safetensors_io import FileWriter, TensorSpec, dtype_name, plan_checkpoint, write_json
+from .safetensors_io import (CheckpointError, FileWriter, TensorSpec, dtype_name, open_regular, plan_checkpoint,
+                             write_json)
 from .sharding import canonical_name
 
 DCP_METADATA = ".metadata"
@@ -94,7 +105,9 @@ def convert_dcp_to_safetensors(
 
     metadata = read_dcp_metadata(src_dir)
     entries = model_entries(metadata, src_dir)  # hf name -> (dcp key, tensor metadata), in saved order
-    specs = [_output_spec(name, md, dtype) for name, (_, md) in entries.items()]
+    # Every size is bounded by the data files on disk before anything is allocated, read or written.
+    check_storage(metadata, entries, src_dir)
+    specs = [_output_spec(src_dir / DCP_METADATA, name, md, dtype) for name, (_, md) in entries.items()]
     layouts, index = plan_checkpoint(specs, max_shard_size)  # checks max_shard_size before any I/O
 
     dst.parent.mkdir(parents=True, exist_ok=True)
@@ -131,15 +144,18 @@ def convert_dcp_to_safetensors(
 
 
 def resolve_dcp_dir(src: Path) -> Path:
-    """`src` itself when it holds a DCP `.metadata`, else its only `pytorch_model_fsdp_*` child that does."""
+    """`src` itself when it holds a DCP `.metadata`, else its only `pytorch_model_fsdp_*` child that does.
+
+    `.metadata` is looked for with lexists, not is_file: a FIFO or directory in its place is then refused
+    by `read_dcp_metadata` with its own name, and nothing here opens it (opening a FIFO blocks)."""
     if not src.exists():
         raise ValueError(f"`src`={src}: no such file or directory.")
     if not src.is_dir():
         raise ValueError(f"`src`={src} is a file; pass the DCP directory Accelerate wrote "
                          f"(`{ACCELERATE_MODEL_DIR}_0`, holding `{DCP_METADATA}` and `*.distcp` files).")
-    if (src / DCP_METADATA).is_file():
+    if os.path.lexists(src / DCP_METADATA):
         return src
-    children = sorted(p for p in src.glob(f"{ACCELERATE_MODEL_DIR}_*") if (p / DCP_METADATA).is_file())
+    children = sorted(p for p in src.glob(f"{ACCELERATE_MODEL_DIR}_*") if os.path.lexists(p / DCP_METADATA))
     if len(children) == 1:
         return children[0]
     if children:
@@ -174,23 +190,36 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 def read_dcp_metadata(src_dir: Path) -> Metadata:
-    """DCP's `.metadata`, read with the restricted unpickler and checked to point only inside `src_dir`."""
+    """DCP's `.metadata`, read with the restricted unpickler; its fields are checked to have DCP's types.
+
+    Raises `CheckpointError` naming the file when it is missing, not a regular file, or malformed."""
     path = src_dir / DCP_METADATA
+    fd = open_regular(path)  # O_NONBLOCK + S_ISREG: a FIFO is refused instead of blocking the open
     try:
-        with open(path, "rb") as f:
+        with os.fdopen(fd, "rb") as f:
             metadata = _MetadataUnpickler(f).load()
-    except (pickle.UnpicklingError, EOFError, AttributeError, ImportError, IndexError, TypeError, ValueError) as e:
-        raise ValueError(f"{path}: not a readable torch.distributed.checkpoint metadata file ({e}).") from None
-    if not isinstance(metadata, Metadata) or not isinstance(metadata.state_dict_metadata, dict):
-        raise ValueError(f"{path}: not torch.distributed.checkpoint metadata (found {type(metadata).__name__}).")
-    storage = metadata.storage_data if isinstance(metadata.storage_data, dict) else {}
-    for info in storage.values():
-        rel = getattr(info, "relative_path", None)
-        if not isinstance(rel, str) or Path(rel).name != rel or rel in ("", ".", ".."):
-            raise ValueError(f"{path}: data file name {rel!r} points outside {src_dir}; refused.")
-        if not (src_dir / rel).is_file():
-            raise ValueError(f"{path}: data file {src_dir / rel} is missing; the checkpoint is incomplete.")
+    except Exception as e:  # only allowlisted constructors ran, so any error means a damaged file
+        raise CheckpointError(f"{path}: not a readable torch.distributed.checkpoint metadata file "
+                              f"({_describe_error(e)}).") from None
+    _check_metadata_fields(path, metadata)
     return metadata
+
+
+def _check_metadata_fields(path: Path, metadata: object) -> None:
+    """The top-level fields of DCP's `Metadata` (torch/distributed/checkpoint/metadata.py) that we and
+    `dcp.load` use have the types DCP writes; the per-tensor fields are checked by `model_entries`."""
+    if not isinstance(metadata, Metadata):
+        raise CheckpointError(f"{path}: not torch.distributed.checkpoint metadata (it holds a "
+                              f"{type(metadata).__name__}, not a Metadata).")
+    # A pickle can omit a dataclass field (it restores __dict__ as saved), hence getattr.
+    for field, types in (("state_dict_metadata", dict), ("storage_data", dict), ("planner_data", (dict, type(None)))):
+        value = getattr(metadata, field, None)
+        if not isinstance(value, types):
+            found = "missing" if value is None else f"a {type(value).__name__}"
+            raise CheckpointError(f"{path}: damaged metadata: `{field}` is {found}, expected a dict.")
+    bad = next((k for k in metadata.state_dict_metadata if not isinstance(k, str)), None)
+    if bad is not None:
+        raise CheckpointError(f"{path}: damaged metadata: state dict key {bad!r:.100} is not a string.")
 
 
 def model_entries(metadata: Metadata, src_dir: Path) -> dict[str, tuple[str, TensorStorageMetadata]]:
@@ -199,10 +228,10 @@ def model_entries(metadata: Metadata, src_dir: Path) -> dict[str, tuple[str, Ten
     DCP flattens nested state dicts and records each key's path in `planner_data`
     (e.g. "model.lm_head.weight" -> ("model", "lm_head.weight")), so Accelerate's `model` wrapper is removed
     exactly, not by guessing at a "model." prefix that Llama's own names also start with.
+    Each tensor's metadata and chunk layout are checked (`_check_tensor_metadata`).
     """
     where = src_dir / DCP_METADATA
-    planner_data = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
-    paths = {key: tuple(planner_data.get(key) or (key,)) for key in metadata.state_dict_metadata}
+    paths = {key: _planner_path(where, metadata.planner_data, key) for key in metadata.state_dict_metadata}
     wrapped = {k: p for k, p in paths.items() if len(p) >= 2 and p[0] == ACCELERATE_MODEL_KEY}
     if wrapped:  # Accelerate's layout; anything beside "model" (another state dict) is not ours to convert
         names = {k: ".".join(str(part) for part in p[1:]) for k, p in wrapped.items()}
@@ -212,52 +241,191 @@ def model_entries(metadata: Metadata, src_dir: Path) -> dict[str, tuple[str, Ten
         tops = sorted({str(p[0]) for p in paths.values()})
         hint = (" This looks like an optimizer checkpoint; pass the model's `pytorch_model_fsdp_0` directory."
                 if "optimizer" in tops else "")
-        raise ValueError(f"{where}: no model state dict: the checkpoint's top-level entries are {tops}, "
-                         f"expected `{ACCELERATE_MODEL_KEY}` (Accelerate's layout).{hint}")
+        raise CheckpointError(f"{where}: no model state dict: the checkpoint's top-level entries are {tops}, "
+                              f"expected `{ACCELERATE_MODEL_KEY}` (Accelerate's layout).{hint}")
     if not names:
-        raise ValueError(f"{where}: the checkpoint holds no tensors.")
+        raise CheckpointError(f"{where}: the checkpoint holds no tensors.")
     non_tensor = [k for k in names if not isinstance(metadata.state_dict_metadata[k], TensorStorageMetadata)]
     if non_tensor:
-        raise ValueError(f"{where}: {len(non_tensor)} entr{'y is' if len(non_tensor) == 1 else 'ies are'} not "
-                         f"tensors ({', '.join(non_tensor[:5])}); a safetensors file holds only tensors. "
-                         "Convert a model state dict (Accelerate's `pytorch_model_fsdp_*` directory).")
+        raise CheckpointError(f"{where}: {len(non_tensor)} entr{'y is' if len(non_tensor) == 1 else 'ies are'} not "
+                              f"tensors ({', '.join(non_tensor[:5])}); a safetensors file holds only tensors. "
+                              "Convert a model state dict (Accelerate's `pytorch_model_fsdp_*` directory).")
     out: dict[str, tuple[str, TensorStorageMetadata]] = {}
     for key, name in names.items():
         name = canonical_name(name)
         if name.startswith("base_model.model."):
-            raise ValueError(f"{where}: `{name}` is a PEFT model's name; converting a PEFT checkpoint is not "
-                             "supported (merge the adapter, or save it with PEFT's `save_pretrained`).")
+            raise CheckpointError(f"{where}: `{name}` is a PEFT model's name; converting a PEFT checkpoint is not "
+                                  "supported (merge the adapter, or save it with PEFT's `save_pretrained`).")
         if name in out:
-            raise ValueError(f"{where}: DCP keys {out[name][0]!r} and {key!r} both map to `{name}`.")
+            raise CheckpointError(f"{where}: DCP keys {out[name][0]!r} and {key!r} both map to `{name}`.")
         md = metadata.state_dict_metadata[key]
+        _check_tensor_metadata(where, key, md)
         _check_chunks(where, key, md)
         out[name] = (key, md)
     return out
 
 
+def _planner_path(where: Path, planner_data: dict | None, key: str) -> tuple:
+    """The nested path DCP recorded for `key` (a tuple of str/int, DCP's OBJ_PATH), or `(key,)`."""
+    path = (planner_data or {}).get(key) or (key,)
+    if not isinstance(path, (tuple, list)) or not all(isinstance(p, (str, int)) for p in path):
+        raise CheckpointError(f"{where}: damaged metadata: planner_data for {key!r} is {path!r:.100}, "
+                              "not a path of names.")
+    return tuple(path)
+
+
+def _is_shape(value: object) -> bool:
+    """A torch.Size (or tuple) of non-negative ints: DCP's `size`, `offsets` and `sizes` fields."""
+    return isinstance(value, tuple) and all(type(d) is int and d >= 0 for d in value)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _check_tensor_metadata(where: Path, key: str, md: TensorStorageMetadata) -> None:
+    """`md` has the fields and types of DCP's TensorStorageMetadata (metadata.py), chunks included."""
+    properties, size, chunks = (getattr(md, f, None) for f in ("properties", "size", "chunks"))
+    if not isinstance(getattr(properties, "dtype", None), torch.dtype):
+        raise CheckpointError(f"{where}: damaged metadata: tensor {key!r} has no dtype.")
+    if not _is_shape(size):
+        raise CheckpointError(f"{where}: damaged metadata: tensor {key!r} has shape {size!r:.100}, not a tuple "
+                              "of non-negative integers.")
+    if not isinstance(chunks, list) or not chunks:
+        raise CheckpointError(f"{where}: damaged metadata: tensor {key!r} lists no saved chunks.")
+    for chunk in chunks:
+        offsets, sizes = getattr(chunk, "offsets", None), getattr(chunk, "sizes", None)
+        if not (_is_shape(offsets) and _is_shape(sizes) and len(offsets) == len(sizes) == len(size)):
+            raise CheckpointError(f"{where}: damaged metadata: tensor {key!r} of shape {list(size)} has a chunk "
+                                  f"with offsets {offsets!r:.100} and sizes {sizes!r:.100}.")
+
+
 def _check_chunks(where: Path, key: str, md: TensorStorageMetadata) -> None:
-    """The saved chunks must cover the tensor, or `dcp.load` leaves part of it uninitialised."""
-    numel = 1
-    for d in md.size:
-        numel *= d
-    covered = 0
+    """The saved chunks must tile the tensor exactly. `dcp.load` copies every chunk that intersects the
+    target, in file order, and never checks the tiling: overlapping chunks silently overwrite each other
+    and uncovered elements are left as they were (here: bytes of the previous tensor)."""
     for chunk in md.chunks:
-        n = 1
-        for d in chunk.sizes:
-            n *= d
-        covered += n
+        if any(o + s > d for o, s, d in zip(chunk.offsets, chunk.sizes, md.size)):
+            raise CheckpointError(f"{where}: tensor {key!r} of shape {list(md.size)}: its chunk at offsets "
+                                  f"{list(chunk.offsets)} with sizes {list(chunk.sizes)} lies outside the tensor.")
+    overlap = _first_overlap(md.chunks)
+    if overlap is not None:
+        a, b = overlap
+        raise CheckpointError(f"{where}: tensor {key!r} of shape {list(md.size)}: its chunks at offsets "
+                              f"{list(a.offsets)} and {list(b.offsets)} overlap.")
+    # Inside the tensor and disjoint: they cover it exactly iff their element counts add up.
+    covered, numel = sum(_numel(c.sizes) for c in md.chunks), _numel(md.size)
     if covered != numel:
-        raise ValueError(f"{where}: tensor {key!r} of shape {list(md.size)}: its saved chunks hold {covered} of "
-                         f"{numel} elements; the checkpoint is incomplete.")
+        raise CheckpointError(f"{where}: tensor {key!r} of shape {list(md.size)}: its saved chunks hold {covered} "
+                              f"of {numel} elements; the checkpoint is incomplete.")
 
 
-def _output_spec(name: str, md: TensorStorageMetadata, dtype: torch.dtype | None) -> TensorSpec:
+def _first_overlap(chunks: list) -> tuple[Any, Any] | None:
+    """Two non-empty chunks sharing an element, or None. A sweep along dim 0: a chunk is compared only
+    with those whose dim-0 range is still open, which for FSDP's row slabs is none, so it stays linear
+    in the number of ranks. A 0-d tensor's chunks all span the one element."""
+    def dim0(c: Any) -> tuple[int, int]:
+        return (c.offsets[0], c.offsets[0] + c.sizes[0]) if c.offsets else (0, 1)
+
+    active: list = []
+    for chunk in sorted((c for c in chunks if _numel(c.sizes)), key=lambda c: tuple(c.offsets)):
+        start = dim0(chunk)[0]
+        active = [a for a in active if dim0(a)[1] > start]
+        for a in active:
+            if all(ao < co + cs and co < ao + as_ for ao, as_, co, cs in
+                   zip(a.offsets, a.sizes, chunk.offsets, chunk.sizes)):
+                return a, chunk
+        active.append(chunk)
+    return None
+
+
+def check_storage(metadata: Metadata, entries: dict[str, tuple[str, TensorStorageMetadata]], src_dir: Path) -> None:
+    """Check that every chunk's bytes are on disk before anything is allocated or read.
+
+    DCP's FileSystemWriter (torch/distributed/checkpoint/filesystem.py) records each chunk in
+    `storage_data[MetadataIndex(fqn, chunk.offsets)]` as a `_StorageInfo(relative_path, offset, length)`:
+    a `torch.save` record, which is uncompressed and holds the chunk's whole storage (the writer clones
+    views first), so it is at least the chunk's byte size. Records must lie inside their file and not
+    share bytes, so the tensors a checkpoint claims can never add up to more than its data files hold.
+    """
+    where = src_dir / DCP_METADATA
+    file_sizes: dict[str, int] = {}
+    spans: dict[str, dict[MetadataIndex, tuple[int, int]]] = {}  # data file -> record -> byte range
+    for key, md in entries.values():
+        itemsize = md.properties.dtype.itemsize
+        for chunk in md.chunks:
+            index = MetadataIndex(key, chunk.offsets)
+            info = _storage_info(where, metadata.storage_data, index)
+            rel = info.relative_path
+            if rel not in file_sizes:
+                file_sizes[rel] = _data_file_size(src_dir / rel)
+            if info.offset + info.length > file_sizes[rel]:
+                raise CheckpointError(f"{src_dir / rel}: truncated: {file_sizes[rel]} bytes, but the chunk of "
+                                      f"{key!r} at offsets {list(chunk.offsets)} is recorded at bytes "
+                                      f"{info.offset}-{info.offset + info.length}.")
+            nbytes = _numel(chunk.sizes) * itemsize
+            if nbytes > info.length:
+                raise CheckpointError(f"{src_dir / rel}: the chunk of {key!r} at offsets {list(chunk.offsets)} "
+                                      f"needs {nbytes} bytes, but its record is {info.length} bytes; the "
+                                      "metadata does not match the data.")
+            spans.setdefault(rel, {})[index] = (info.offset, info.offset + info.length)
+    for rel, ranges in spans.items():
+        _check_disjoint(src_dir / rel, ranges)
+
+
+def _storage_info(where: Path, storage_data: dict, index: MetadataIndex) -> _StorageInfo:
+    """The `_StorageInfo` of one chunk, checked to name a plain file of the checkpoint directory."""
+    info = storage_data.get(index)
+    at = f"the chunk of {index.fqn!r} at offsets {list(index.offset)}"
+    if info is None:
+        raise CheckpointError(f"{where}: damaged metadata: {at} has no storage entry.")
+    rel, offset, length = (getattr(info, f, None) for f in ("relative_path", "offset", "length"))
+    if not isinstance(info, _StorageInfo) or not isinstance(rel, str) or not all(
+            type(v) is int and v >= 0 for v in (offset, length)):
+        raise CheckpointError(f"{where}: damaged metadata: the storage entry of {at} is {info!r:.200}.")
+    if Path(rel).name != rel or rel in ("", ".", "..") or "\0" in rel:
+        raise CheckpointError(f"{where}: data file name {rel!r} points outside {where.parent}; refused.")
+    if getattr(info, "transform_descriptors", None):  # e.g. DCP's zstd extension: the sizes above would not hold
+        raise CheckpointError(f"{where}: {at} is stored through DCP extensions {info.transform_descriptors!r:.100}, "
+                              "which this converter does not read.")
+    return info
+
+
+def _data_file_size(path: Path) -> int:
+    """Size of a data file, which must be a regular file (stat does not open it, so a FIFO cannot block)."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: data file is missing; the checkpoint is incomplete.") from None
+    except OSError as e:
+        raise CheckpointError(f"{path}: data file cannot be read ({e.strerror}).") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise CheckpointError(f"{path}: data file is not a regular file (a directory, FIFO or device); refused.")
+    return st.st_size
+
+
+def _check_disjoint(path: Path, ranges: dict[MetadataIndex, tuple[int, int]]) -> None:
+    """DCP writes each record once, one after another: two records sharing bytes is a forged layout."""
+    end, previous = 0, None
+    for index, (begin, stop) in sorted(ranges.items(), key=lambda item: item[1]):
+        if begin == stop:
+            continue
+        if begin < end:
+            raise CheckpointError(f"{path}: the records of {previous.fqn!r} and {index.fqn!r} overlap "
+                                  f"(bytes {begin}-{min(end, stop)}); the metadata does not match the data.")
+        end, previous = stop, index
+
+
+def _output_spec(where: Path, name: str, md: TensorStorageMetadata, dtype: torch.dtype | None) -> TensorSpec:
     stored = md.properties.dtype
     target = dtype if dtype is not None and stored.is_floating_point else stored
     try:
         dtype_name(target)
     except TypeError as e:
-        raise ValueError(f"tensor `{name}`: {e}") from None
+        raise CheckpointError(f"{where}: tensor `{name}`: {e}") from None
     return TensorSpec(name, target, tuple(md.size))
 
 
@@ -274,17 +442,76 @@ class _MetadataReader(FileSystemReader):
 
 
 def _nbytes(md: TensorStorageMetadata) -> int:
-    return md.size.numel() * md.properties.dtype.itemsize
+    return _numel(md.size) * md.properties.dtype.itemsize
 
 
 def _load_tensor(reader: _MetadataReader, key: str, md: TensorStorageMetadata, buffer: torch.Tensor) -> torch.Tensor:
-    """One whole tensor, in its saved dtype, assembled by DCP from every rank's chunk into `buffer`."""
+    """One whole tensor, in its saved dtype, assembled by DCP from every rank's chunk into `buffer`.
+
+    The layout was checked beforehand (`check_storage`); what can still fail is a record whose bytes are
+    not a torch.save of its chunk. DCP reports that as a CheckpointException (a BaseException) wrapping
+    the cause, with no file name, so the failing record is then found by reading each one."""
     target = buffer[:_nbytes(md)].view(md.properties.dtype).view(tuple(md.size))
-    with warnings.catch_warnings():
-        # dcp.load warns on every call that no process group is used: that is the point here.
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load({key: target}, storage_reader=reader, planner=DefaultLoadPlanner(), no_dist=True)
-    return target
+    try:
+        with warnings.catch_warnings():
+            # dcp.load warns on every call that no process group is used: that is the point here.
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load({key: target}, storage_reader=reader, planner=DefaultLoadPlanner(), no_dist=True)
+    except (Exception, DCPException) as e:
+        cause = _unwrap(e)
+    else:
+        return target
+    if not isinstance(cause, Exception):  # Ctrl-C inside dcp.load comes back wrapped
+        raise cause
+    storage = reader.read_metadata().storage_data
+    _check_records(Path(reader.path), storage, key, md)  # raises naming the file of a damaged record
+    files = sorted({storage[MetadataIndex(key, c.offsets)].relative_path for c in md.chunks})
+    raise CheckpointError(f"{reader.path} ({', '.join(files)}): tensor {key!r} cannot be read: "
+                          f"{_describe_error(cause)}")
+
+
+def _unwrap(e: BaseException) -> BaseException:
+    """The first underlying exception of DCP's CheckpointException (its str() is multi-line tracebacks)."""
+    if isinstance(e, DCPException) and e.failures:
+        return next(iter(e.failures.values()))[0]
+    return e
+
+
+def _check_records(src_dir: Path, storage_data: dict, key: str, md: TensorStorageMetadata) -> None:
+    """Raise naming the first data file whose record of a chunk of `key` is not a tensor of the chunk's
+    shape, read as DCP reads it (`torch.load(weights_only=True)`, filesystem.py `read_data`), one chunk
+    at a time. Runs only after a failed load."""
+    for chunk in md.chunks:
+        info = storage_data[MetadataIndex(key, chunk.offsets)]
+        path = src_dir / info.relative_path
+        fd = open_regular(path)
+        try:
+            raw = os.pread(fd, info.length, info.offset)
+        finally:
+            os.close(fd)
+        try:
+            tensor = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+            problem = None if isinstance(tensor, torch.Tensor) and tensor.shape == chunk.sizes else (
+                f"it holds {type(tensor).__name__} {list(getattr(tensor, 'shape', []))}")
+        except Exception as e:  # any failure to parse the record is the damage being reported
+            problem = _describe_error(e)
+        if problem is not None:
+            raise CheckpointError(f"{path}: bytes {info.offset}-{info.offset + info.length} (the chunk of {key!r} "
+                                  f"at offsets {list(chunk.offsets)}) are not a saved tensor of shape "
+                                  f"{list(chunk.sizes)}: {problem}.")
+
+
+def _describe_error(e: BaseException, limit: int = 300) -> str:
+    """`Type: message` on one line, cut to `limit` characters: the CLI prints errors as a single line.
+
+    torch.load's weights-only failures open with advice to retry with `weights_only=False`, which would
+    run the file's code: only their actual reason is kept."""
+    text = " ".join(str(e).split())
+    reason = text.partition("WeightsUnpickler error: ")[2]
+    if reason:
+        text = "weights-only unpickler: " + reason.partition(" Check the documentation of torch.load")[0]
+    text = f"{type(e).__name__}: {text}"
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 # ---------------------------------------------------------------------------------------------

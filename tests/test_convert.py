@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -18,6 +19,7 @@ from safetensors import safe_open
 from hf_fsdp2 import convert as convert_mod
 from hf_fsdp2.cli import main
 from hf_fsdp2.convert import convert_dcp_to_safetensors, read_dcp_metadata
+from hf_fsdp2.safetensors_io import CheckpointError
 
 from .common import build_model
 from .dist_harness import run_ranks
@@ -303,3 +305,182 @@ def test_odd_tensors_and_bare_state_dict(tmp_path):
             expected = v.bfloat16() if v.is_floating_point() else v
             got = f.get_tensor(k)
             assert got.dtype == expected.dtype and got.shape == expected.shape and torch.equal(got, expected), k
+
+
+# ---------------------------------------------------------------------------------------------
+# Damaged checkpoints: refused before anything is allocated or written, in one line naming the file
+
+Q = "model.model.layers.0.self_attn.q_proj.weight"  # (64, 64): rows 0-31 in __0_0.distcp, 32-63 in __1_0
+K = "model.model.layers.0.self_attn.k_proj.weight"  # (32, 64): rows 0-15 in __0_0.distcp, 16-31 in __1_0
+
+
+def _edit_metadata(edit):
+    """A damage that rewrites `.metadata` (a pickled DCP `Metadata`) after `edit(metadata)` changed it."""
+    def damage(dcp_dir: Path) -> None:
+        with open(dcp_dir / ".metadata", "rb") as f:
+            md = pickle.load(f)  # the fixture's own file
+        edit(md)
+        with open(dcp_dir / ".metadata", "wb") as f:
+            pickle.dump(md, f)
+    return damage
+
+
+def _index(key, offsets):
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    return MetadataIndex(key, offsets)
+
+
+def _storage(md, key, i):
+    return md.storage_data[_index(key, md.state_dict_metadata[key].chunks[i].offsets)]
+
+
+def _move_chunk(md, key, i, offsets, sizes=None):
+    """Give chunk `i` new offsets (and sizes), keeping its storage entry (keyed by the offsets)."""
+    chunk = md.state_dict_metadata[key].chunks[i]
+    info = md.storage_data.pop(_index(key, chunk.offsets))
+    chunk.offsets = torch.Size(offsets)
+    chunk.sizes = torch.Size(sizes) if sizes is not None else chunk.sizes
+    md.storage_data[_index(key, chunk.offsets)] = info
+
+
+def _claim_768_gib(md):
+    """q_proj claims (3 * 2**18, 2**18) fp32 = 768 GiB, in two chunks that tile it: only the files disagree."""
+    rows, cols = 3 * 2**17, 2**18
+    md.state_dict_metadata[Q].size = torch.Size([2 * rows, cols])
+    _move_chunk(md, Q, 0, [0, 0], [rows, cols])
+    _move_chunk(md, Q, 1, [rows, 0], [rows, cols])
+
+
+def _swap_records(md):
+    """gate_proj's rank-1 chunk is (64, 64) and down_proj's (32, 128): records of the same size, swapped."""
+    gate, down = (_storage(md, f"model.model.layers.0.mlp.{m}.weight", 1) for m in ("gate_proj", "down_proj"))
+    gate.offset, down.offset = down.offset, gate.offset
+
+
+def _share_record(md):
+    """k_proj's rank-0 chunk points at q_proj's larger record: each size check alone passes."""
+    k, q = _storage(md, K, 0), _storage(md, Q, 0)
+    k.offset, k.length = q.offset, q.length
+
+
+def _file_damage(name, how):
+    def damage(dcp_dir: Path) -> None:
+        path = dcp_dir / name
+        if how == "truncate":
+            with open(path, "r+b") as f:
+                f.truncate(path.stat().st_size // 2)
+        elif how == "garbage":  # same size, not a torch.save record any more
+            path.write_bytes(b"\0" * path.stat().st_size)
+        else:
+            path.unlink()
+            if how == "fifo":
+                os.mkfifo(path)
+            elif how == "dir":
+                path.mkdir()
+    return damage
+
+
+_META, _DATA1 = ".metadata", "__1_0.distcp"
+# id -> (damage, file the error names, what it says)
+DAMAGES = {
+    "metadata-not-metadata": (lambda d: (d / _META).write_bytes(pickle.dumps({"state_dict_metadata": {}})), _META,
+                              "holds a dict"),
+    "metadata-missing-field": (_edit_metadata(lambda md: delattr(md, "state_dict_metadata")), _META,
+                               "`state_dict_metadata` is missing"),
+    "storage-data-not-dict": (_edit_metadata(lambda md: setattr(md, "storage_data", [1])), _META,
+                              "`storage_data` is a list"),
+    "planner-data-wrong": (_edit_metadata(lambda md: md.planner_data.update({Q: 5})), _META, "planner_data"),
+    "metadata-truncated": (lambda d: (d / _META).write_bytes((d / _META).read_bytes()[:200]), _META,
+                           "not a readable"),
+    "metadata-fifo": (_file_damage(_META, "fifo"), _META, "not a regular file"),
+    "metadata-dir": (_file_damage(_META, "dir"), _META, "not a regular file"),
+    "dtype-not-dtype": (_edit_metadata(lambda md: setattr(md.state_dict_metadata[Q].properties, "dtype", "f32")),
+                        _META, "has no dtype"),
+    "negative-size": (_edit_metadata(lambda md: setattr(md.state_dict_metadata[Q], "size", torch.Size([-64, 64]))),
+                      _META, "not a tuple of non-negative integers"),
+    "no-chunks": (_edit_metadata(lambda md: setattr(md.state_dict_metadata[Q], "chunks", [])), _META,
+                  "lists no saved chunks"),
+    "chunk-not-chunk": (_edit_metadata(lambda md: md.state_dict_metadata[Q].chunks.append(5)), _META,
+                        "has a chunk with offsets None"),
+    "chunk-outside": (_edit_metadata(lambda md: _move_chunk(md, Q, 1, [48, 0])), _META, "lies outside the tensor"),
+    "chunks-overlap": (_edit_metadata(lambda md: _move_chunk(md, Q, 1, [16, 0])), _META,
+                       r"chunks at offsets \[0, 0\] and \[16, 0\] overlap"),
+    "chunk-removed": (_edit_metadata(lambda md: md.state_dict_metadata[Q].chunks.pop()), _META,
+                      "hold 2048 of 4096 elements"),
+    "chunk-shrunk": (_edit_metadata(lambda md: _move_chunk(md, Q, 1, [32, 0], [16, 64])), _META,
+                     "hold 3072 of 4096 elements"),
+    "no-storage-entry": (_edit_metadata(lambda md: md.storage_data.pop(_index(Q, torch.Size([32, 0])))), _META,
+                         r"offsets \[32, 0\] has no storage entry"),
+    "storage-entry-wrong": (_edit_metadata(lambda md: setattr(_storage(md, Q, 1), "length", -1)), _META,
+                            "the storage entry of"),
+    "path-outside": (_edit_metadata(lambda md: setattr(_storage(md, Q, 1), "relative_path", "../x.distcp")), _META,
+                     "points outside"),
+    "compressed": (_edit_metadata(lambda md: setattr(_storage(md, Q, 1), "transform_descriptors", ["zstd"])),
+                   _META, "DCP extensions"),
+    "claims-768-GiB": (_edit_metadata(_claim_768_gib), "__0_0.distcp", "needs 412316860416 bytes"),
+    "records-share-bytes": (_edit_metadata(_share_record), "__0_0.distcp", "records of .* overlap"),
+    "records-swapped": (_edit_metadata(_swap_records), _DATA1, r"not a saved tensor of shape \[.*holds Tensor"),
+    "data-missing": (_file_damage(_DATA1, "delete"), _DATA1, "data file is missing"),
+    "data-truncated": (_file_damage(_DATA1, "truncate"), _DATA1, "truncated"),
+    "data-fifo": (_file_damage(_DATA1, "fifo"), _DATA1, "not a regular file"),
+    "data-dir": (_file_damage(_DATA1, "dir"), _DATA1, "not a regular file"),
+    "data-garbage": (_file_damage(_DATA1, "garbage"), _DATA1, r"are not a saved tensor of shape \[64, 64\]: Unpickl"),
+}
+
+
+@pytest.fixture
+def damaged_copy(accelerate_ckpt, tmp_path) -> Path:
+    src = tmp_path / "ckpt" / "pytorch_model_fsdp_0"
+    shutil.copytree(accelerate_ckpt / "pytorch_model_fsdp_0", src)
+    return src
+
+
+@pytest.mark.parametrize("damage", DAMAGES)
+def test_damaged_checkpoint_is_refused(damaged_copy, tmp_path, capsys, damage):
+    make, named, says = DAMAGES[damage]
+    make(damaged_copy)
+    dst = tmp_path / "out" / "hf"
+    with pytest.raises(CheckpointError, match=says) as info:
+        convert_dcp_to_safetensors(damaged_copy, dst)
+    assert str(damaged_copy / named) in str(info.value)
+    # The CLI: exit 1, one line naming the file, nothing created.
+    assert main(["convert", str(damaged_copy), str(dst)]) == 1
+    captured = capsys.readouterr()
+    lines = captured.err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("hf-fsdp2 convert: error: "), captured.err
+    assert str(damaged_copy / named) in lines[0] and "Traceback" not in captured.err + captured.out
+    # Damage found while reading a record surfaces after dst's parent was made: it is left empty.
+    assert not dst.exists() and (not dst.parent.exists() or not any(dst.parent.iterdir()))
+
+
+def test_damaged_checkpoint_cli_process(damaged_copy, tmp_path):
+    """The installed entry point too: a FIFO `.metadata` is refused at once, one line, no traceback."""
+    _file_damage(_META, "fifo")(damaged_copy)
+    dst = tmp_path / "hf"
+    proc = subprocess.run([sys.executable, "-m", "hf_fsdp2.cli", "convert", str(damaged_copy), str(dst)],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert proc.stderr.splitlines() == [f"hf-fsdp2 convert: error: {damaged_copy / _META}: not a regular file "
+                                        "(a directory, FIFO or device); refused."]
+    assert not dst.exists()
+
+
+@pytest.mark.parametrize("chunks, error", [
+    ([((0, 0), (2, 2)), ((0, 2), (2, 2)), ((2, 0), (2, 2)), ((2, 2), (2, 2))], None),  # a 2x2 grid (FSDP x TP)
+    ([((0, 0), (2, 3)), ((0, 2), (2, 1)), ((2, 0), (2, 4))], r"\[0, 0\] and \[0, 2\] overlap"),  # sum is 16 too
+    ([((0, 0), (4, 2)), ((4, 2), (0, 2)), ((4, 2), (0, 2)), ((0, 2), (4, 2))], None),  # empty shards at the end
+    ([((0, 0), (4, 2)), ((1, 2), (3, 2))], "hold 14 of 16"),
+])
+def test_chunk_tiling_in_two_dims(chunks, error):
+    """The sweep over dim 0 still compares chunks in the other dims: the second layout has an overlap and a
+    hole of the same size, which element counts alone would accept."""
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorProperties, TensorStorageMetadata
+
+    md = TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([4, 4]),
+                               [ChunkStorageMetadata(torch.Size(o), torch.Size(s)) for o, s in chunks])
+    if error is None:
+        convert_mod._check_chunks(Path(".metadata"), "w", md)
+    else:
+        with pytest.raises(CheckpointError, match=error):
+            convert_mod._check_chunks(Path(".metadata"), "w", md)
