@@ -93,3 +93,52 @@ def test_trainer_script_under_accelerate_launch_is_sharded_on_cpu(tmp_path):
     # bf16 on CPU: runs (CPU autocast) instead of stopping at the Trainer's GPU check.
     bf16 = launch_trainer(tmp_path, "bf16", 2, "--bf16", "true")
     assert bf16["all_dtensor"] and bf16["losses"][0] == pytest.approx(out["losses"][0], abs=5e-2)
+
+
+def _weights(directory: Path) -> dict:
+    from hf_fsdp2.safetensors_io import CheckpointFiles
+
+    with CheckpointFiles(directory) as files:
+        return {name: files.read(name) for name in files.names()}
+
+
+def test_evaluation_best_model_and_rotation(tmp_path):
+    """Evaluation during training, checkpoints at evaluation steps, `load_best_model_at_end`,
+    `save_total_limit` (from Transformers' FSDP tests: eval and checkpointing cases), against the
+    same run on one process."""
+    import torch
+
+    flags = ("--eval", "true", "--eval_strategy", "steps", "--eval_steps", "2", "--save_strategy", "steps",
+             "--save_steps", "2", "--load_best_model_at_end", "true", "--metric_for_best_model", "loss",
+             "--greater_is_better", "false", "--save_total_limit", "1")
+    two = train(tmp_path / "two", "two", 2, 6, *flags, "--final_dir", str(tmp_path / "final"))
+    one = train(tmp_path / "one", "one", 1, 6, *flags)
+    assert two["eval_losses"] == pytest.approx(one["eval_losses"], abs=1e-4) and len(two["eval_losses"]) == 3
+    best = Path(two["best_model_checkpoint"])
+    assert best.name == Path(one["best_model_checkpoint"]).name
+    kept = sorted(p.name for p in (tmp_path / "two" / "out").glob("checkpoint-*"))
+    assert best.name in kept and len(kept) <= 2  # the best and the latest
+    final, saved = _weights(tmp_path / "final"), _weights(best)
+    assert final.keys() == saved.keys() and all(torch.equal(final[k], saved[k]) for k in final)
+    # A checkpoint of ours resumed by a Trainer that hf_fsdp2 does not shard: refused, not half-loaded.
+    report = tmp_path / "nofsdp.json"
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--report", str(report), "--output_dir", str(tmp_path / "nf"),
+                           "--max_steps", "6", "--report_to", "none", "--use_cpu", "true", "--resume", str(best)],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode != 0 and "would lose the optimizer, scheduler and RNG state" in proc.stderr, proc.stderr[-3000:]
+
+
+def test_save_only_model_checkpoints_hold_only_the_model(tmp_path):
+    """`save_only_model=True`: weights and trainer_state.json, no optimizer/RNG; resuming from it is
+    refused with a clear error. (The Trainer itself refuses save_only_model with SHARDED_STATE_DICT.)"""
+    config = json.loads((ROOT / "accelerate_configs" / "fsdp2.json").read_text())
+    config["state_dict_type"] = "FULL_STATE_DICT"
+    (tmp_path / "full.json").write_text(json.dumps(config))
+    train(tmp_path, "only", 2, 2, "--save_strategy", "steps", "--save_steps", "2", "--save_only_model", "true",
+          "--fsdp_config", str(tmp_path / "full.json"))
+    names = {p.name for p in (tmp_path / "out" / "checkpoint-2").iterdir()}
+    assert {"model.safetensors", "config.json", "trainer_state.json"} <= names
+    assert not names & {"optimizer.safetensors", "rng", "hf_fsdp2_state.json"}
+    with pytest.raises(AssertionError, match="holds only the model"):
+        train(tmp_path, "resume", 2, 4, "--save_strategy", "no", "--resume", str(tmp_path / "out" / "checkpoint-2"),
+              "--fsdp_config", str(tmp_path / "full.json"))

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ..pretrained import load_pretrained, save_pretrained
-from ..state import load_rng_state, load_state, save_state
+from ..state import MANIFEST, load_rng_state, load_state, save_state
 
 _originals: dict[str, Any] = {}
 
@@ -34,7 +34,8 @@ def register() -> None:
     for name, replacement in (("save_model", _save_model), ("_save_checkpoint", _save_checkpoint),
                               ("_load_from_checkpoint", _load_from_checkpoint),
                               ("_load_optimizer_and_scheduler", _load_optimizer_and_scheduler),
-                              ("_load_rng_state", _load_rng_state), ("_load_scaler", _load_scaler)):
+                              ("_load_rng_state", _load_rng_state), ("_load_scaler", _load_scaler),
+                              ("_load_best_model", _load_best_model)):
         _originals[name] = getattr(Trainer, name)
         setattr(Trainer, name, functools.wraps(_originals[name])(replacement))
 
@@ -112,8 +113,10 @@ def _save_checkpoint(self, model, trial) -> None:
     run_dir = self._get_output_dir(trial=trial)
     output_dir = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
     if self.state.best_global_step:
+        # Stock sets this after writing the weights, so the best may be this very checkpoint; here the
+        # checkpoint commits as a whole, with trainer_state.json inside, so decide it first.
         best = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.best_global_step}")
-        if os.path.exists(best):
+        if self.state.best_global_step == self.state.global_step or os.path.exists(best):
             self.state.best_model_checkpoint = best
     for cb in [c for c in self.callback_handler.callbacks + [self.control] if isinstance(c, ExportableState)]:
         name = cb.__class__.__name__
@@ -121,8 +124,11 @@ def _save_checkpoint(self, model, trial) -> None:
             self.state.stateful_callbacks[name].append(cb.state())
         else:
             self.state.stateful_callbacks[name] = cb.state()
-    save_state(output_dir, self.model, self.optimizer, self.lr_scheduler, step=self.state.global_step,
-               write_extra=_extra_files(self, with_state=True))
+    if self.args.save_only_model:  # the weights and trainer_state.json; nothing to resume training from
+        save_pretrained(self.model, output_dir, write_extra=_extra_files(self, with_state=True))
+    else:
+        save_state(output_dir, self.model, self.optimizer, self.lr_scheduler, step=self.state.global_step,
+                   write_extra=_extra_files(self, with_state=True))
     if self.args.should_save:
         from transformers.trainer_utils import rotate_checkpoints
 
@@ -136,10 +142,32 @@ def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None
     load_pretrained(self.model, resume_from_checkpoint)
 
 
+def _refuse_partial_resume(checkpoint: str | None) -> None:
+    """A checkpoint of ours holds optimizer, scheduler and RNG state that only hf_fsdp2 reads; the
+    stock Trainer would find no optimizer.pt / rng_state.pth and go on without them, silently."""
+    if checkpoint is not None and (Path(checkpoint) / MANIFEST).exists():
+        raise RuntimeError(
+            f"{checkpoint} was written by hf_fsdp2 (optimizer.safetensors, rng/, {MANIFEST}); this Trainer is "
+            "not sharded by hf_fsdp2, so resuming would lose the optimizer, scheduler and RNG state. Resume "
+            "with FSDP (hf_fsdp2.register() and --fsdp, or accelerate launch with an FSDP2 config), or load "
+            "only the weights with from_pretrained and start a new run.")
+
+
 def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
     if not _ours(self) or checkpoint is None:
+        _refuse_partial_resume(checkpoint)
         return _originals["_load_optimizer_and_scheduler"](self, checkpoint)
+    if not (Path(checkpoint) / MANIFEST).exists() and (Path(checkpoint) / "trainer_state.json").exists():
+        raise RuntimeError(f"{checkpoint} holds only the model (saved with `save_only_model=True`); there is "
+                           "no optimizer, scheduler or RNG state to resume training from.")
     load_state(checkpoint, self.model, self.optimizer, self.lr_scheduler, load_weights=False)
+
+
+def _load_best_model(self) -> None:
+    """`load_best_model_at_end`: the best checkpoint is in our layout, not the DCP one stock FSDP looks for."""
+    if not _ours(self):
+        return _originals["_load_best_model"](self)
+    load_pretrained(self.model, self.state.best_model_checkpoint)
 
 
 def _load_rng_state(self, checkpoint: str | None) -> None:

@@ -21,6 +21,7 @@ class ScriptArguments:
     lora: bool = False
     resume: str | None = None
     final_dir: str | None = None
+    eval: bool = False
 
 
 def main():
@@ -31,7 +32,7 @@ def main():
         model = lora(model)
     rows = torch.cat(batches(steps=12, batch=8))
     dataset = [{"input_ids": r, "labels": r} for r in rows]
-    trainer = Trainer(model=model, args=args, train_dataset=dataset)
+    trainer = Trainer(model=model, args=args, train_dataset=dataset, eval_dataset=dataset[:8] if script.eval else None)
     trainer.train(resume_from_checkpoint=script.resume)
     if script.final_dir:
         trainer.save_model(script.final_dir)
@@ -41,7 +42,8 @@ def main():
         losses = {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
         Path(script.report).write_text(json.dumps({
             "losses": losses, "all_dtensor": all(isinstance(p, DTensor) for p in model.parameters()),
-            "world": trainer.args.world_size}))
+            "world": trainer.args.world_size, "best_model_checkpoint": trainer.state.best_model_checkpoint,
+            "eval_losses": {h["step"]: h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h}}))
 
 
 if __name__ == "__main__":
