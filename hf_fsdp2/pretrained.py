@@ -9,6 +9,7 @@ the meta device, shards it and loads it, so the full model never exists on any r
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
@@ -48,8 +49,19 @@ def _progress(total: int, desc: str, enabled: bool | None):
 # Writing
 
 
+def transformers_max_shard_size() -> int | str:
+    """The installed transformers' default `max_shard_size` ("5GB" in 4.x, "50GB" in 5.x), so our
+    files split exactly where stock `save_pretrained` splits them."""
+    import inspect
+
+    from transformers import PreTrainedModel
+
+    return inspect.signature(PreTrainedModel.save_pretrained).parameters["max_shard_size"].default
+
+
 def write_tensors(items: Sequence[ExportTensor], directory: Path, *, weights_name: str = SINGLE_FILE,
-                  max_shard_size: int | str = "5GB", progress: bool | None = None, durable: bool = True) -> None:
+                  max_shard_size: int | str = "5GB", progress: bool | None = None, durable: bool = True,
+                  total_parameters: int | None = None) -> None:
     """Write `items` as safetensors file(s) in `directory`: each rank writes its own rows.
 
     Headers are planned identically on every rank, so no rank waits for another; the caller commits.
@@ -75,6 +87,8 @@ def write_tensors(items: Sequence[ExportTensor], directory: Path, *, weights_nam
                     block = item.local_rows() if item.local_rows is not None else local_data(item.tensor)
                     bar.update(writer.write_rows(name, start, block))
     if index is not None and _rank() == 0:
+        if total_parameters is not None:  # stock save_pretrained: {"total_parameters", "total_size"}
+            index["metadata"] = {"total_parameters": total_parameters, **index["metadata"]}
         write_json(directory / (weights_name + INDEX_SUFFIX), index, durable=durable)
 
 
@@ -104,9 +118,14 @@ def write_configs(model: nn.Module, directory: Path, is_adapter: bool, dtype: to
     base = model.get_base_model() if is_peft_model(model) else model
     config = getattr(base, "config", None)
     if config is not None and hasattr(config, "save_pretrained"):
-        if dtype is not None:
-            config = type(config).from_dict(config.to_dict())
-            config.dtype = dtype
+        # As stock save_pretrained sets them (modeling_utils.PreTrainedModel.save_pretrained): the class
+        # (FSDP2's dynamic "FSDP<Class>" name removed) and the dtype of the weights on disk.
+        config = copy.deepcopy(config)
+        config.architectures = [type(base).__name__.removeprefix("FSDP")]
+        saved = dtype if dtype is not None else next(
+            (p.dtype for p in base.parameters() if p.is_floating_point()), None)
+        if saved is not None:
+            config.dtype = str(saved).removeprefix("torch.")
         config.save_pretrained(str(directory))
     generation = getattr(base, "generation_config", None)
     if generation is not None and hasattr(base, "can_generate") and base.can_generate():
@@ -116,8 +135,6 @@ def write_configs(model: nn.Module, directory: Path, is_adapter: bool, dtype: to
 def _write_adapter_config(model: nn.Module, directory: Path) -> None:
     """adapter_config.json exactly as `PeftModel.save_pretrained` writes it (peft_model.py): the base
     model's name, `inference_mode=True`, and `auto_mapping` when no task type is set."""
-    import copy
-
     config = copy.deepcopy(model.peft_config[getattr(model, "active_adapter", "default")])
     if config.base_model_name_or_path is None:
         config.base_model_name_or_path = model.get_base_model().__dict__.get("name_or_path", None) or None
@@ -130,7 +147,7 @@ def _write_adapter_config(model: nn.Module, directory: Path) -> None:
 
 
 def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, *, dtype: torch.dtype | str | None = None,
-                    max_shard_size: int | str = "5GB", merge_adapters: bool = False,
+                    max_shard_size: int | str | None = None, merge_adapters: bool = False,
                     write_extra: Callable[[Path], None] | None = None, progress: bool | None = None,
                     durable: bool = True) -> None:
     """Save a sharded model in the Hugging Face layout, every rank writing only its own rows.
@@ -152,10 +169,14 @@ def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, *, dtyp
     dtype = parse_dtype(dtype, "dtype")
     items, is_adapter = export_items(model, dtype, merge_adapters)
     weights_name = ADAPTER_FILE if is_adapter else SINGLE_FILE
+    if max_shard_size is None:
+        max_shard_size = transformers_max_shard_size()
+    total_parameters = None if is_adapter else sum(
+        item.tensor.numel() for item in items if isinstance(item.tensor, nn.Parameter))
     with committed_directory(save_directory, weights_names=(weights_name,), what="saving",
                              durable=durable) as staging:
         write_tensors(items, staging, weights_name=weights_name, max_shard_size=max_shard_size, progress=progress,
-                      durable=durable)
+                      durable=durable, total_parameters=total_parameters)
         if _rank() == 0:
             write_configs(model, staging, is_adapter, dtype)
             if write_extra is not None:

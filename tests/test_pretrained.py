@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
 import hf_fsdp2
-from hf_fsdp2 import FSDP2Config, shard_model
+from hf_fsdp2 import FSDP2Config, save_pretrained, shard_model
 
 from .common import build_model, count_collectives, full_params, lora, plain_params
 from .dist_harness import run_ranks
@@ -213,3 +213,30 @@ def test_mismatched_checkpoint_lists_every_problem_in_one_error(tmp_path):
     assert "model.embed_tokens.weight: shape [128, 64] in model.safetensors, model has [140, 64]" in message
     assert "lm_head.weight: shape" in message
     assert "model.layers.0.input_layernorm.weight: dtype torch.int64" in message
+
+
+@pytest.mark.parametrize("tied, dtype", [(False, None), (True, "bf16")])
+def test_output_is_what_stock_save_pretrained_writes(tmp_path, tied, dtype):
+    """Same files, index (incl. `total_parameters`), config.json (`architectures`, `dtype`), keys,
+    shapes, dtypes and bytes as transformers' own `save_pretrained` for the same model."""
+    import json
+
+    from safetensors import safe_open
+
+    model = build_model(tie_word_embeddings=tied)
+    save_pretrained(model, tmp_path / "ours", max_shard_size="200KB", dtype=dtype)
+    stock = build_model(tie_word_embeddings=tied)
+    if dtype:
+        stock = stock.to(torch.bfloat16)
+    stock.save_pretrained(tmp_path / "stock", max_shard_size="200KB")
+    ours_files = sorted(p.name for p in (tmp_path / "ours").iterdir())
+    assert ours_files == sorted(p.name for p in (tmp_path / "stock").iterdir())
+    for name in ours_files:
+        if name.endswith(".json"):
+            a, b = (json.loads((tmp_path / d / name).read_text()) for d in ("ours", "stock"))
+            assert a == b, name
+            continue
+        with safe_open(tmp_path / "ours" / name, "pt") as a, safe_open(tmp_path / "stock" / name, "pt") as b:
+            assert a.metadata() == b.metadata() and sorted(a.keys()) == sorted(b.keys()), name
+            for key in a.keys():
+                assert torch.equal(a.get_tensor(key), b.get_tensor(key)), key
