@@ -493,8 +493,8 @@ def _group_memory(model: nn.Module, plan: ShardPlan, config: FSDP2Config, shard:
     """Unsharded sizes of each `fully_shard` group, in forward order: [embedding], layers, head, root."""
     names = {id(m): n or "<root>" for n, m in model.named_modules()}
     members: list[tuple[str, list[nn.Module]]] = []
-    if plan.embedding is not None:
-        members.append((names[id(plan.embedding)], [plan.embedding]))
+    if plan.embedding:
+        members.append((names[id(plan.embedding[0])], list(plan.embedding)))
     members += [(names[id(layer)], [layer]) for layer in plan.layers]
     if plan.head:
         members.append(("+".join(names[id(m)] for m in plan.head), plan.head))
@@ -540,7 +540,7 @@ def _gathered_peak(groups: list[GroupMemory], plan: ShardPlan, config: FSDP2Conf
         order = [order[-1], *order]  # the tied [embedding, norm, head] group runs first and last
     reshard = config.reshard_after_forward
     n_layers = len(plan.layers)
-    first_layer = 1 if (plan.embedding is not None or plan.tied) else 0
+    first_layer = 1 if (plan.embedding or plan.tied) else 0
 
     def resident(i: int) -> int:
         g = order[i]

@@ -51,7 +51,7 @@ class ShardPlan:
     """Which modules become which `fully_shard` group (computed before any module is wrapped)."""
 
     layers: list[nn.Module]
-    embedding: nn.Module | None
+    embedding: list[nn.Module] | None  # the input embedding (and modules sharing its weight)
     head: list[nn.Module]  # [final norm, lm_head]; with tied embeddings also the embedding
     tied: bool
     in_forward_order: bool = True  # layers are a flat stack run one after another (prefetch chains)
@@ -59,16 +59,22 @@ class ShardPlan:
 
 
 def resolve_layer_class_names(model: nn.Module, config: FSDP2Config) -> tuple[str, ...]:
-    """The configured class names, or the model's `_no_split_modules`; checked against the model."""
+    """The configured class names, or the model's `_no_split_modules`; checked against the model.
+
+    `_no_split_modules` also lists blocks that must merely stay whole (`BertEmbeddings`,
+    `ViTEmbeddings`, a vision tower's patch embedding): only classes repeated in a stack (inside an
+    `nn.ModuleList`) become layer groups; the rest stay in the group that holds them."""
     names = config.layer_cls_names
-    if names is None:
+    from_model = names is None
+    if from_model:
         names = tuple(getattr(unwrap_peft(model), "_no_split_modules", None) or ())
         if not names:
             raise ValueError(
                 f"`layer_cls_names` is not set and {type(unwrap_peft(model)).__name__} has no "
                 f"`_no_split_modules`; set `layer_cls_names` to the decoder layer class "
-                f"(one of: {', '.join(_module_class_names(model))})."
+                f"(one of: {', '.join(_module_class_names(model))}), or `wrap_policy`='none'."
             )
+        names = tuple(n for n in names if n in _stacked_class_names(model)) or names
     present = set(_module_class_names(model))
     missing = [n for n in names if n not in present]
     if missing and len(missing) == len(names):
@@ -77,6 +83,17 @@ def resolve_layer_class_names(model: nn.Module, config: FSDP2Config) -> tuple[st
             f"The model contains these module classes: {', '.join(sorted(present))}."
         )
     return tuple(n for n in names if n in present)
+
+
+def _stacked_class_names(model: nn.Module) -> set[str]:
+    """Class names of modules that sit in an `nn.ModuleList` (a stack of layers)."""
+    names = set()
+    for module in model.modules():
+        if isinstance(module, nn.ModuleList):
+            for child in module:
+                inner = child._checkpoint_wrapped_module if isinstance(child, CheckpointWrapper) else child
+                names.add(type(inner).__name__)
+    return names
 
 
 def _module_class_names(model: nn.Module) -> list[str]:
@@ -175,13 +192,63 @@ def plan_groups(model: nn.Module, config: FSDP2Config) -> ShardPlan:
         # A parameter may live in one group only: the tied weight's group holds embedding, norm and head.
         head = [embedding, *[m for m in head if m is not embedding]]
         embedding = None
-    in_layers = {id(p) for layer in layers for p in layer.parameters()}
-    for module in ([embedding] if embedding is not None else []) + head:
-        if any(id(p) in in_layers for p in module.parameters()):
-            raise ValueError(f"{type(module).__name__} shares parameters with a decoder layer; "
-                             "a parameter can only be in one fully_shard group.")
-    return ShardPlan(layers=layers, embedding=embedding if embedding is not None and _has_params(embedding) else None,
+    plan = ShardPlan(layers=layers, embedding=[embedding] if embedding is not None and _has_params(embedding) else None,
                      head=head, tied=tied, ignored_params=ignored)
+    resolve_shared_parameters(model, plan)
+    return plan
+
+
+def resolve_shared_parameters(model: nn.Module, plan: ShardPlan) -> None:
+    """No parameter may be in two `fully_shard` groups, and a group must hold every module that uses
+    one of its parameters (else that module keeps the unsharded tensor). Shared parameters are found
+    by identity: an encoder-decoder's embedding reused by encoder and decoder, a masked LM's decoder
+    bias tied to its prediction head, any weight tied across modules. A module outside every group
+    that owns such a parameter joins the group; where that cannot be (it is the root, or it holds
+    other groups), the group dissolves into the root group, which may hold shared parameters.
+    Repeated until nothing changes."""
+    owners: dict[int, list[nn.Module]] = {}
+    for module in model.modules():
+        for param in module.parameters(recurse=False):
+            owners.setdefault(id(param), []).append(module)
+    while True:
+        groups = ([plan.embedding] if plan.embedding else []) + ([plan.head] if plan.head else []) + [
+            [layer] for layer in plan.layers]
+        is_layer = [False] * (len(groups) - len(plan.layers)) + [True] * len(plan.layers)
+        covered = [{id(m) for top in group for m in top.modules()} for group in groups]
+        change = None
+        for index, group in enumerate(groups):
+            params = {id(p) for top in group for p in top.parameters()}
+            outside = []
+            for pid in params:
+                for owner in owners.get(pid, []):
+                    if id(owner) in covered[index]:
+                        continue
+                    if any(id(owner) in other for j, other in enumerate(covered) if j != index):
+                        change = ("dissolve", group)  # shared with another group: both fall to the root
+                        break
+                    if owner is model or any(id(m) in c for m in owner.modules() for c in covered):
+                        change = ("dissolve", group)
+                        break
+                    if all(owner is not o for o in outside):
+                        outside.append(owner)
+                if change:
+                    break
+            if change:
+                break
+            if outside:  # a layer stays one module: it dissolves instead
+                change = ("dissolve", group) if is_layer[index] else ("extend", group, outside)
+                break
+        if change is None:
+            return
+        group = change[1]
+        if change[0] == "extend":
+            group.extend(change[2])
+        elif group is plan.embedding:
+            plan.embedding = None
+        elif group is plan.head:
+            plan.head, plan.tied = [], False
+        else:
+            plan.layers = [layer for layer in plan.layers if layer is not group[0]]
 
 
 def _has_params(module: nn.Module) -> bool:
@@ -252,14 +319,15 @@ def apply_fsdp(model: nn.Module, plan: ShardPlan, config: FSDP2Config, mesh: Dev
         # The last layer's backward runs right after forward: resharding it would only re-gather it.
         last = index == len(plan.layers) - 1 and plan.in_forward_order
         fully_shard(layer, reshard_after_forward=False if (last and reshard is True) else reshard, **kwargs)
-    if plan.embedding is not None:
-        fully_shard(plan.embedding, reshard_after_forward=reshard, **kwargs)
-        if _backward_reads_no_weight(plan.embedding):
+    if plan.embedding:
+        embedding = plan.embedding[0] if len(plan.embedding) == 1 else None
+        fully_shard(embedding if embedding is not None else plan.embedding, reshard_after_forward=reshard, **kwargs)
+        if embedding is not None and _backward_reads_no_weight(embedding):
             # An embedding's weight gradient is built from the indices and the output gradient
             # alone (`embedding_dense_backward`), so its all-gather in backward is wasted: this
             # is the case `FSDPModule.set_unshard_in_backward` documents. Its gradient is still
             # reduce-scattered as usual.
-            plan.embedding.set_unshard_in_backward(False)
+            embedding.set_unshard_in_backward(False)
     if plan.head:
         # With tied weights the group is used first and last, so it must be freed after forward.
         head_reshard = reshard if plan.tied else (False if reshard is True else reshard)
@@ -291,7 +359,7 @@ def _set_prefetch(plan: ShardPlan, config: FSDP2Config, on_cpu: bool) -> None:
     if forward:
         # Forward order of the groups: embedding, layers, [norm, head] (a tied group runs both
         # first and last, so it stays out of the chain).
-        chain = ([plan.embedding] if plan.embedding is not None else []) + layers
+        chain = ([plan.embedding[0]] if plan.embedding else []) + layers
         if plan.head and not plan.tied:
             chain.append(plan.head[0])  # any module of a list-form group stands for the group
         for i, group in enumerate(chain[:-1]):

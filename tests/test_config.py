@@ -63,7 +63,7 @@ def test_default_layer_classes_come_from_no_split_modules_through_peft():
     assert len(plan.layers) == 3
     base = model.base_model.model
     # The final norm is found under the PeftModel too (Accelerate's lookup misses it there).
-    assert plan.head == [base.model.norm, base.lm_head] and plan.embedding is base.model.embed_tokens
+    assert plan.head == [base.model.norm, base.lm_head] and plan.embedding == [base.model.embed_tokens]
 
 
 def test_layers_found_through_checkpoint_wrappers():

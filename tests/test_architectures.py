@@ -1,0 +1,112 @@
+"""Beyond dense decoders: encoder-decoder (shared embeddings), encoder-only masked LM (tied decoder
+weight and bias), vision (an embedding block in `_no_split_modules`) and MoE, each sharded on 2 gloo
+ranks against a single-process reference, saved gather-free and read back by stock `from_pretrained`.
+
+One spawn runs every architecture (the ranks are shared between cases to keep the suite fast).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from .common import full_params, global_mean, local_rows
+from .dist_harness import run_ranks
+
+STEPS = 2
+BATCH = 4
+
+
+def _build(arch: str):
+    import transformers as tf
+
+    torch.manual_seed(0)
+    if arch == "bart":  # encoder-decoder: encoder/decoder embed_tokens share model.shared, tied lm_head
+        config = tf.BartConfig(vocab_size=96, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2,
+                               decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64,
+                               max_position_embeddings=32, dropout=0.0, attention_dropout=0.0)
+        return tf.BartForConditionalGeneration(config)
+    if arch == "bert":  # encoder-only MLM: decoder weight tied to the word embeddings, decoder bias to the head's
+        config = tf.BertConfig(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                               intermediate_size=64, max_position_embeddings=32, hidden_dropout_prob=0.0,
+                               attention_probs_dropout_prob=0.0)
+        return tf.BertForMaskedLM(config)
+    if arch == "vit":  # `_no_split_modules` lists ViTEmbeddings beside ViTLayer
+        config = tf.ViTConfig(image_size=16, patch_size=8, num_channels=3, hidden_size=32, num_hidden_layers=2,
+                              num_attention_heads=2, intermediate_size=64, num_labels=5, hidden_dropout_prob=0.0,
+                              attention_probs_dropout_prob=0.0)
+        return tf.ViTForImageClassification(config)
+    if arch == "mixtral":  # MoE: experts fused in memory (transformers 5)
+        config = tf.MixtralConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                  num_attention_heads=2, num_key_value_heads=1, num_local_experts=4,
+                                  num_experts_per_tok=2, max_position_embeddings=32, tie_word_embeddings=False)
+        return tf.MixtralForCausalLM(config)
+    raise ValueError(arch)
+
+
+def _batches(arch: str) -> list[dict]:
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(STEPS):
+        if arch == "vit":
+            out.append({"pixel_values": torch.randn(BATCH, 3, 16, 16, generator=g),
+                        "labels": torch.randint(0, 5, (BATCH,), generator=g)})
+        else:
+            ids = torch.randint(4, 96, (BATCH, 12), generator=g)
+            out.append({"input_ids": ids, "labels": ids})
+    return out
+
+
+def _train(model, data, rank=0, world=1) -> list[float]:
+    # SGD: Adam would turn float noise in gradients that are mathematically zero (an attention key
+    # bias) into full-size steps of either sign, and the comparison with the reference would be noise.
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for batch in data:
+        local = {k: local_rows(v, rank, world) for k, v in batch.items()}
+        loss = model(**local).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(global_mean(loss) if world > 1 else loss.item())
+    return losses
+
+
+ARCHS = ("bart", "bert", "vit", "mixtral")
+
+
+def _worker(rank, world, root):
+    from hf_fsdp2 import save_pretrained, shard_model
+
+    out = {}
+    for arch in ARCHS:
+        model = _build(arch)
+        shard_model(model)
+        losses = _train(model, _batches(arch), rank, world)
+        params = full_params(model)
+        save_pretrained(model, os.path.join(root, arch))
+        out[arch] = {"losses": losses, "params": params if rank == 0 else None}
+    return out
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory):
+    root = tmp_path_factory.mktemp("archs")
+    return root, run_ranks(_worker, 2, str(root), timeout=400)[0]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_architecture_matches_reference_and_round_trips_through_stock_from_pretrained(sharded, arch):
+    root, out = sharded
+    reference = _build(arch)
+    ref_losses = _train(reference, _batches(arch))
+    assert out[arch]["losses"] == pytest.approx(ref_losses, abs=1e-4)
+    ref_params = {k: v.detach() for k, v in reference.named_parameters()}
+    for name, value in out[arch]["params"].items():
+        torch.testing.assert_close(value, ref_params[name].float(), atol=1e-4, rtol=1e-4, msg=name)
+    loaded = type(reference).from_pretrained(root / arch)
+    for name, value in loaded.state_dict().items():
+        if name in ref_params:
+            torch.testing.assert_close(value, ref_params[name], atol=1e-4, rtol=1e-4, msg=name)
