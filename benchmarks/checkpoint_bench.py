@@ -482,7 +482,7 @@ class PhaseTimer:
     }
 
     def __enter__(self):
-        from hf_fsdp2 import atomic_dir, pretrained, safetensors_io
+        from hf_fsdp2.checkpoint import atomic_dir, pretrained, safetensors_io
 
         owners = {"pretrained": pretrained, "atomic_dir": atomic_dir, "safetensors_io": safetensors_io,
                   "FileWriter": safetensors_io.FileWriter}

@@ -45,8 +45,9 @@ def launch(ending: str, end_training: bool, guard: bool) -> tuple[str, str]:
     log = proc.stdout + proc.stderr
     if proc.returncode == 0:
         return "clean", ""
+    log = f"$ {' '.join(cmd)}\n{log}"
     aborted = "terminate called without an active exception" in log or "exitcode  : -6" in log or "SIGABRT" in log
-    return ("aborted" if aborted else "other"), log[-2000:]
+    return ("aborted" if aborted else "other"), log
 
 
 def main() -> None:
@@ -56,6 +57,7 @@ def main() -> None:
     parser.add_argument("--no-guard", action="store_true", help="take the exit guard off (before the fix)")
     parser.add_argument("--jobs", type=int, default=1, help="launches at a time")
     parser.add_argument("--json", type=Path, help="write the counts here")
+    parser.add_argument("--failure-log", type=Path, help="append the full log of every failed launch here")
     args = parser.parse_args()
     plan = [(ending, run % 2 == 1) for ending in args.endings for run in range(args.runs)]
     counts = {f"{e}{'+end_training' if t else ''}": {"clean": 0, "aborted": 0, "other": 0}
@@ -68,7 +70,10 @@ def main() -> None:
             outcome, log = future.result()
             counts[f"{ending}{'+end_training' if end_training else ''}"][outcome] += 1
             if outcome == "other":
-                print(f"unexpected failure ({ending}):\n{log}", file=sys.stderr)
+                print(f"unexpected failure ({ending}):\n{log[-2000:]}", file=sys.stderr)
+            if log and args.failure_log:
+                with args.failure_log.open("a") as f:
+                    f.write(f"===== {outcome} ({ending}) =====\n{log}\n")
             print(f"\r{done}/{len(plan)} launches, {time.time() - start:.0f} s", end="", file=sys.stderr)
     print(file=sys.stderr)
     guard = "without the exit guard" if args.no_guard else "with the exit guard"

@@ -1,4 +1,4 @@
-"""Safetensors header parsing: `hf_fsdp2.safetensors_io.read_layout` vs `safetensors.safe_open`.
+"""Safetensors header parsing: `hf_fsdp2.checkpoint.safetensors_io.read_layout` vs `safetensors.safe_open`.
 
 Writes one file with N tiny tensors (default 400,000: a ~38 MB header), then times both readers
 alternately (best of --repeats) and prints the ratio; the target is <= 2.0.
@@ -18,7 +18,7 @@ import torch
 from safetensors import safe_open
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from hf_fsdp2.safetensors_io import FileWriter, TensorSpec, plan_file, read_layout  # noqa: E402
+from hf_fsdp2.checkpoint.safetensors_io import FileWriter, TensorSpec, plan_file, read_layout  # noqa: E402
 
 
 def main() -> None:

@@ -225,7 +225,7 @@ def main(argv: list[str] | None = None) -> None:
     from tqdm.auto import tqdm
 
     import hf_fsdp2
-    from hf_fsdp2.state import latest_state, list_states
+    from hf_fsdp2.checkpoint.state import latest_state, list_states
 
     output_dir = Path(args.output_dir).absolute()
     checkpoints = output_dir / "checkpoints"

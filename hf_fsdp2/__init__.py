@@ -1,12 +1,13 @@
 """hf_fsdp2: PyTorch FSDP2 for Hugging Face models."""
 
-from . import exit_guard
+from .runtime import exit_guard
 from .config import FSDP2Config
-from .distributed import build_mesh, init_distributed
+from .runtime.distributed import build_mesh, init_distributed
 from .integrations import accelerate as _accelerate_backend
 from .integrations import trainer as _trainer_backend
-from .pretrained import from_pretrained, load_pretrained, save_pretrained
-from .safetensors_io import CheckpointError
+from .checkpoint.pretrained import from_pretrained, load_pretrained, save_pretrained
+from .checkpoint.safetensors_io import CheckpointError
+from .checkpoint.state import latest_state, load_state, save_state
 from .sharding import no_sync, shard_model
 
 __version__ = "0.1.0"
@@ -37,10 +38,13 @@ __all__ = [
     "build_mesh",
     "from_pretrained",
     "init_distributed",
+    "latest_state",
     "load_pretrained",
+    "load_state",
     "no_sync",
     "register",
     "save_pretrained",
+    "save_state",
     "shard_model",
     "unregister",
 ]

@@ -54,7 +54,7 @@ def _add_convert(commands: argparse._SubParsersAction) -> None:
 
 
 def _run_convert(args: argparse.Namespace) -> int:
-    from .convert import convert_dcp_to_safetensors
+    from .checkpoint.convert import convert_dcp_to_safetensors
 
     result = convert_dcp_to_safetensors(args.src, args.dst, max_shard_size=args.max_shard_size, dtype=args.dtype,
                                         config_dir=args.config_dir, overwrite=args.overwrite)
@@ -85,7 +85,7 @@ def _add_check_config(commands: argparse._SubParsersAction) -> None:
 
 
 def _run_check_config(args: argparse.Namespace) -> int:
-    from .check_config import ConfigFileError, check_accelerate_config, render
+    from .tools.check_config import ConfigFileError, check_accelerate_config, render
 
     status = 0
     for path in args.files:
@@ -131,7 +131,7 @@ def _add_estimate_memory(commands: argparse._SubParsersAction) -> None:
                     "states, the all-gather and reduce-scatter transients and activations. Sharded parameters, "
                     "gradients and AdamW moments are in the storage dtype (--dtype, fp32 master weights by "
                     "default); --param-dtype is the dtype groups are all-gathered and computed in. The accounting "
-                    "is described in hf_fsdp2/memory.py.",
+                    "is described in hf_fsdp2/tools/memory.py.",
     )
     p.add_argument("--model", required=True, metavar="CONFIG_OR_DIR",
                    help="a model directory with config.json, or a config.json file")
@@ -161,7 +161,7 @@ def _add_estimate_memory(commands: argparse._SubParsersAction) -> None:
 
 def _run_estimate_memory(args: argparse.Namespace) -> int:
     from .config import FSDP2Config, parse_dtype
-    from .memory import estimate_memory
+    from .tools.memory import estimate_memory
 
     replicate, shard = args.hsdp or (1, None)
     if args.hsdp and replicate * shard != args.world_size:

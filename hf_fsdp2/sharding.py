@@ -24,7 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from .config import FSDP2Config
-from .distributed import build_mesh, default_device
+from .runtime.distributed import build_mesh, default_device
 
 # Prefix torch's CheckpointWrapper inserts into parameter names (checkpoint_wrapper.py: _CHECKPOINT_PREFIX).
 _CHECKPOINT_PREFIX = "_checkpoint_wrapped_module."

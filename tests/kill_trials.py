@@ -33,7 +33,7 @@ def _step(model, opt, rank, world, seed):
 
 def _trial_worker(rank, world, root, seed):
     from hf_fsdp2 import save_pretrained, shard_model
-    from hf_fsdp2.state import save_state
+    from hf_fsdp2.checkpoint.state import save_state
 
     root = Path(root)
     model = build_model()
@@ -58,7 +58,7 @@ def _trial_worker(rank, world, root, seed):
 
 
 def _tensors(directory: Path) -> dict[str, torch.Tensor]:
-    from hf_fsdp2.safetensors_io import CheckpointFiles
+    from hf_fsdp2.checkpoint.safetensors_io import CheckpointFiles
 
     with CheckpointFiles(directory) as files:
         return {name: files.read(name) for name in files.names()}
@@ -71,7 +71,7 @@ def _same(a: dict, b: dict) -> bool:
 def run_trial(root: Path, seed: int) -> dict:
     """One trial; returns what it found. Raises AssertionError if anything was lost or mixed."""
     from hf_fsdp2 import save_pretrained
-    from hf_fsdp2.state import latest_state, load_state, save_state
+    from hf_fsdp2.checkpoint.state import latest_state, load_state, save_state
 
     out, errors = run_ranks_collecting_errors(_trial_worker, 2, str(root), seed, timeout=180, pg_timeout=20)
     killed = any("exited with code -9" in e for e in errors.values())

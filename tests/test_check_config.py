@@ -13,7 +13,7 @@ import torch.nn as nn
 import yaml
 
 from hf_fsdp2 import FSDP2Config
-from hf_fsdp2.check_config import (
+from hf_fsdp2.tools.check_config import (
     FSDP_KEYS,
     PARALLELISM_KEYS,
     TOP_LEVEL_KEYS,
@@ -322,7 +322,7 @@ def test_unquoted_no_in_the_file(tmp_path):
 
 
 def test_fsdp2_config_rejections_become_errors(monkeypatch):
-    from hf_fsdp2 import check_config
+    from hf_fsdp2.tools import check_config
 
     def reject(values, source):
         raise ValueError("`reshard_after_forward`=3 must divide the shard size 2.")
@@ -507,6 +507,6 @@ def test_checker_imports_no_accelerate():
     import subprocess
     import sys
 
-    code = ("import sys, hf_fsdp2.check_config as c; c.check_accelerate_config(sys.argv[1]); "
+    code = ("import sys, hf_fsdp2.tools.check_config as c; c.check_accelerate_config(sys.argv[1]); "
             "assert 'accelerate' not in sys.modules, 'accelerate imported'")
     subprocess.run([sys.executable, "-c", code, str(HSDP_YAML)], check=True, cwd=ROOT)

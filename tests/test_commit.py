@@ -1,5 +1,5 @@
 """Nothing on disk is lost: what a save replaces, the atomic swap, concurrent readers and writers,
-symlinks, mount points, modes, and failures of any type (hf_fsdp2/atomic_dir.py)."""
+symlinks, mount points, modes, and failures of any type (hf_fsdp2/checkpoint/atomic_dir.py)."""
 
 from __future__ import annotations
 
@@ -15,11 +15,11 @@ import threading
 import pytest
 import torch
 
-from hf_fsdp2 import atomic_dir
-from hf_fsdp2.atomic_dir import TargetBusyError, committed_directory, lock_path, staging_path
-from hf_fsdp2.pretrained import save_pretrained
-from hf_fsdp2.safetensors_io import CheckpointError, CheckpointFiles
-from hf_fsdp2.state import latest_state, load_state, save_state
+from hf_fsdp2.checkpoint import atomic_dir
+from hf_fsdp2.checkpoint.atomic_dir import TargetBusyError, committed_directory, lock_path, staging_path
+from hf_fsdp2.checkpoint.pretrained import save_pretrained
+from hf_fsdp2.checkpoint.safetensors_io import CheckpointError, CheckpointFiles
+from hf_fsdp2.checkpoint.state import latest_state, load_state, save_state
 
 from .common import build_model, optimizer
 from .dist_harness import run_ranks_collecting_errors
@@ -181,7 +181,7 @@ def test_mount_point_target_is_saved_in_place(tmp_path):
 
 def _foreign_exception_worker(rank, world, root):
     from hf_fsdp2 import shard_model
-    from hf_fsdp2.safetensors_io import FileWriter
+    from hf_fsdp2.checkpoint.safetensors_io import FileWriter
 
     model = build_model()
     shard_model(model)

@@ -16,10 +16,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
 
-from hf_fsdp2 import convert as convert_mod
+from hf_fsdp2.checkpoint import convert as convert_mod
 from hf_fsdp2.cli import main
-from hf_fsdp2.convert import convert_dcp_to_safetensors, read_dcp_metadata
-from hf_fsdp2.safetensors_io import CheckpointError
+from hf_fsdp2.checkpoint.convert import convert_dcp_to_safetensors, read_dcp_metadata
+from hf_fsdp2.checkpoint.safetensors_io import CheckpointError
 
 from .common import build_model
 from .dist_harness import run_ranks
@@ -243,7 +243,7 @@ def test_metadata_pickle_is_restricted(tmp_path):
 
 _MEASURE = textwrap.dedent("""
     import json, sys
-    from hf_fsdp2.convert import convert_dcp_to_safetensors
+    from hf_fsdp2.checkpoint.convert import convert_dcp_to_safetensors
 
     def rss(field):
         for line in open("/proc/self/status"):

@@ -1,4 +1,4 @@
-"""Every process exits cleanly after gloo collectives (hf_fsdp2/exit_guard.py).
+"""Every process exits cleanly after gloo collectives (hf_fsdp2/runtime/exit_guard.py).
 
 Many short process-group lifetimes, each a forked child that ends right after a collective whose
 tensor gloo's worker thread still holds: without the guard most of them abort at interpreter exit
@@ -24,7 +24,7 @@ import hf_fsdp2
 
 guard, trials, store = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 if guard == "off":
-    hf_fsdp2.exit_guard.uninstall()
+    hf_fsdp2.runtime.exit_guard.uninstall()
 codes, caught = [], 0
 for trial in range(trials):
     pid = os.fork()

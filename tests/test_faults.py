@@ -13,11 +13,11 @@ import time
 import pytest
 
 from hf_fsdp2 import shard_model
-from hf_fsdp2.safetensors_io import CheckpointError
-from hf_fsdp2.state import latest_state, list_states, load_state, save_state
+from hf_fsdp2.checkpoint.safetensors_io import CheckpointError
+from hf_fsdp2.checkpoint.state import latest_state, list_states, load_state, save_state
 
 from .common import batches, build_model, local_rows, optimizer
-from .dist_harness import run_ranks, run_ranks_collecting_errors
+from .dist_harness import run_ranks_collecting_errors
 
 
 def _trained(rank, world):
@@ -32,8 +32,8 @@ def _trained(rank, world):
 
 def _kill_worker(rank, world, root, point, target):
     """Save a good state, then SIGKILL one rank at `point` of a second save into `target`."""
-    import hf_fsdp2.state as state_module
-    from hf_fsdp2.safetensors_io import FileWriter
+    import hf_fsdp2.checkpoint.state as state_module
+    from hf_fsdp2.checkpoint.safetensors_io import FileWriter
 
     model, opt = _trained(rank, world)
     save_state(os.path.join(root, "step-1"), model, opt, step=1)

@@ -24,7 +24,7 @@ UNEVEN = dict(vocab_size=131, hidden_size=12, intermediate_size=20, num_attentio
 def _save_worker(rank, world, out_dir, model_kwargs, save_kwargs, config_kwargs):
     model = build_model(**model_kwargs)
     shard_model(model, FSDP2Config(**config_kwargs))
-    from hf_fsdp2.safetensors_io import FileWriter
+    from hf_fsdp2.checkpoint.safetensors_io import FileWriter
 
     written = {"bytes": 0}
     original = FileWriter.write_rows

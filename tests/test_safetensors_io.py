@@ -1,4 +1,4 @@
-"""hf_fsdp2.safetensors_io against the real `safetensors` library, in one process.
+"""hf_fsdp2.checkpoint.safetensors_io against the real `safetensors` library, in one process.
 
 Several `FileWriter`s on one file stand in for ranks (each writes its own dim-0 row blocks, exactly as a
 rank of an FSDP2 group would); files are checked with `safetensors.torch.load_file` / `safe_open`, and
@@ -23,8 +23,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-import hf_fsdp2.safetensors_io as sio
-from hf_fsdp2.safetensors_io import (
+import hf_fsdp2.checkpoint.safetensors_io as sio
+from hf_fsdp2.checkpoint.safetensors_io import (
     CheckpointError, CheckpointFiles, FileWriter, TensorSpec, parse_size, plan_checkpoint, plan_file, read_index,
     read_layout, read_rows, write_json,
 )

@@ -9,10 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-import hf_fsdp2
 from hf_fsdp2 import FSDP2Config, save_pretrained, shard_model
-from hf_fsdp2.safetensors_io import CheckpointError
-from hf_fsdp2.state import latest_state, list_states, load_state, read_manifest, save_state
+from hf_fsdp2.checkpoint.safetensors_io import CheckpointError
+from hf_fsdp2.checkpoint.state import latest_state, list_states, load_state, read_manifest, save_state
 
 from .common import batches, build_model, global_mean, local_rows, lora, optimizer
 from .dist_harness import run_ranks

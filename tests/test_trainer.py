@@ -96,7 +96,7 @@ def test_trainer_script_under_accelerate_launch_is_sharded_on_cpu(tmp_path):
 
 
 def _weights(directory: Path) -> dict:
-    from hf_fsdp2.safetensors_io import CheckpointFiles
+    from hf_fsdp2.checkpoint.safetensors_io import CheckpointFiles
 
     with CheckpointFiles(directory) as files:
         return {name: files.read(name) for name in files.names()}

@@ -25,11 +25,11 @@ import torch
 import torch.nn as nn
 
 from ..config import FSDP2Config
-from ..distributed import build_mesh
-from ..pretrained import save_pretrained
+from ..runtime.distributed import build_mesh
+from ..checkpoint.pretrained import save_pretrained
 from ..sharding import shard_model, unwrap_peft
-from ..safetensors_io import CheckpointError
-from ..state import MANIFEST, latest_state, load_state, read_manifest, save_state
+from ..checkpoint.safetensors_io import CheckpointError
+from ..checkpoint.state import MANIFEST, latest_state, load_state, read_manifest, save_state
 
 # Tested with 1.15; the internals patched here are unchanged since 1.10.
 SUPPORTED_ACCELERATE = ((1, 10), (1, 16))  # [min, max) as (major, minor)
@@ -271,8 +271,8 @@ def _shard_from_rank0(model: nn.Module, config: FSDP2Config, mesh) -> nn.Module:
     """
     import torch.distributed as dist
 
-    from ..distributed import default_device
-    from ..tensor_export import local_data, model_tensors, row_range
+    from ..runtime.distributed import default_device
+    from ..checkpoint.tensor_export import local_data, model_tensors, row_range
 
     device = default_device()  # NCCL broadcasts device tensors
     is_source = dist.get_rank() == 0

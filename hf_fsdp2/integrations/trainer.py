@@ -15,8 +15,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ..pretrained import load_pretrained, save_pretrained
-from ..state import MANIFEST, load_rng_state, load_state, save_state
+from ..checkpoint.pretrained import load_pretrained, save_pretrained
+from ..checkpoint.state import MANIFEST, load_rng_state, load_state, save_state
 
 _originals: dict[str, Any] = {}
 

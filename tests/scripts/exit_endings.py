@@ -25,7 +25,7 @@ import hf_fsdp2  # noqa: E402
 from tests.common import batches, build_model  # noqa: E402
 
 if args.no_guard:
-    hf_fsdp2.exit_guard.uninstall()
+    hf_fsdp2.runtime.exit_guard.uninstall()
 hf_fsdp2.register()
 from accelerate import Accelerator  # noqa: E402
 

@@ -14,7 +14,7 @@ import torch  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 import hf_fsdp2  # noqa: E402
-from hf_fsdp2.state import latest_state  # noqa: E402
+from hf_fsdp2.checkpoint.state import latest_state  # noqa: E402
 from tests.common import batches, build_model  # noqa: E402
 
 parser = argparse.ArgumentParser()

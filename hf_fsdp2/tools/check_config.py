@@ -26,8 +26,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Literal, Mapping
 
-from .config import FSDP2Config
-from .integrations.accelerate import _layer_names
+from ..config import FSDP2Config
+from ..integrations.accelerate import _layer_names
 
 # ---------------------------------------------------------------------------------------------
 # What Accelerate (>= 1.10, < 1.16) knows. Checked against the installed version by the tests.

@@ -63,8 +63,8 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
-from .config import FSDP2Config, parse_dtype
-from .sharding import ShardPlan, apply_frozen_dtype, plan_groups, unwrap_peft
+from ..config import FSDP2Config, parse_dtype
+from ..sharding import ShardPlan, apply_frozen_dtype, plan_groups, unwrap_peft
 
 ADAM_STATES = ("exp_avg", "exp_avg_sq")
 STEP_BYTES = 4  # AdamW's `step`: a 0-dim fp32 tensor per trainable parameter

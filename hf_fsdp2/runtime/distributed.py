@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from .config import FSDP2Config
+from ..config import FSDP2Config
 
 SHARD_DIM = "dp_shard"
 REPLICATE_DIM = "dp_replicate"

@@ -20,12 +20,12 @@ import torch.nn as nn
 from tqdm.auto import tqdm
 
 from .atomic_dir import committed_directory
-from .config import FSDP2Config, parse_dtype
-from .distributed import build_mesh
+from ..config import FSDP2Config, parse_dtype
+from ..runtime.distributed import build_mesh
 from .safetensors_io import (
     INDEX_SUFFIX, SINGLE_FILE, CheckpointError, CheckpointFiles, FileWriter, plan_checkpoint, write_json,
 )
-from .sharding import shard_model
+from ..sharding import shard_model
 from .tensor_export import (
     ExportTensor, adapter_tensors, is_peft_model, is_writer, local_data, merged_tensors, model_tensors, row_range,
     tied_aliases,

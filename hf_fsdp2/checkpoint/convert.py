@@ -47,10 +47,10 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
 from .atomic_dir import fsync_dir
-from .config import parse_dtype
+from ..config import parse_dtype
 from .safetensors_io import (CheckpointError, FileWriter, TensorSpec, dtype_name, open_regular, plan_checkpoint,
                              write_json)
-from .sharding import canonical_name
+from ..sharding import canonical_name
 
 DCP_METADATA = ".metadata"
 # Accelerate's FSDP_MODEL_NAME; the model of `model_index` i is saved under f"{ACCELERATE_MODEL_DIR}_{i}".

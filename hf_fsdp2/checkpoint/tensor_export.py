@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from .safetensors_io import TensorSpec
-from .sharding import canonical_name
+from ..sharding import canonical_name
 
 
 @dataclass
