@@ -60,6 +60,20 @@ def optimizer(model) -> torch.optim.Optimizer:
     return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, weight_decay=0.01)
 
 
+def trained_one_step(rank: int, world: int):
+    """(model, optimizer) after one sharded training step on this rank's rows: a model with
+    optimizer state, for the checkpoint tests."""
+    from hf_fsdp2 import shard_model
+
+    model = build_model()
+    shard_model(model)
+    opt = optimizer(model)
+    ids = local_rows(batches(1)[0], rank, world)
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    return model, opt
+
+
 def reference_train(model, data: list[torch.Tensor]) -> list[float]:
     opt = optimizer(model)
     losses = []

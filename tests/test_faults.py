@@ -12,22 +12,14 @@ import time
 
 import pytest
 
-from hf_fsdp2 import shard_model
 from hf_fsdp2.checkpoint.safetensors_io import CheckpointError
 from hf_fsdp2.checkpoint.state import latest_state, list_states, load_state, save_state
 
-from .common import batches, build_model, local_rows, optimizer
+from .common import build_model, optimizer, trained_one_step
 from .dist_harness import run_ranks_collecting_errors
 
 
-def _trained(rank, world):
-    model = build_model()
-    shard_model(model)
-    opt = optimizer(model)
-    ids = local_rows(batches(1)[0], rank, world)
-    model(input_ids=ids, labels=ids).loss.backward()
-    opt.step()
-    return model, opt
+_trained = trained_one_step
 
 
 def _kill_worker(rank, world, root, point, target):
@@ -233,7 +225,7 @@ def test_unsupported_accelerate_version_is_refused_with_the_working_range(monkey
     assert not backend.is_registered()
 
 
-@pytest.mark.parametrize("seed", [3, 11, 20])
+@pytest.mark.parametrize("seed", [3, 20])
 def test_random_sigkill_during_saves_never_loses_the_last_complete_checkpoint(tmp_path, seed):
     """A few of `benchmarks/kill_stress.py`'s randomized trials (see tests/kill_trials.py)."""
     from .kill_trials import run_trial

@@ -13,7 +13,7 @@ from hf_fsdp2 import FSDP2Config, save_pretrained, shard_model
 from hf_fsdp2.checkpoint.safetensors_io import CheckpointError
 from hf_fsdp2.checkpoint.state import latest_state, list_states, load_state, read_manifest, save_state
 
-from .common import batches, build_model, global_mean, local_rows, lora, optimizer
+from .common import batches, build_model, global_mean, local_rows, lora, optimizer, trained_one_step
 from .dist_harness import run_ranks
 
 TOTAL, SPLIT = 5, 3
@@ -150,12 +150,8 @@ def test_state_without_fsync_loads_and_syncs_nothing(tmp_path, monkeypatch):
 
 def _eval_then_save_worker(rank, world, root):
     """Issue: save_state after an evaluation forward (no backward) found unsharded parameters."""
-    model = build_model()
-    shard_model(model)
-    opt = optimizer(model)
+    model, opt = trained_one_step(rank, world)
     ids = local_rows(batches(1)[0], rank, world)
-    model(input_ids=ids, labels=ids).loss.backward()
-    opt.step()
     opt.zero_grad()
     model.eval()
     with torch.no_grad():

@@ -18,12 +18,10 @@ SCRIPT = ROOT / "tests" / "scripts" / "trainer_train.py"
 GLOBAL_BATCH = 8
 
 
-def train(tmp: Path, name: str, processes: int, max_steps: int, *extra: str) -> dict:
-    report = tmp / f"{name}.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes),
-           "--master_port", str(free_port()), str(SCRIPT), "--report", str(report),
-           "--output_dir", str(tmp / "out"), "--fsdp", "full_shard",
-           "--fsdp_config", str(ROOT / "accelerate_configs" / "fsdp2.json"),
+def run_script(launcher: list[str], report: Path, output_dir: Path, processes: int, max_steps: int,
+               *extra: str) -> dict:
+    """Run the Trainer script under `launcher` with the shared training arguments; its report."""
+    cmd = [*launcher, str(SCRIPT), "--report", str(report), "--output_dir", str(output_dir),
            "--max_steps", str(max_steps), "--per_device_train_batch_size", str(GLOBAL_BATCH // processes),
            "--learning_rate", "1e-2", "--lr_scheduler_type", "constant", "--logging_steps", "1",
            "--report_to", "none", "--disable_tqdm", "true", *extra]
@@ -33,6 +31,14 @@ def train(tmp: Path, name: str, processes: int, max_steps: int, *extra: str) -> 
     out = json.loads(report.read_text())
     out["losses"] = [out["losses"][str(i)] for i in range(1, max_steps + 1)]
     return out
+
+
+def train(tmp: Path, name: str, processes: int, max_steps: int, *extra: str) -> dict:
+    """torchrun with the Trainer's own flag: `--fsdp full_shard --fsdp_config accelerate_configs/fsdp2.json`."""
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes),
+                "--master_port", str(free_port())]
+    return run_script(launcher, tmp / f"{name}.json", tmp / "out", processes, max_steps, "--fsdp", "full_shard",
+                      "--fsdp_config", str(ROOT / "accelerate_configs" / "fsdp2.json"), *extra)
 
 
 @pytest.mark.parametrize("use_lora, before, after", [(False, 2, 1), (True, 1, 2)])
@@ -67,20 +73,10 @@ def test_checkpoint_and_resume_on_another_process_count(tmp_path, use_lora, befo
 def launch_trainer(tmp: Path, name: str, max_steps: int, *extra: str, launch_args: tuple = ()) -> dict:
     """The same Trainer script under `accelerate launch --config_file accelerate_configs/fsdp2.yaml`
     and no `--fsdp` flag: how libraries built on the Trainer document FSDP."""
-    report = tmp / f"{name}.json"
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-           str(ROOT / "accelerate_configs" / "fsdp2.yaml"), "--num_processes", "2",
-           "--main_process_port", str(free_port()), *launch_args, str(SCRIPT), "--report", str(report),
-           "--output_dir", str(tmp / name), "--max_steps", str(max_steps),
-           "--per_device_train_batch_size", str(GLOBAL_BATCH // 2), "--learning_rate", "1e-2",
-           "--lr_scheduler_type", "constant", "--logging_steps", "1", "--report_to", "none",
-           "--disable_tqdm", "true", "--save_strategy", "no", *extra]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
-    out = json.loads(report.read_text())
-    out["losses"] = [out["losses"][str(i)] for i in range(1, max_steps + 1)]
-    return out
+    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                str(ROOT / "accelerate_configs" / "fsdp2.yaml"), "--num_processes", "2",
+                "--main_process_port", str(free_port()), *launch_args]
+    return run_script(launcher, tmp / f"{name}.json", tmp / name, 2, max_steps, "--save_strategy", "no", *extra)
 
 
 def test_trainer_script_under_accelerate_launch_is_sharded_on_cpu(tmp_path):
