@@ -167,3 +167,13 @@ def _eval_then_save_worker(rank, world, root):
 
 def test_save_and_load_after_an_evaluation_forward(tmp_path):
     assert run_ranks(_eval_then_save_worker, 2, str(tmp_path)) == [1, 1]
+
+
+def test_state_format_id_is_stable(tmp_path):
+    """The manifest's format id is an on-disk contract: states written by earlier releases carry
+    "hf_fsdp2.state/1" and must stay loadable, whatever the module is called."""
+    model = build_model()
+    save_state(tmp_path / "s", model, optimizer(model), step=1)
+    manifest = json.loads((tmp_path / "s" / "hf_fsdp2_state.json").read_text())
+    assert manifest["format"] == "hf_fsdp2.state/1"
+    assert json.loads((tmp_path / "s" / "COMPLETE.json").read_text())["format"] == "hf_fsdp2.state/1"

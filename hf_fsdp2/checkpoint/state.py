@@ -35,7 +35,7 @@ from .safetensors_io import CheckpointError, CheckpointFiles, TensorSpec, read_j
 from .tensor_export import ExportTensor, model_tensors
 
 logger = logging.getLogger(__name__)
-FORMAT = "hf_fsdp2.checkpoint.state/1"
+FORMAT = "hf_fsdp2.state/1"  # on-disk format id: never renamed with the module
 MARKER = "COMPLETE.json"
 MANIFEST = "hf_fsdp2_state.json"  # not trainer_state.json: the Trainer writes its own beside it
 OPTIMIZER_FILE = "optimizer.safetensors"
