@@ -203,9 +203,10 @@ def resolve_shared_parameters(model: nn.Module, plan: ShardPlan) -> None:
     one of its parameters (else that module keeps the unsharded tensor). Shared parameters are found
     by identity: an encoder-decoder's embedding reused by encoder and decoder, a masked LM's decoder
     bias tied to its prediction head, any weight tied across modules. A module outside every group
-    that owns such a parameter joins the group; where that cannot be (it is the root, or it holds
-    other groups), the group dissolves into the root group, which may hold shared parameters.
-    Repeated until nothing changes."""
+    that owns such a parameter joins the group (BART's encoder/decoder `embed_tokens` join the shared
+    embedding's group); where that cannot be (it is the root, or it holds a module of any group, as
+    BERT's `cls.predictions` holds the tied `decoder`), the group dissolves into the root group,
+    which may hold shared parameters. Repeated until nothing changes."""
     owners: dict[int, list[nn.Module]] = {}
     for module in model.modules():
         for param in module.parameters(recurse=False):
@@ -213,42 +214,39 @@ def resolve_shared_parameters(model: nn.Module, plan: ShardPlan) -> None:
     while True:
         groups = ([plan.embedding] if plan.embedding else []) + ([plan.head] if plan.head else []) + [
             [layer] for layer in plan.layers]
-        is_layer = [False] * (len(groups) - len(plan.layers)) + [True] * len(plan.layers)
         covered = [{id(m) for top in group for m in top.modules()} for group in groups]
-        change = None
         for index, group in enumerate(groups):
-            params = {id(p) for top in group for p in top.parameters()}
-            outside = []
-            for pid in params:
-                for owner in owners.get(pid, []):
-                    if id(owner) in covered[index]:
-                        continue
-                    if any(id(owner) in other for j, other in enumerate(covered) if j != index):
-                        change = ("dissolve", group)  # shared with another group: both fall to the root
-                        break
-                    if owner is model or any(id(m) in c for m in owner.modules() for c in covered):
-                        change = ("dissolve", group)
-                        break
-                    if all(owner is not o for o in outside):
-                        outside.append(owner)
-                if change:
-                    break
-            if change:
-                break
-            if outside:  # a layer stays one module: it dissolves instead
-                change = ("dissolve", group) if is_layer[index] else ("extend", group, outside)
-                break
-        if change is None:
-            return
-        group = change[1]
-        if change[0] == "extend":
-            group.extend(change[2])
-        elif group is plan.embedding:
-            plan.embedding = None
-        elif group is plan.head:
-            plan.head, plan.tied = [], False
+            outside = _outside_owners(model, group, covered[index], covered, owners)
+            if outside == []:
+                continue
+            is_layer = index >= len(groups) - len(plan.layers)
+            if outside is not None and not is_layer:  # a layer stays one module: it dissolves instead
+                group.extend(outside)
+            elif group is plan.embedding:
+                plan.embedding = None
+            elif group is plan.head:
+                plan.head, plan.tied = [], False
+            else:
+                plan.layers = [layer for layer in plan.layers if layer is not group[0]]
+            break
         else:
-            plan.layers = [layer for layer in plan.layers if layer is not group[0]]
+            return
+
+
+def _outside_owners(model: nn.Module, group: list[nn.Module], mine: set[int], covered: list[set[int]],
+                    owners: dict[int, list[nn.Module]]) -> list[nn.Module] | None:
+    """Modules outside every group that own one of `group`'s parameters; None when one cannot join
+    it: it is the root, or it is (or holds) a module of any group, this one's other members included."""
+    outside: list[nn.Module] = []
+    for pid in {id(p) for top in group for p in top.parameters()}:
+        for owner in owners.get(pid, []):
+            if id(owner) in mine:
+                continue
+            if owner is model or any(id(m) in c for m in owner.modules() for c in covered):
+                return None
+            if all(owner is not o for o in outside):
+                outside.append(owner)
+    return outside
 
 
 def _has_params(module: nn.Module) -> bool:

@@ -205,15 +205,16 @@ def _copy_modes(old: Path, new: Path, replaced) -> None:
     """Give the new directory and files the modes of the copy they replace (a private 0700/0600
     checkpoint stays private); new names take the mode of any replaced file."""
     os.chmod(new, stat.S_IMODE(os.stat(old).st_mode))
-    old_modes = {e.name: stat.S_IMODE(e.stat(follow_symlinks=False).st_mode)
-                 for e in os.scandir(old) if replaced(e.name) and not e.is_symlink()}
-    file_modes = [m for n, m in old_modes.items() if (old / n).is_file()]
+    old_modes, file_mode = {}, None
+    for e in os.scandir(old):
+        if replaced(e.name) and not e.is_symlink():
+            old_modes[e.name] = stat.S_IMODE(e.stat(follow_symlinks=False).st_mode)
+            if file_mode is None and e.is_file(follow_symlinks=False):
+                file_mode = old_modes[e.name]
     for entry in os.scandir(new):
         if entry.is_symlink():
             continue
-        mode = old_modes.get(entry.name)
-        if mode is None and entry.is_file() and file_modes:
-            mode = file_modes[0]
+        mode = old_modes.get(entry.name, file_mode if entry.is_file() else None)
         if mode is not None:
             os.chmod(entry.path, mode)
 
@@ -235,29 +236,24 @@ def _carry_over(old: Path, new: Path, replaced) -> None:
 
 def swap_in(staging: Path, target: Path, replaced, durable: bool) -> None:
     """Make `staging` the new `target` (see the module docstring). Rank 0 only, under the lock."""
+    if target.exists():
+        _copy_modes(target, staging, replaced)
+        _carry_over(target, staging, replaced)
     if durable:
         fsync_dir(staging)
     if not target.exists():
         os.rename(staging, target)
+        previous = None
+    elif rename_exchange(staging, target):
+        previous = staging  # the exchange left the previous copy at the staging name
     else:
-        _copy_modes(target, staging, replaced)
-        _carry_over(target, staging, replaced)
-        if durable:
-            fsync_dir(staging)
-        if rename_exchange(staging, target):
-            if durable:
-                fsync_dir(target.parent)
-            shutil.rmtree(staging, ignore_errors=True)  # the previous copy; leftovers: see `recover`
-            return
-        old = old_path(target)
-        os.rename(target, old)
+        previous = old_path(target)
+        os.rename(target, previous)
         os.rename(staging, target)
-        if durable:
-            fsync_dir(target.parent)
-        shutil.rmtree(old, ignore_errors=True)
-        return
     if durable:
         fsync_dir(target.parent)
+    if previous is not None:
+        shutil.rmtree(previous, ignore_errors=True)  # leftovers of a crash here: see `recover`
 
 
 def swap_in_place(staging: Path, target: Path, replaced, durable: bool) -> None:
@@ -300,6 +296,8 @@ def committed_directory(target: str | os.PathLike, *, weights_names: Iterable[st
     """
     target = _resolve(target)
     weights_names = tuple(weights_names)
+    # A mount point cannot be renamed, so it stages inside itself (every rank sees the same filesystem).
+    staging = target / IN_PLACE_STAGING if is_mount_point(target) else staging_path(target)
     error: BaseException | None = None
     with contextlib.ExitStack() as stack:
         if _rank() == 0:
@@ -309,13 +307,10 @@ def committed_directory(target: str | os.PathLike, *, weights_names: Iterable[st
                 target.parent.mkdir(parents=True, exist_ok=True)
                 stack.enter_context(target_lock(target))
                 recover(target, replaced_by((), weights_names))
-                staging = target / IN_PLACE_STAGING if is_mount_point(target) else staging_path(target)
                 staging.mkdir()
             except BaseException as e:  # noqa: BLE001 - every rank must learn about it
                 error = e
         agree(error, f"preparing {target}")
-        # Every rank sees the same filesystem: a mount-point target stages inside itself.
-        staging = target / IN_PLACE_STAGING if is_mount_point(target) else staging_path(target)
         try:
             yield staging
         except BaseException as e:  # noqa: BLE001 - every rank must learn about it

@@ -266,14 +266,17 @@ class WeightsPlan:
         try:
             self.source_of = match_tensors(self.targets, self.files, aliases=aliases, strict=strict)
         except BaseException:
-            self.files.close()
+            self.close()
             raise
 
     def read(self, progress: bool | None = None) -> None:
         try:
             read_tensors(self.targets, self.files, self.source_of, progress=progress)
         finally:
-            self.files.close()
+            self.close()
+
+    def close(self) -> None:
+        self.files.close()
 
 
 def load_pretrained(model: nn.Module, directory: str | os.PathLike, *, strict: bool = True,

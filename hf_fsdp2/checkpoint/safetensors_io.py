@@ -61,17 +61,22 @@ def open_regular(path: Path, dir_fd: int | None = None) -> int:
     return fd
 
 
-def read_json_file(path: Path, dir_fd: int | None = None, *, limit: int = MAX_JSON_BYTES) -> object:
-    """Parse a JSON file of at most `limit` bytes; any problem (missing, not a regular file, too large,
-    not UTF-8 JSON, nested too deeply) is a `CheckpointError` naming the file."""
+def read_bounded(path: Path, dir_fd: int | None = None, *, limit: int = MAX_JSON_BYTES) -> bytes:
+    """The bytes of a regular file of at most `limit` bytes; else a `CheckpointError` naming it."""
     fd = open_regular(path, dir_fd)
     try:
         size = os.fstat(fd).st_size
         if size > limit:
             raise CheckpointError(f"{path}: {size} bytes, more than the {limit} a JSON file here may have.")
-        raw = os.pread(fd, size + 1, 0)
+        return os.pread(fd, size + 1, 0)
     finally:
         os.close(fd)
+
+
+def read_json_file(path: Path, dir_fd: int | None = None, *, limit: int = MAX_JSON_BYTES) -> object:
+    """Parse a JSON file of at most `limit` bytes; any problem (missing, not a regular file, too large,
+    not UTF-8 JSON, nested too deeply) is a `CheckpointError` naming the file."""
+    raw = read_bounded(path, dir_fd, limit=limit)
     try:
         return json.loads(raw.decode("utf-8"))
     except (UnicodeError, ValueError) as e:  # JSONDecodeError is a ValueError
@@ -310,10 +315,10 @@ def _parse_header_json(raw: bytes, path: Path) -> object:
     """
     try:
         text = raw.decode("utf-8")
-        if b'\\"' not in raw and raw.count(b":") == raw.count(b'":') and not (
-                b"-0" in raw and _BARE_MINUS_ZERO.search(raw)):
+        keys = raw.count(b'":')
+        if b'\\"' not in raw and raw.count(b":") == keys and not (b"-0" in raw and _BARE_MINUS_ZERO.search(raw)):
             header = json.loads(text, parse_constant=_refuse_constant)
-            if _count_keys(header) != raw.count(b'":'):
+            if _count_keys(header) != keys:
                 header = None  # a duplicate key, or maps deeper than a header has: decide exactly
         else:
             header = None
@@ -495,11 +500,10 @@ def _safe_member(directory: Path, filename: object, source: Path) -> Path:
 def read_index(index_path: str | os.PathLike, dir_fd: int | None = None) -> dict[str, Path]:
     """tensor name -> file, from a `*.safetensors.index.json`; names pointing elsewhere are refused."""
     index_path = Path(index_path)
+    raw = read_bounded(index_path, dir_fd)
     try:
-        index = read_json_file(index_path, dir_fd)
-    except CheckpointError as e:
-        if "not valid JSON" not in str(e) and "nested too deeply" not in str(e):
-            raise
+        index = json.loads(raw.decode("utf-8"))
+    except (UnicodeError, ValueError, RecursionError):  # not JSON at all: reported as not an index
         index = None
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict):

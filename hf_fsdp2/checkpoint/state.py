@@ -341,7 +341,7 @@ def load_state(directory: str | os.PathLike, model: nn.Module, optimizer: torch.
         opt_plan = OptimizerPlan(model, optimizer, directory, manifest) if optimizer is not None else None
     except BaseException:
         if weights is not None:
-            weights.files.close()
+            weights.close()
         raise
     if weights is not None:
         weights.read(progress)
