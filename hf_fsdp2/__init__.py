@@ -6,7 +6,7 @@ from .runtime.distributed import build_mesh, init_distributed
 from .integrations import accelerate as _accelerate_backend
 from .integrations import trainer as _trainer_backend
 from .checkpoint.pretrained import from_pretrained, load_pretrained, save_pretrained
-from .checkpoint.safetensors_io import CheckpointError
+from .checkpoint.errors import CheckpointError
 from .checkpoint.state import latest_state, load_state, save_state
 from .sharding import no_sync, shard_model
 

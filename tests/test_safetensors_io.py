@@ -685,6 +685,54 @@ def test_fuzz_corrupt_files(tmp_path):
     assert outcomes["refused"] > 300 and outcomes["accepted"] > 10, outcomes
 
 
+def canonical_variants() -> list[bytes]:
+    """Compact headers that sit on the edge of the fast path's regular expression."""
+    raw = fuzz_base()[0].rstrip()
+    entry = b'"w":{"dtype":"F32","shape":[3,4],"data_offsets":[0,48]}'
+    out = [raw, b"{}", b'{"__metadata__":{}}', b'{"__metadata__":null}', b'{"__metadata__":null,%s}' % entry,
+           b'{"__metadata__":{},}', b'{%s,}' % entry, b'{,%s}' % entry, b'{%s%s}' % (entry, entry),
+           b'{"__metadata__":{"a":"\\u00e9\\n"},%s}' % entry, b'{"__metadata__":{"a":"\\ud800"},%s}' % entry,
+           b'{"__metadata__":{"a":"x","a":"y"},%s}' % entry, b'{"__metadata__":{"a":1},%s}' % entry,
+           b'{%s,"__metadata__":{}}' % entry, b'{%s,%s}' % (entry, entry)]
+    for old, new in [(b"[3,4]", b"[03,4]"), (b"[3,4]", b"[3,-0]"), (b"[3,4]", b"[]"), (b"[0,48]", b"[00,48]"),
+                     (b"[3,4]", b"[18446744073709551616,4]"), (b"[3,4]", b"[18446744073709551615,0]"),
+                     (b"[0,48]", b"[0,18446744073709551664]"), (b'"w"', b'"w\\u0041"'), (b'"w"', b'"w\x01"'),
+                     (b'"w"', b'"\xc3\xa9"'), (b'"w"', b'"__metadata__"'), (b'"F32"', b'"f32"'),
+                     (b'"F32"', b'"F8_E4M3"'), (b'"dtype":"F32","shape":[3,4]', b'"shape":[3,4],"dtype":"F32"'),
+                     (b"48]}", b'48],"x":1}'), (b":[3,4]", b": [3,4]"), (b"[3,4]", b"[3,4,]")]:
+        out.append(b"{%s}" % entry.replace(old, new))
+    return out + [b"{%s}   \n" % entry, b"{%s}\x00" % entry]
+
+
+def test_fast_and_exact_header_paths_agree():
+    """The regular-expression path must give what json.loads with strict hooks gives, or defer to it."""
+    from hf_fsdp2.checkpoint.header import _parse_canonical, parse_header
+
+    headers = canonical_variants()
+    for _, blob, _, _ in variants():
+        if len(blob) >= 8 and 8 + struct.unpack("<Q", blob[:8])[0] <= len(blob):
+            raw = blob[8:8 + struct.unpack("<Q", blob[:8])[0]]
+            headers.append(raw)
+            try:  # the edited headers were written with json.dumps' spaces: also try them compact
+                headers.append(json.dumps(json.loads(raw), separators=(",", ":")).encode())
+            except (ValueError, RecursionError):
+                pass
+    taken = 0
+    for raw in headers:
+        outcomes = []
+        for fast in (True, False):
+            try:
+                outcomes.append(parse_header(raw, Path("h"), fast=fast))
+            except CheckpointError as e:  # the position in a JSON error may differ (a substring was parsed)
+                outcomes.append(str(e).split(" (")[0])
+        assert outcomes[0] == outcomes[1], raw[:200]
+        try:
+            taken += _parse_canonical(raw) is not None
+        except (UnicodeError, ValueError):
+            pass
+    assert taken > 100, taken  # many variants are canonical (compact, in the writers' key order)
+
+
 def test_read_layout_missing_or_unreadable_file(tmp_path):
     with pytest.raises(CheckpointError, match="not found") as e:
         read_layout(tmp_path / "nope.safetensors")

@@ -12,16 +12,22 @@ This module knows nothing about models or torch.distributed.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
+import math
 import os
 import re
 import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Mapping, Sequence
+from typing import Iterable, Mapping, NamedTuple, Sequence
 
 import torch
+
+from .errors import CheckpointError
+from .header import LIMIT, parse_header
 
 _DTYPES: dict[torch.dtype, str] = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -35,10 +41,6 @@ _MAX_HEADER = 100_000_000  # safetensors refuses larger headers
 WRITE_CHUNK_BYTES = 16 * 1024 * 1024
 SINGLE_FILE = "model.safetensors"
 INDEX_SUFFIX = ".index.json"
-
-
-class CheckpointError(ValueError):
-    """A checkpoint file or index is malformed, or does not match the model. Names the file and key."""
 
 
 MAX_JSON_BYTES = 256 * 1024 * 1024  # an index of 400,000 tensors is ~40 MB
@@ -85,8 +87,7 @@ def read_json_file(path: Path, dir_fd: int | None = None, *, limit: int = MAX_JS
         raise CheckpointError(f"{path}: JSON nested too deeply.") from None
 
 
-@dataclass(frozen=True, slots=True)
-class TensorSpec:
+class TensorSpec(NamedTuple):  # a tuple, not a dataclass: read_layout builds 400,000 of them at C speed
     name: str
     dtype: torch.dtype
     shape: tuple[int, ...]
@@ -283,65 +284,6 @@ def write_json(path: str | os.PathLike, obj: object, *, durable: bool = True) ->
 # Reading
 
 
-# Bytes of a header that need the exact (slow) parse: a bare -0 value, or a \\u escape of a surrogate.
-_BARE_MINUS_ZERO = re.compile(rb"[:\[,]\s*-0\s*[,\]}]")
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
-
-
-def _no_duplicate_keys(pairs: list[tuple[str, object]]) -> dict:
-    out = dict(pairs)
-    if len(out) != len(pairs):
-        seen: set[str] = set()
-        for key, _ in pairs:
-            if key in seen:
-                raise ValueError(f"key {key!r} appears twice")
-            seen.add(key)
-    return out
-
-
-def _refuse_constant(text: str) -> object:
-    raise ValueError(f"{text} is not JSON")
-
-
-def _parse_header_json(raw: bytes, path: Path) -> object:
-    """Parse a header as safetensors (serde_json) does: UTF-8 only (json.loads(bytes) would also guess
-    UTF-16/32), no NaN/Infinity, no duplicate keys in a map, no lone surrogates, and "-0" read as the
-    float -0.0 (Python: int 0), which is no size or offset.
-
-    Fast path (C speed for a 400,000-tensor header): a plain parse, then duplicates are ruled out by
-    counting. When no quote is escaped and every ':' follows a quote, each '":' in the bytes ends a
-    key, so the parsed maps hold that many keys unless two were equal. Anything else (and a bare -0,
-    a surrogate escape) takes the exact parse with hooks.
-    """
-    try:
-        text = raw.decode("utf-8")
-        keys = raw.count(b'":')
-        if b'\\"' not in raw and raw.count(b":") == keys and not (b"-0" in raw and _BARE_MINUS_ZERO.search(raw)):
-            header = json.loads(text, parse_constant=_refuse_constant)
-            if _count_keys(header) != keys:
-                header = None  # a duplicate key, or maps deeper than a header has: decide exactly
-        else:
-            header = None
-        if header is None:
-            header = json.loads(text, object_pairs_hook=_no_duplicate_keys, parse_constant=_refuse_constant,
-                                parse_int=lambda t: -0.0 if t == "-0" else int(t))
-        if b"\\u" in raw and _SURROGATE_ESCAPE.search(raw):
-            json.dumps(header, ensure_ascii=False).encode("utf-8")  # raises on a lone surrogate
-    except (UnicodeError, ValueError) as e:  # JSONDecodeError is a ValueError
-        raise CheckpointError(f"{path}: header is not valid JSON ({e}).") from None
-    except RecursionError:
-        raise CheckpointError(f"{path}: header JSON is nested too deeply.") from None
-    return header
-
-
-def _count_keys(header: object) -> int:
-    """Keys of the top-level map and of the maps directly inside it (a header has no deeper maps;
-    if one does, the count falls short and the caller parses exactly)."""
-    if type(header) is not dict:
-        return -1
-    return len(header) + sum(len(v) for v in header.values() if type(v) is dict)
-
-
 def read_layout(path: str | os.PathLike, fd: int | None = None) -> FileLayout:
     """Parse and check a safetensors header: errors name the file and the offending tensor.
 
@@ -372,56 +314,44 @@ def read_layout(path: str | os.PathLike, fd: int | None = None) -> FileLayout:
     if len(raw) != n:  # the file shrank between stat() and read()
         raise CheckpointError(f"{path}: truncated while reading its {n}-byte header.")
 
-    header = _parse_header_json(raw, path)
-    if not isinstance(header, dict):
-        raise CheckpointError(f"{path}: header is not a JSON object.")
-    metadata = header.get("__metadata__")
+    with _gc_paused():  # ~3 objects per tensor: the cyclic GC would rescan them all, repeatedly (+50% time)
+        return _layout_of(path, prefix, raw, size)
+
+
+@contextlib.contextmanager
+def _gc_paused():
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _layout_of(path: Path, prefix: bytes, raw: bytes, size: int) -> FileLayout:
+    n = len(raw)
+    metadata, entries = parse_header(raw, path)
     if metadata is not None and not (isinstance(metadata, dict)
                                      and all(isinstance(v, str) for v in metadata.values())):
         raise CheckpointError(f"{path}: `__metadata__` must map strings to strings, got {metadata!r}.")
     start = 8 + n
     specs: dict[str, TensorSpec] = {}
     begins: dict[str, int] = {}
-    spans = []
-    limit, from_name = 2**64, _FROM_NAME  # locals: this loop runs once per tensor (400,000 in big files)
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        if type(entry) is not dict or "dtype" not in entry or "shape" not in entry or "data_offsets" not in entry:
-            raise CheckpointError(f"{path}: tensor {name!r}: malformed header entry {entry!r}; needs `dtype`, "
-                                  "`shape` and `data_offsets`.")
-        dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
-        torch_dtype = from_name.get(dtype) if type(dtype) is str else None
+    # Each distinct (dtype, shape) is checked once: bytes it needs, or why it is refused.
+    kinds = {kind: _kind(*kind) for kind in {(dtype, shape) for _, dtype, shape, _, _ in entries}}
+    for name, dtype, shape, lo, hi in entries:  # shape entries and offsets are ints in [0, 2**64)
+        torch_dtype, nbytes = kinds[dtype, shape]
         if torch_dtype is None:
-            raise CheckpointError(f"{path}: tensor {name!r}: dtype {dtype!r} is not supported "
-                                  f"(known: {', '.join(from_name)}).")
-        if type(shape) is not list:
-            raise CheckpointError(f"{path}: tensor {name!r}: shape {shape!r} is not a list of non-negative integers.")
-        numel = 1
-        for d in shape:  # safetensors refuses a shape whose running product overflows 64 bits
-            if type(d) is not int or not 0 <= d < limit:
-                raise CheckpointError(f"{path}: tensor {name!r}: shape {shape!r} is not a list of non-negative "
-                                      "integers.")
-            numel *= d
-            if numel >= limit:
-                raise CheckpointError(f"{path}: tensor {name!r}: shape {shape} overflows 64 bits.")
-        if type(offsets) is not list or len(offsets) != 2:
-            raise CheckpointError(f"{path}: tensor {name!r}: data_offsets {offsets!r} is not a pair of "
-                                  "non-negative integers.")
-        lo, hi = offsets
-        if type(lo) is not int or type(hi) is not int or not (0 <= lo < limit and 0 <= hi < limit):
-            raise CheckpointError(f"{path}: tensor {name!r}: data_offsets {offsets!r} is not a pair of "
-                                  "non-negative integers.")
-        nbytes = numel * torch_dtype.itemsize
-        if nbytes * 8 >= limit or hi - lo != nbytes:
+            raise CheckpointError(f"{path}: tensor {name!r}: {nbytes}")
+        if hi - lo != nbytes:
             raise CheckpointError(f"{path}: tensor {name!r}: data_offsets [{lo}, {hi}] hold {hi - lo} bytes, "
-                                  f"but {dtype} {shape} needs {nbytes}.")
+                                  f"but {dtype} {list(shape)} needs {nbytes}.")
         if start + hi > size:
             raise CheckpointError(f"{path}: tensor {name!r}: data ends at byte {start + hi}, past the end of the "
                                   f"file ({size} bytes); the file is truncated.")
-        specs[name], begins[name] = TensorSpec(name, torch_dtype, tuple(shape)), start + lo
-        spans.append((lo, hi, name))
-    spans.sort()
+        specs[name], begins[name] = TensorSpec(name, torch_dtype, shape), start + lo
+    spans = sorted(zip((e[3] for e in entries), (e[4] for e in entries), specs))
     # Overlaps first, then gaps: a tensor moved onto another is reported with both names, not as a gap
     # left somewhere else.
     end, last = 0, None
@@ -441,6 +371,29 @@ def read_layout(path: str | os.PathLike, fd: int | None = None) -> FileLayout:
         raise CheckpointError(f"{path}: data section is {cursor} bytes but the file holds {size - start}; "
                               "the file is truncated or has trailing bytes.")
     return FileLayout(filename=path.name, header=prefix + raw, begins=begins, specs=specs, size=size)
+
+
+def _kind(dtype: object, shape: tuple[int, ...]) -> tuple[torch.dtype | None, int | str]:
+    """(torch dtype, bytes) of a tensor entry, or (None, why safetensors or we refuse it)."""
+    torch_dtype = _FROM_NAME.get(dtype) if type(dtype) is str else None
+    if torch_dtype is None:
+        return None, f"dtype {dtype!r} is not supported (known: {', '.join(_FROM_NAME)})."
+    numel = math.prod(shape)
+    if numel >= LIMIT or numel == 0 and _running_product_overflows(shape):
+        return None, f"shape {list(shape)} overflows 64 bits."
+    if numel * torch_dtype.itemsize * 8 >= LIMIT:
+        return None, f"{dtype} {list(shape)} needs more than 2**61 bytes."
+    return torch_dtype, numel * torch_dtype.itemsize
+
+
+def _running_product_overflows(shape: tuple[int, ...]) -> bool:
+    """safetensors multiplies dims with checked u64 arithmetic, so [2**40, 2**40, 0] is refused."""
+    numel = 1
+    for d in shape:
+        numel *= d
+        if numel >= LIMIT:
+            return True
+    return False
 
 
 def read_rows(path: str | os.PathLike, layout: FileLayout, name: str, first_row: int, stop_row: int,

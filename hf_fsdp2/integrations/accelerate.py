@@ -28,7 +28,7 @@ from ..config import FSDP2Config
 from ..runtime.distributed import build_mesh
 from ..checkpoint.pretrained import save_pretrained
 from ..sharding import shard_model, unwrap_peft
-from ..checkpoint.safetensors_io import CheckpointError
+from ..checkpoint.errors import CheckpointError
 from ..checkpoint.state import MANIFEST, latest_state, load_state, read_manifest, save_state
 
 # Tested with 1.15; the internals patched here are unchanged since 1.10.
