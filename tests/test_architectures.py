@@ -19,10 +19,10 @@ STEPS = 2
 BATCH = 4
 
 
-def _build(arch: str):
+def _build(arch: str, seed: int = 0):
     import transformers as tf
 
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     if arch == "bart":  # encoder-decoder: encoder/decoder embed_tokens share model.shared, tied lm_head
         config = tf.BartConfig(vocab_size=96, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2,
                                decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64,
@@ -78,17 +78,52 @@ ARCHS = ("bart", "bert", "vit", "mixtral")
 
 
 def _worker(rank, world, root):
-    from hf_fsdp2 import save_pretrained, shard_model
+    import torch.distributed as dist
+
+    from hf_fsdp2 import load_pretrained, save_pretrained, shard_model
 
     out = {}
     for arch in ARCHS:
+        stock = os.path.join(root, f"{arch}-stock")
+        if rank == 0:  # other weights, written by stock save_pretrained: our load must read them
+            _build(arch, seed=1).save_pretrained(stock)
+        dist.barrier()
         model = _build(arch)
         shard_model(model)
         losses = _train(model, _batches(arch), rank, world)
         params = full_params(model)
         save_pretrained(model, os.path.join(root, arch))
-        out[arch] = {"losses": losses, "params": params if rank == 0 else None}
+        load_pretrained(model, stock)
+        loaded = full_params(model)
+        out[arch] = {"losses": losses, "params": params if rank == 0 else None, "loaded": loaded if rank == 0 else None}
+    for case in LORA_CASES:
+        model = _lora(case)
+        shard_model(model)
+        save_pretrained(model, os.path.join(root, f"merged-{case}"), merge_adapters=True)
     return out
+
+
+# LoRA on every layer type PEFT adapts that a merged export supports: Linear (Mixtral attention),
+# ParamWrapper on fused 3-D experts (`target_parameters`), Conv1D with fan_in_fan_out (GPT-2), Embedding.
+LORA_CASES = ("mixtral", "gpt2")
+
+
+def _lora(case: str):
+    import transformers as tf
+    from peft import LoraConfig, get_peft_model
+
+    if case == "mixtral":
+        model = _build("mixtral")
+        config = LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "embed_tokens"],
+                            target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+                            init_lora_weights=False)
+    else:
+        torch.manual_seed(0)
+        model = tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=96, n_embd=32, n_layer=2, n_head=2, n_positions=32))
+        config = LoraConfig(r=2, lora_alpha=4, target_modules=["c_attn", "c_fc"], fan_in_fan_out=True,
+                            init_lora_weights=False)
+    torch.manual_seed(5)  # the adapter's random init (non-zero B: the merge must change the weights)
+    return get_peft_model(model, config)
 
 
 @pytest.fixture(scope="module")
@@ -110,3 +145,48 @@ def test_architecture_matches_reference_and_round_trips_through_stock_from_pretr
     for name, value in loaded.state_dict().items():
         if name in ref_params:
             torch.testing.assert_close(value, ref_params[name], atol=1e-4, rtol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_architecture_files_are_stock_files_and_stock_files_load(sharded, arch, tmp_path):
+    """Same keys, shapes, dtypes, index and config as stock `save_pretrained` of the same model (for
+    Mixtral: transformers' conversion reverted, one tensor per expert, gather-free), and our load of
+    a stock checkpoint gives stock's weights."""
+    from safetensors import safe_open
+
+    root, out = sharded
+    reference = _build(arch)
+    _train(reference, _batches(arch))
+    reference.save_pretrained(tmp_path)
+    ours = {}
+    with safe_open(root / arch / "model.safetensors", "pt") as f:
+        for key in f.keys():
+            ours[key] = f.get_tensor(key)
+    with safe_open(tmp_path / "model.safetensors", "pt") as f:
+        assert sorted(ours) == sorted(f.keys())
+        for key in f.keys():
+            theirs = f.get_tensor(key)
+            assert (ours[key].dtype, ours[key].shape) == (theirs.dtype, theirs.shape), key
+            torch.testing.assert_close(ours[key], theirs, atol=1e-4, rtol=1e-4, msg=key)
+        assert f.metadata() == safe_open(root / arch / "model.safetensors", "pt").metadata()
+    other = {k: v.detach() for k, v in _build(arch, seed=1).named_parameters()}
+    for name, value in out[arch]["loaded"].items():
+        torch.testing.assert_close(value, other[name].float(), atol=0, rtol=0, msg=name)
+
+
+@pytest.mark.parametrize("case", LORA_CASES)
+def test_merged_lora_is_what_peft_merges_and_stock_saves(sharded, case, tmp_path):
+    from safetensors import safe_open
+
+    root, _ = sharded
+    reference = _lora(case).merge_and_unload()
+    reference.save_pretrained(tmp_path)
+    with safe_open(tmp_path / "model.safetensors", "pt") as theirs, \
+            safe_open(root / f"merged-{case}" / "model.safetensors", "pt") as ours:
+        assert sorted(ours.keys()) == sorted(theirs.keys())
+        for key in theirs.keys():
+            torch.testing.assert_close(ours.get_tensor(key), theirs.get_tensor(key), atol=1e-6, rtol=1e-6, msg=key)
+    base = _build("mixtral") if case == "mixtral" else None
+    if base is not None:  # the merge changed the experts (the comparison above is not of unmerged weights)
+        fused = dict(reference.named_parameters())["model.layers.0.mlp.experts.gate_up_proj"]
+        assert not torch.allclose(fused, dict(base.named_parameters())["model.layers.0.mlp.experts.gate_up_proj"])

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import os
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
@@ -20,15 +21,16 @@ import torch.nn as nn
 from tqdm.auto import tqdm
 
 from .atomic_dir import committed_directory
+from .key_conversion import DiskView, disk_views
 from ..config import FSDP2Config, parse_dtype
 from ..runtime.distributed import build_mesh
 from .safetensors_io import (
     INDEX_SUFFIX, SINGLE_FILE, CheckpointError, CheckpointFiles, FileWriter, plan_checkpoint, write_json,
 )
 from ..sharding import shard_model
+from .lora_merge import merged_tensors
 from .tensor_export import (
-    ExportTensor, adapter_tensors, is_peft_model, is_writer, local_data, merged_tensors, model_tensors, row_range,
-    tied_aliases,
+    ExportTensor, adapter_tensors, is_peft_model, local_data, model_tensors, row_range, tied_aliases,
 )
 
 ADAPTER_FILE = "adapter_model.safetensors"
@@ -65,15 +67,14 @@ def write_tensors(items: Sequence[ExportTensor], directory: Path, *, weights_nam
     """Write `items` as safetensors file(s) in `directory`: each rank writes its own rows.
 
     Headers are planned identically on every rank, so no rank waits for another; the caller commits.
-    No collectives (a merged-LoRA item may all-gather its A matrix; see `merged_tensors`).
+    No collectives (`merged_tensors` gathers the LoRA factors before).
     """
     layouts, index = plan_checkpoint([item.spec for item in items], max_shard_size, weights_name)
     by_name = {item.name: item for item in items}
     work = []  # (layout, name, first row, stop row) this rank writes
     for layout in layouts:
         for name in layout.specs:
-            item = by_name[name]
-            start, stop = row_range(item.tensor) if is_writer(item.tensor) else (0, 0)
+            start, stop = by_name[name].rows()
             work.append((layout, name, start, stop))
     # The bar shows rank 0's share, which is about 1/N of the checkpoint.
     total = sum(layout.specs[name].row_bytes * (stop - start) for layout, name, start, stop in work)
@@ -83,9 +84,7 @@ def write_tensors(items: Sequence[ExportTensor], directory: Path, *, weights_nam
                 for lay, name, start, stop in work:
                     if lay is not layout or stop <= start:
                         continue
-                    item = by_name[name]
-                    block = item.local_rows() if item.local_rows is not None else local_data(item.tensor)
-                    bar.update(writer.write_rows(name, start, block))
+                    bar.update(writer.write_rows(name, start, by_name[name].block()))
     if index is not None and _rank() == 0:
         if total_parameters is not None:  # stock save_pretrained: {"total_parameters", "total_size"}
             index["metadata"] = {"total_parameters": total_parameters, **index["metadata"]}
@@ -96,14 +95,24 @@ def export_items(model: nn.Module, dtype: torch.dtype | None, merge_adapters: bo
     """(items, is_adapter) for `model` as `save_pretrained` writes it."""
     if is_peft_model(model):
         if merge_adapters:
-            return merged_tensors(model, dtype), False
+            return _as_on_disk(model.get_base_model(), merged_tensors(model, dtype)), False
         tensors = adapter_tensors(model)
         if not tensors:
             raise ValueError("the PeftModel's adapter has no tensors to save; check its `target_modules`.")
         return [_item(n, t, dtype) for n, t in tensors.items()], True
     if merge_adapters:
         raise ValueError("`merge_adapters=True` needs a PeftModel; this model has no adapters.")
-    return [_item(n, t, dtype) for n, t in model_tensors(model).items()], False
+    return _as_on_disk(model, [_item(n, t, dtype) for n, t in model_tensors(model).items()]), False
+
+
+def _as_on_disk(model: nn.Module, items: list[ExportTensor]) -> list[ExportTensor]:
+    """`items` under the names and layout stock `save_pretrained` writes (transformers' conversion
+    mapping reverted, e.g. fused MoE experts split into one tensor per expert), in its order."""
+    views = disk_views(model, {item.name: item.tensor for item in items})
+    if views is None:
+        return items
+    by_name = {item.name: item for item in items}
+    return [dataclasses.replace(by_name[v.source], name=v.name, view=v) for v in views]
 
 
 def _item(name: str, tensor: torch.Tensor, dtype: torch.dtype | None) -> ExportTensor:
@@ -225,16 +234,21 @@ def match_tensors(targets: dict[str, torch.Tensor], files: CheckpointFiles, *, a
 
 
 def read_tensors(targets: dict[str, torch.Tensor], files: CheckpointFiles, source_of: dict[str, str], *,
-                 progress: bool | None = None) -> None:
-    """Fill each target's local rows from `files` (as matched by `match_tensors`). Floats are cast."""
+                 progress: bool | None = None, views: dict[str, tuple[DiskView, torch.Tensor]] | None = None) -> None:
+    """Fill each target's local rows from `files` (as matched by `match_tensors`). Floats are cast.
+    `views`: targets that are a slice of a model tensor (see `key_conversion`): name -> (view, tensor)."""
     total = sum(files.spec(s).nbytes for s in source_of.values())
     with _progress(total, f"loading {files.directory.name}", progress) as bar, torch.no_grad():
         for name, source in source_of.items():
-            target = targets[name]
+            view, target = views[name] if views and name in views else (None, targets[name])
             start, stop = row_range(target)
             local = local_data(target)
+            where = slice(None)
+            if view is not None:
+                start, stop, where = view.rows_from(start, stop)
             if stop > start:
-                files.read_rows(source, start, stop, out=local.view(local.shape) if local.dim() else local)
+                out = local[where] if view is not None else local.view(local.shape) if local.dim() else local
+                files.read_rows(source, start, stop, out=out)
             bar.update(files.spec(source).row_bytes * (stop - start))
 
 
@@ -263,15 +277,28 @@ class WeightsPlan:
             base = model.get_base_model() if is_peft_model(model) else model
             self.targets, self.files = model_tensors(base), CheckpointFiles(directory, SINGLE_FILE)
             aliases = tied_aliases(base)
+        self.views = None
         try:
+            self._use_disk_names(base if aliases is not None else None)
             self.source_of = match_tensors(self.targets, self.files, aliases=aliases, strict=strict)
         except BaseException:
             self.close()
             raise
 
+    def _use_disk_names(self, model: nn.Module | None) -> None:
+        """Expect the names stock `save_pretrained` writes where transformers converts this model (MoE
+        experts one tensor each, renamed modules), unless the files hold the in-memory names (written
+        by hf_fsdp2 before it reverted conversions, or by `torch.save(model.state_dict())` tools)."""
+        views = disk_views(model, self.targets) if model is not None else None
+        if views is None or all(name in self.files.where for name in self.targets):
+            return
+        memory = self.targets
+        self.views = {v.name: (v, memory[v.source]) for v in views}
+        self.targets = {v.name: torch.empty(v.shape, dtype=memory[v.source].dtype, device="meta") for v in views}
+
     def read(self, progress: bool | None = None) -> None:
         try:
-            read_tensors(self.targets, self.files, self.source_of, progress=progress)
+            read_tensors(self.targets, self.files, self.source_of, progress=progress, views=self.views)
         finally:
             self.close()
 

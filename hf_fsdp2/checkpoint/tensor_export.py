@@ -17,6 +17,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from .key_conversion import DiskView
 from .safetensors_io import TensorSpec
 from ..sharding import canonical_name
 
@@ -30,10 +31,26 @@ class ExportTensor:
     dtype: torch.dtype
     # Computes this rank's rows when they are not simply the local shard (merged LoRA weights).
     local_rows: Callable[[], torch.Tensor] | None = None
+    # The file tensor is this slice of `tensor` (transformers' conversion mapping, e.g. one MoE expert).
+    view: DiskView | None = None
 
     @property
     def spec(self) -> TensorSpec:
-        return TensorSpec(self.name, self.dtype, tuple(self.tensor.shape))
+        return TensorSpec(self.name, self.dtype, self.view.shape if self.view else tuple(self.tensor.shape))
+
+    def rows(self) -> tuple[int, int]:
+        """The file tensor's rows [start, stop) this rank writes."""
+        if not is_writer(self.tensor):
+            return 0, 0
+        start, stop = row_range(self.tensor)
+        return (start, stop) if self.view is None else self.view.rows_from(start, stop)[:2]
+
+    def block(self) -> torch.Tensor:
+        """This rank's rows of the file tensor (those `rows()` names)."""
+        data = self.local_rows() if self.local_rows is not None else local_data(self.tensor)
+        if self.view is None:
+            return data
+        return data[self.view.rows_from(*row_range(self.tensor))[2]]
 
 
 def row_range(tensor: torch.Tensor) -> tuple[int, int]:
@@ -120,56 +137,3 @@ def adapter_tensors(model: nn.Module, adapter_name: str = "default") -> dict[str
     from peft import get_peft_model_state_dict
 
     return get_peft_model_state_dict(model, state_dict=model_tensors(model), adapter_name=adapter_name)
-
-
-def _hf_name_of_peft_key(name: str) -> str | None:
-    """A PeftModel parameter name -> the base model's name, or None for adapter-only tensors."""
-    name = name.removeprefix("base_model.model.")
-    if ".lora_" in name or name.startswith("lora_") or ".original_module." in name:
-        return None
-    name = name.replace(".base_layer.", ".")
-    return name.replace(".modules_to_save.default.", ".")
-
-
-def merged_tensors(model: nn.Module, dtype: torch.dtype | None) -> list[ExportTensor]:
-    """The base model's tensors with every LoRA delta merged in: W + scaling * B @ A.
-
-    Each rank computes only its own rows: B is sharded by rows exactly like W (both are chunked on
-    their common out-features dim), so only the small A matrices (r x in) are all-gathered.
-    Collective: all-gathers each LoRA A; call on every rank.
-    """
-    from peft.tuners.lora import LoraLayer
-
-    adapter = getattr(model, "active_adapter", "default")
-    merges: dict[int, tuple[nn.Module, torch.Tensor]] = {}
-    for module in model.modules():
-        if isinstance(module, LoraLayer) and adapter in getattr(module, "lora_A", {}):
-            if getattr(module, "fan_in_fan_out", False) or module.use_dora.get(adapter, False):
-                raise NotImplementedError(f"merging {type(module).__name__} with fan_in_fan_out or DoRA is not "
-                                          "supported; save the adapter instead (merge_adapters=False).")
-            merges[id(module.get_base_layer().weight)] = (module, module.lora_A[adapter].weight)
-    items = []
-    for name, tensor in model_tensors(model).items():
-        hf_name = _hf_name_of_peft_key(name)
-        if hf_name is None:
-            continue
-        out_dtype = dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
-        local_fn = None
-        if id(tensor) in merges:
-            module, lora_a = merges[id(tensor)]
-            full_a = lora_a.full_tensor() if isinstance(lora_a, DTensor) else lora_a
-            local_fn = _merged_rows(tensor, module.lora_B[adapter].weight, full_a, module.scaling[adapter])
-        items.append(ExportTensor(hf_name, tensor, out_dtype, local_fn))
-    return items
-
-
-def _merged_rows(weight: torch.Tensor, lora_b: torch.Tensor, full_a: torch.Tensor, scaling: float):
-    assert row_range(weight) == row_range(lora_b), "LoRA B must be sharded like its base weight"
-
-    def compute() -> torch.Tensor:
-        w = local_data(weight)
-        b = local_data(lora_b)
-        delta = (b.float() @ full_a.to(device=b.device).float()) * scaling
-        return (w.float() + delta).to(w.dtype)
-
-    return compute

@@ -1,0 +1,102 @@
+"""Merged-LoRA export: the base model's tensors with each adapter's delta added, every rank computing
+only the rows (or experts) it holds.
+
+The LoRA factors are small (rank r), so each is all-gathered once; the base weights never are. Each
+delta follows PEFT's own `get_delta_weight` of the layer type (peft/tuners/lora/layer.py), restricted
+to a row range:
+- `Linear`: delta = B @ A * s, transposed for `fan_in_fan_out` (GPT-2's `Conv1D` stores [in, out]);
+- `Embedding`: delta = (B @ A)^T * s (PEFT's lora_embedding_A is [r, num_embeddings]);
+- `ParamWrapper` (`target_parameters`, e.g. fused MoE experts [E, ., .]): per expert
+  einsum("o r e, e r i -> e i o" or "-> e o i") of B viewed [out, r, E] and A viewed [E, r, in];
+  FSDP2's dim-0 shards of such a parameter are whole experts.
+Other types (convolutions, DoRA, multi-head attention) are refused by name: save the adapter instead.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Callable
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from .tensor_export import ExportTensor, local_data, model_tensors, row_range
+
+RowsDelta = Callable[[int, int], torch.Tensor]  # (first row, stop row) -> float32 delta of those rows
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().float()
+
+
+def _delta_of(module: nn.Module, adapter: str) -> tuple[torch.Tensor, RowsDelta]:
+    """(base parameter, its delta by rows) for one LoRA layer. Collective: gathers the factors."""
+    from peft.tuners.lora import Embedding, Linear, ParamWrapper
+
+    kind = type(module).__name__
+    if module.use_dora.get(adapter, False):
+        raise NotImplementedError(f"merging a DoRA layer ({kind}) is not supported; save the adapter instead "
+                                  "(merge_adapters=False).")
+    scaling = module.scaling[adapter]
+    if isinstance(module, ParamWrapper):
+        a, b = _full(module.lora_A[adapter].weight), _full(module.lora_B[adapter].weight)
+        if module.num_experts == 1:
+            return module.get_param(), lambda lo, hi: (b[lo:hi] @ a) * scaling
+        experts = module.num_experts
+        a3, b3 = a.reshape(experts, -1, a.shape[-1]), b.reshape(b.shape[0], -1, experts)
+        equation = "o r e, e r i -> e o i" if module._did_swap_in_out_features else "o r e, e r i -> e i o"
+        return module.get_param(), lambda lo, hi: torch.einsum(equation, b3[:, :, lo:hi], a3[lo:hi]) * scaling
+    if isinstance(module, Linear):
+        a, b = _full(module.lora_A[adapter].weight), _full(module.lora_B[adapter].weight)
+        if module.fan_in_fan_out:  # weight is [in, out]: its rows are A's columns
+            return module.get_base_layer().weight, lambda lo, hi: (b @ a[:, lo:hi]).T * scaling
+        return module.get_base_layer().weight, lambda lo, hi: (b[lo:hi] @ a) * scaling
+    if isinstance(module, Embedding):
+        a, b = _full(module.lora_embedding_A[adapter]), _full(module.lora_embedding_B[adapter])
+        return module.get_base_layer().weight, lambda lo, hi: (b @ a[:, lo:hi]).T * scaling
+    raise NotImplementedError(f"merging LoRA into a {kind} layer is not supported gather-free; save the adapter "
+                              "instead (merge_adapters=False).")
+
+
+def _hf_name_of_peft_key(name: str) -> str | None:
+    """A PeftModel parameter name -> the base model's name, or None for adapter-only tensors."""
+    name = name.removeprefix("base_model.model.")
+    if ".lora_" in name or name.startswith("lora_") or ".original_module." in name:
+        return None
+    name = re.sub(r"(\.base_layer)+\.", ".", name)  # nested: a ParamWrapper wraps another per parameter
+    return name.replace(".modules_to_save.default.", ".")
+
+
+def merged_tensors(model: nn.Module, dtype: torch.dtype | None) -> list[ExportTensor]:
+    """The base model's tensors (base-model names) with the active adapter merged in.
+    Collective: all-gathers each layer's LoRA factors, in module order; call on every rank."""
+    from peft.tuners.lora import LoraLayer
+
+    adapter = getattr(model, "active_adapter", "default")
+    deltas: dict[int, RowsDelta] = {}
+    for module in model.modules():
+        if isinstance(module, LoraLayer) and (adapter in module.lora_A or adapter in module.lora_embedding_A):
+            weight, delta = _delta_of(module, adapter)
+            deltas[id(weight)] = delta
+    cache: dict[str, object] = {}  # one merged block: a fused-experts tensor feeds 2E file tensors in a row
+    items = []
+    for name, tensor in model_tensors(model).items():
+        hf_name = _hf_name_of_peft_key(name)
+        if hf_name is None:
+            continue
+        out_dtype = dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
+        rows = _merged_rows(tensor, deltas[id(tensor)], cache) if id(tensor) in deltas else None
+        items.append(ExportTensor(hf_name, tensor, out_dtype, rows))
+    return items
+
+
+def _merged_rows(weight: torch.Tensor, delta: RowsDelta, cache: dict) -> Callable[[], torch.Tensor]:
+    def compute() -> torch.Tensor:
+        if cache.get("weight") is not weight:
+            start, stop = row_range(weight)
+            w = local_data(weight)
+            cache["weight"], cache["block"] = weight, (w.float() + delta(start, stop).to(w.device)).to(w.dtype)
+        return cache["block"]
+
+    return compute
