@@ -121,18 +121,21 @@ def find_layers(model: nn.Module, class_names: tuple[str, ...]) -> list[nn.Modul
 
 
 def _find_final_norm(model: nn.Module, layers: list[nn.Module]) -> nn.Module | None:
-    """The norm that follows the layer stack: a *Norm child of the module that holds the layers' list.
+    """The norm that follows the last layer stack (the one feeding the output head): a *Norm child of
+    the module holding that stack's list, not one applied to embeddings (`layernorm_embedding`).
 
-    Found structurally, so it also works under a PeftModel (where Accelerate's lookup misses it).
+    With several stacks (encoder-decoder, a vision tower before a language model) the last one in
+    module order is the decoder / language model. Found structurally, so it also works under a
+    PeftModel (where Accelerate's lookup misses it). Other stacks' norms stay in the root group.
     """
-    if not layers:
-        return None
+    layer_ids = {id(layer) for layer in layers}
+    final = None
     for owner in model.modules():
-        for child in owner.children():
-            if isinstance(child, nn.ModuleList) and any(layer is c for c in child for layer in layers):
-                norms = [c for c in owner.children() if "norm" in type(c).__name__.lower()]
-                return norms[-1] if norms else None
-    return None
+        if any(isinstance(c, nn.ModuleList) and any(id(m) in layer_ids for m in c) for c in owner.children()):
+            norms = [c for name, c in owner.named_children()
+                     if "norm" in type(c).__name__.lower() and "emb" not in name.lower()]
+            final = norms[-1] if norms else None
+    return final
 
 
 def ignored_parameters(model: nn.Module, pattern: str | None) -> set:

@@ -43,6 +43,13 @@ def _build(arch: str, seed: int = 0):
                                   num_attention_heads=2, num_key_value_heads=1, num_local_experts=4,
                                   num_experts_per_tok=2, max_position_embeddings=32, tie_word_embeddings=False)
         return tf.MixtralForCausalLM(config)
+    if arch == "llava":  # multimodal: CLIP vision tower + Llama language model, renamed on disk
+        vision = tf.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                     image_size=16, patch_size=8, projection_dim=32)
+        text = tf.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                              num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
+        return tf.LlavaForConditionalGeneration(tf.LlavaConfig(vision_config=vision, text_config=text,
+                                                               image_token_index=95, image_seq_length=4))
     raise ValueError(arch)
 
 
@@ -53,6 +60,10 @@ def _batches(arch: str) -> list[dict]:
         if arch == "vit":
             out.append({"pixel_values": torch.randn(BATCH, 3, 16, 16, generator=g),
                         "labels": torch.randint(0, 5, (BATCH,), generator=g)})
+        elif arch == "llava":  # 4 image tokens (2x2 patches) then text
+            ids = torch.cat([torch.full((BATCH, 4), 95), torch.randint(4, 95, (BATCH, 8), generator=g)], dim=1)
+            out.append({"input_ids": ids, "pixel_values": torch.randn(BATCH, 3, 16, 16, generator=g),
+                        "labels": ids})
         else:
             ids = torch.randint(4, 96, (BATCH, 12), generator=g)
             out.append({"input_ids": ids, "labels": ids})
@@ -74,7 +85,7 @@ def _train(model, data, rank=0, world=1) -> list[float]:
     return losses
 
 
-ARCHS = ("bart", "bert", "vit", "mixtral")
+ARCHS = ("bart", "bert", "vit", "mixtral", "llava")
 
 
 def _worker(rank, world, root):
@@ -190,3 +201,19 @@ def test_merged_lora_is_what_peft_merges_and_stock_saves(sharded, case, tmp_path
     if base is not None:  # the merge changed the experts (the comparison above is not of unmerged weights)
         fused = dict(reference.named_parameters())["model.layers.0.mlp.experts.gate_up_proj"]
         assert not torch.allclose(fused, dict(base.named_parameters())["model.layers.0.mlp.experts.gate_up_proj"])
+
+
+def test_final_norm_is_the_one_before_the_output_head():
+    """Several layer stacks: the norm grouped with the head is the last stack's (the language model's),
+    never a norm applied to embeddings."""
+    from hf_fsdp2 import FSDP2Config
+    from hf_fsdp2.sharding import plan_groups
+
+    llava = _build("llava")
+    plan = plan_groups(llava, FSDP2Config())
+    assert any(m is llava.model.language_model.norm for m in plan.head)
+    assert len(plan.layers) == 4  # 2 CLIP encoder layers + 2 Llama decoder layers
+    bart = _build("bart")
+    plan = plan_groups(bart, FSDP2Config())
+    assert not any(m is bart.model.decoder.layernorm_embedding or m is bart.model.encoder.layernorm_embedding
+                   for m in plan.head)

@@ -22,8 +22,10 @@ Transformers 4 has no conversion mapping (its MoE experts are separate modules):
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 import torch.nn as nn
@@ -56,6 +58,26 @@ class DiskView:
         if b <= a:
             return 0, 0, ()
         return a - self.lo, b - self.lo, slice(a - start, b - start)
+
+
+@contextlib.contextmanager
+def _original_classes(model: nn.Module) -> Iterator[None]:
+    """`fully_shard` swaps each sharded module's class for a generated `FSDP<Name>` with bases
+    (FSDPModule, the original) (torch/distributed/fsdp/_fully_shard/_fully_shard.py). Transformers
+    looks conversions up by class name, so for that lookup show it the original classes."""
+    from torch.distributed.fsdp import FSDPModule
+
+    swapped = []
+    for module in model.modules():
+        cls = type(module)
+        if cls.__name__.startswith("FSDP") and len(cls.__bases__) == 2 and cls.__bases__[0] is FSDPModule:
+            module.__class__ = cls.__bases__[1]
+            swapped.append((module, cls))
+    try:
+        yield
+    finally:
+        for module, cls in swapped:
+            module.__class__ = cls
 
 
 def _conversions(model: nn.Module) -> list | None:
@@ -91,6 +113,11 @@ def _kept_dims(converter, ndim: int) -> int:
 def disk_views(model: nn.Module, tensors: dict[str, torch.Tensor]) -> list[DiskView] | None:
     """The disk tensors `save_pretrained` would write for `tensors` (memory name -> global tensor) of
     `model`, in transformers' order; None when no conversion applies (disk names = memory names)."""
+    with _original_classes(model):
+        return _disk_views(model, tensors)
+
+
+def _disk_views(model: nn.Module, tensors: dict[str, torch.Tensor]) -> list[DiskView] | None:
     conversions = _conversions(model)
     if conversions is None:
         return None
