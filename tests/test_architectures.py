@@ -111,6 +111,7 @@ def _worker(rank, world, root):
         model = _lora(case)
         shard_model(model)
         save_pretrained(model, os.path.join(root, f"merged-{case}"), merge_adapters=True)
+        save_pretrained(model, os.path.join(root, f"adapter-{case}"))
     return out
 
 
@@ -119,18 +120,24 @@ def _worker(rank, world, root):
 LORA_CASES = ("mixtral", "gpt2")
 
 
-def _lora(case: str):
+def _base(case: str):
     import transformers as tf
+
+    if case == "gpt2":
+        torch.manual_seed(0)
+        return tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=96, n_embd=32, n_layer=2, n_head=2, n_positions=32))
+    return _build(case)
+
+
+def _lora(case: str):
     from peft import LoraConfig, get_peft_model
 
+    model = _base(case)
     if case == "mixtral":
-        model = _build("mixtral")
         config = LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "embed_tokens"],
                             target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
                             init_lora_weights=False)
     else:
-        torch.manual_seed(0)
-        model = tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=96, n_embd=32, n_layer=2, n_head=2, n_positions=32))
         config = LoraConfig(r=2, lora_alpha=4, target_modules=["c_attn", "c_fc"], fan_in_fan_out=True,
                             init_lora_weights=False)
     torch.manual_seed(5)  # the adapter's random init (non-zero B: the merge must change the weights)
@@ -197,10 +204,12 @@ def test_merged_lora_is_what_peft_merges_and_stock_saves(sharded, case, tmp_path
         assert sorted(ours.keys()) == sorted(theirs.keys())
         for key in theirs.keys():
             torch.testing.assert_close(ours.get_tensor(key), theirs.get_tensor(key), atol=1e-6, rtol=1e-6, msg=key)
-    base = _build("mixtral") if case == "mixtral" else None
-    if base is not None:  # the merge changed the experts (the comparison above is not of unmerged weights)
-        fused = dict(reference.named_parameters())["model.layers.0.mlp.experts.gate_up_proj"]
-        assert not torch.allclose(fused, dict(base.named_parameters())["model.layers.0.mlp.experts.gate_up_proj"])
+    merged, base = dict(reference.named_parameters()), dict(_base(case).named_parameters())
+    changed = [k for k in base if not torch.equal(merged[k], base[k])]  # the merge changed what LoRA targets
+    expected = {"mixtral": ["model.embed_tokens.weight", "model.layers.0.mlp.experts.gate_up_proj",
+                            "model.layers.0.mlp.experts.down_proj", "model.layers.0.self_attn.q_proj.weight"],
+                "gpt2": ["transformer.h.0.attn.c_attn.weight", "transformer.h.0.mlp.c_fc.weight"]}[case]
+    assert set(expected) <= set(changed), changed
 
 
 def test_final_norm_is_the_one_before_the_output_head():
@@ -217,3 +226,21 @@ def test_final_norm_is_the_one_before_the_output_head():
     plan = plan_groups(bart, FSDP2Config())
     assert not any(m is bart.model.decoder.layernorm_embedding or m is bart.model.encoder.layernorm_embedding
                    for m in plan.head)
+
+
+@pytest.mark.parametrize("case", LORA_CASES)
+def test_lora_adapter_is_what_peft_saves_and_reloads(sharded, case, tmp_path):
+    from peft import PeftModel
+    from safetensors.torch import load_file
+
+    root, _ = sharded
+    reference = _lora(case)
+    reference.save_pretrained(tmp_path)
+    ours, theirs = (load_file(d / "adapter_model.safetensors") for d in (root / f"adapter-{case}", tmp_path))
+    assert sorted(ours) == sorted(theirs) and ours
+    for key in theirs:
+        assert torch.equal(ours[key], theirs[key]), key
+    reloaded = PeftModel.from_pretrained(_base(case), root / f"adapter-{case}")
+    reference.eval()  # GPT-2 has dropout; PeftModel.from_pretrained returns an eval-mode model
+    ids = torch.randint(4, 90, (1, 8), generator=torch.Generator().manual_seed(3))
+    torch.testing.assert_close(reloaded(input_ids=ids).logits, reference(input_ids=ids).logits)
