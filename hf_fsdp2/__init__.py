@@ -1,14 +1,18 @@
 """hf_fsdp2: PyTorch FSDP2 for Hugging Face models."""
 
-from .runtime import exit_guard
-from .config import FSDP2Config
-from .runtime.distributed import build_mesh, init_distributed
-from .integrations import accelerate as _accelerate_backend
-from .integrations import trainer as _trainer_backend
-from .checkpoint.pretrained import from_pretrained, load_pretrained, save_pretrained
-from .checkpoint.errors import CheckpointError
-from .checkpoint.state import latest_state, load_state, save_state
-from .sharding import no_sync, shard_model
+from .runtime import versions as _versions
+
+_versions.check()  # before anything else: one clear line instead of an obscure failure later
+
+from .runtime import exit_guard  # noqa: E402
+from .config import FSDP2Config  # noqa: E402
+from .runtime.distributed import build_mesh, init_distributed  # noqa: E402
+from .integrations import accelerate as _accelerate_backend  # noqa: E402
+from .integrations import trainer as _trainer_backend  # noqa: E402
+from .checkpoint.pretrained import from_pretrained, load_pretrained, save_pretrained  # noqa: E402
+from .checkpoint.errors import CheckpointError  # noqa: E402
+from .checkpoint.state import latest_state, load_state, save_state  # noqa: E402
+from .sharding import no_sync, shard_model  # noqa: E402
 
 __version__ = "0.1.0"
 

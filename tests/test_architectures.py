@@ -119,7 +119,8 @@ def _worker(rank, world, root):
 # Linear, ParamWrapper on fused 3-D experts (Mixtral `target_parameters`), Embedding, Conv1D with
 # fan_in_fan_out (GPT-2).
 LORA_CASES = ("bart", "bert", "vit", "mixtral", "llava", "gpt2")
-LORA_TARGETS = {"bart": ["q_proj", "v_proj"], "bert": ["query", "value"], "vit": ["q_proj", "v_proj", "query", "value"],  # transformers 5 | 4 names
+LORA_TARGETS = {"bart": ["q_proj", "v_proj"], "bert": ["query", "value"],
+                "vit": ["q_proj", "v_proj", "query", "value"],  # transformers 5 | 4 names
                 "llava": ["q_proj", "v_proj"]}
 
 

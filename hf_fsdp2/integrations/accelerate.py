@@ -29,32 +29,21 @@ from ..runtime.distributed import build_mesh
 from ..checkpoint.pretrained import save_pretrained
 from ..sharding import shard_model, unwrap_peft
 from ..checkpoint.errors import CheckpointError
+from ..runtime import versions
 from ..checkpoint.state import MANIFEST, latest_state, load_state, read_manifest, save_state
 
-# Tested with 1.15; the internals patched here are unchanged since 1.10.
-SUPPORTED_ACCELERATE = ((1, 10), (1, 16))  # [min, max) as (major, minor)
 ENV_PREFIX = "HF_FSDP2_"
 
 _originals: dict[tuple[Any, str], Any] = {}
 _overrides: dict[str, Any] = {}
 
 
-def _accelerate_version() -> tuple[int, int]:
-    import accelerate
-
-    major, minor = (int(x) for x in re.match(r"(\d+)\.(\d+)", accelerate.__version__).groups())
-    return major, minor
-
-
 def check_version() -> None:
-    import accelerate
-
-    low, high = SUPPORTED_ACCELERATE
-    if not low <= _accelerate_version() < high:
-        raise RuntimeError(
-            f"hf_fsdp2's Accelerate backend supports accelerate >= {low[0]}.{low[1]}, < {high[0]}.{high[1]}; "
-            f"found {accelerate.__version__}. Install a supported version (e.g. `pip install 'accelerate==1.15.0'`)."
-        )
+    """The backend patches Accelerate internals: refuse any Accelerate outside the tested range."""
+    problem = [p for p in versions.problems() if p.startswith("accelerate")]
+    if problem:
+        raise RuntimeError(f"hf_fsdp2's Accelerate backend: {problem[0]}. Install a supported version "
+                           "(e.g. `pip install 'accelerate==1.15.0'`).")
 
 
 def env_overrides(environ: dict[str, str] | None = None) -> dict[str, Any]:
