@@ -385,7 +385,8 @@ def sample(args, output_dir: Path, base_dir: Path | None, tokenizer, device: tor
     else:
         model = AutoModelForCausalLM.from_pretrained(output_dir)
     model.to(device).eval()
-    inputs = tokenizer(args.prompt, return_tensors="pt").to(device)
+    # return_token_type_ids=False: transformers 4.x tokenizers add them and Llama's generate() refuses them.
+    inputs = tokenizer(args.prompt, return_tensors="pt", return_token_type_ids=False).to(device)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     with torch.no_grad():
         ids = model.generate(**inputs, max_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=pad)

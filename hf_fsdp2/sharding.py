@@ -67,7 +67,10 @@ def resolve_layer_class_names(model: nn.Module, config: FSDP2Config) -> tuple[st
     names = config.layer_cls_names
     from_model = names is None
     if from_model:
-        names = tuple(getattr(unwrap_peft(model), "_no_split_modules", None) or ())
+        # Without `_no_split_modules` (BERT before transformers 5.1, custom models): the blocks stacked
+        # in an nn.ModuleList that hold modules of their own (a stack of bare Linears is no layer).
+        names = tuple(getattr(unwrap_peft(model), "_no_split_modules", None) or ()) or tuple(
+            sorted(_stacked_class_names(model, composite=True)))
         if not names:
             raise ValueError(
                 f"`layer_cls_names` is not set and {type(unwrap_peft(model)).__name__} has no "
@@ -85,14 +88,16 @@ def resolve_layer_class_names(model: nn.Module, config: FSDP2Config) -> tuple[st
     return tuple(n for n in names if n in present)
 
 
-def _stacked_class_names(model: nn.Module) -> set[str]:
-    """Class names of modules that sit in an `nn.ModuleList` (a stack of layers)."""
+def _stacked_class_names(model: nn.Module, composite: bool = False) -> set[str]:
+    """Class names of modules that sit in an `nn.ModuleList` (a stack of layers); with `composite`,
+    only those that contain submodules with parameters."""
     names = set()
     for module in model.modules():
         if isinstance(module, nn.ModuleList):
             for child in module:
                 inner = child._checkpoint_wrapped_module if isinstance(child, CheckpointWrapper) else child
-                names.add(type(inner).__name__)
+                if not composite or any(_has_params(c) for c in inner.children()):
+                    names.add(type(inner).__name__)
     return names
 
 
@@ -275,6 +280,12 @@ def apply_activation_checkpointing(model: nn.Module, layers: list[nn.Module]) ->
     Applied before `fully_shard` so each wrapper becomes the group: FSDP's unshard happens outside
     the checkpointed region and again, through its pre-backward hook, for the recomputation.
     """
+    # A KV cache filled in the forward is filled again by the recomputation (transformers 5.0 then fails
+    # torch's metadata check); transformers' own gradient checkpointing turns the cache off the same way.
+    config = getattr(unwrap_peft(model), "config", None)
+    for cfg in {id(c): c for c in (config, getattr(config, "get_text_config", lambda: None)()) if c is not None}.values():
+        if getattr(cfg, "use_cache", False):
+            cfg.use_cache = False
     wrapped: list[nn.Module] = []
     for layer in layers:
         if isinstance(layer, CheckpointWrapper):

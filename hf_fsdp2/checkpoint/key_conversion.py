@@ -85,7 +85,6 @@ def _conversions(model: nn.Module) -> list | None:
     (transformers 4, no mapping, or not a PreTrainedModel)."""
     try:  # transformers >= 5
         from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import PrefixChange
     except ImportError:  # transformers 4.x: checkpoints are stored as in memory
         return None
     from transformers import PreTrainedModel
@@ -94,9 +93,27 @@ def _conversions(model: nn.Module) -> list | None:
         return None
     conversions = getattr(model, "_weight_conversions", None)
     if conversions is None:  # as revert_weight_conversion does for a model not made by from_pretrained
+        try:  # transformers >= 5.20 (?) drops prefix changes on resave; earlier 5.x have none
+            from transformers.core_model_loading import PrefixChange
+        except ImportError:
+            PrefixChange = ()  # noqa: N806
         conversions = [c for c in get_model_conversion_mapping(model, add_legacy=False)
                        if not isinstance(c, PrefixChange)]
     return conversions or None
+
+
+def _matching_converter(name: str, converters: list, renamings: list):
+    """The reversed converter that consumes memory tensor `name`, if any. Transformers 5.0 renames a key
+    before matching converters, later 5.x match first (`rename_source_key`, reverse): try both."""
+    renamed = name
+    for renaming in renamings:
+        renamed, _ = renaming.rename_source_key(renamed)
+    for key in dict.fromkeys((name, renamed)):
+        for converter in converters:
+            _, pattern = converter.rename_source_key(key)
+            if pattern is not None:
+                return converter
+    return None
 
 
 def _kept_dims(converter, ndim: int) -> int:
@@ -121,24 +138,26 @@ def _disk_views(model: nn.Module, tensors: dict[str, torch.Tensor]) -> list[Disk
     conversions = _conversions(model)
     if conversions is None:
         return None
-    from transformers.core_model_loading import WeightConverter, apply_converters, revert_weight_conversion
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, revert_weight_conversion
 
-    reversed_converters = [c.reverse_transform() for c in conversions[::-1]]
-    converters = [c for c in reversed_converters if isinstance(c, WeightConverter)]
+    reversed_transforms = [c.reverse_transform() for c in conversions[::-1]]
+    converters = [c for c in reversed_transforms if isinstance(c, WeightConverter)]
+    renamings = [c for c in reversed_transforms if isinstance(c, WeightRenaming)]
     stand_ins: dict[str, torch.Tensor] = {}
     probes: dict[str, tuple[torch.Tensor, int]] = {}  # name -> (probe, first id)
     renamed: dict[int, str] = {}  # id(meta stand-in) -> memory name
     next_id = 0
     for name, tensor in tensors.items():
         shape = tuple(tensor.shape)
-        _, pattern = apply_converters(name, converters)
-        if pattern is None:
+        converter = _matching_converter(name, converters, renamings)
+        if converter is None:
             stand_ins[name] = torch.empty(shape, dtype=tensor.dtype, device="meta")
             renamed[id(stand_ins[name])] = name
             continue
-        converter = next(c for c in converters if pattern in c.source_patterns)
         kept = _kept_dims(converter, len(shape))
-        probe_shape = shape[:kept] + (1,) * (len(shape) - kept)
+        # Dims the ops do not act on shrink to 2 (not 1: transformers 5.0's SplitModulelist squeezes every
+        # size-1 dim, so a size-1 stand-in would come back with another rank than the real tensor).
+        probe_shape = shape[:kept] + tuple(min(d, 2) for d in shape[kept:])
         if math.prod(probe_shape) > _PROBE_LIMIT:
             raise CheckpointError(f"{name}: transformers' conversion {converter!r} rearranges this tensor in a way "
                                   "hf_fsdp2 cannot write by rows without gathering it.")
@@ -170,9 +189,10 @@ def _probe_view(disk_name: str, value: torch.Tensor, probes, starts, tensors) ->
     rows = value.shape[0]
     if len(full) >= 2:  # one expert's slice: memory[e, lo:lo + rows]
         e, lo = int(position[0]), int(position[1])
+        collapsed = probe.shape[1] != full[1]  # then the disk tensor must take all of dim 1
         if lo + rows <= probe.shape[1] and probe[e, lo:lo + rows].shape == value.shape \
-                and torch.equal(probe[e, lo:lo + rows], value):
-            hi = lo + rows if probe.shape[1] == full[1] else full[1]  # dim 1 collapsed in the probe: all of it
+                and torch.equal(probe[e, lo:lo + rows], value) and not (collapsed and (lo, rows) != (0, probe.shape[1])):
+            hi = full[1] if collapsed else lo + rows
             return DiskView(disk_name, source, e, lo, hi, (hi - lo,) + full[2:])
     lo = int(position[0])  # rows: memory[lo:lo + rows]
     if lo + rows <= probe.shape[0] and probe[lo:lo + rows].shape == value.shape and torch.equal(probe[lo:lo + rows], value):
