@@ -154,3 +154,39 @@ def test_env_overrides_are_validated():
     assert env_overrides({"HF_FSDP2_FROZEN_DTYPE": "bf16", "OTHER": "x"}) == {"frozen_dtype": "bf16"}
     with pytest.raises(ValueError, match="HF_FSDP2_\\* environment.*`forward_prefech`"):
         env_overrides({"HF_FSDP2_FORWARD_PREFECH": "1"})
+
+
+def test_a_mixed_precision_policy_given_to_the_plugin_is_honoured():
+    """`FullyShardedDataParallelPlugin(mixed_precision_policy=...)` (Accelerate's Python API; the yaml
+    has no key for it) sets hf_fsdp2's param/reduce/output dtypes; one Accelerate fills from
+    `mixed_precision` does not (we reduce in fp32 then). Own interpreter: Accelerate's state is global."""
+    code = """
+import torch, hf_fsdp2
+from types import SimpleNamespace
+from accelerate import Accelerator
+from accelerate.utils import FullyShardedDataParallelPlugin
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from hf_fsdp2.integrations.accelerate import config_from_accelerator
+hf_fsdp2.register()
+policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16, output_dtype=torch.float32)
+given = FullyShardedDataParallelPlugin(fsdp_version=2, mixed_precision_policy=policy)
+Accelerator(fsdp_plugin=given)
+filled = FullyShardedDataParallelPlugin(fsdp_version=2)
+filled.set_mixed_precision("bf16")
+for plugin in (given, filled):
+    c = config_from_accelerator(SimpleNamespace(state=SimpleNamespace(fsdp_plugin=plugin), mixed_precision="bf16"))
+    print(c.param_dtype, c.reduce_dtype, c.output_dtype)
+bad = FullyShardedDataParallelPlugin(fsdp_version=2, mixed_precision_policy=MixedPrecisionPolicy(
+    param_dtype=torch.bfloat16, cast_forward_inputs=False))
+Accelerator(fsdp_plugin=bad)
+try:
+    config_from_accelerator(SimpleNamespace(state=SimpleNamespace(fsdp_plugin=bad), mixed_precision="bf16"))
+except ValueError as e:
+    print("refused:", e)
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.strip().splitlines()
+    assert lines[-3] == "torch.bfloat16 torch.bfloat16 torch.float32", proc.stdout
+    assert lines[-2] == "torch.bfloat16 torch.float32 None", proc.stdout
+    assert lines[-1].startswith("refused: ") and "cast_forward_inputs=False" in lines[-1], proc.stdout

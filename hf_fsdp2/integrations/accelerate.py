@@ -33,6 +33,7 @@ from ..runtime import versions
 from ..checkpoint.state import MANIFEST, latest_state, load_state, read_manifest, save_state
 
 ENV_PREFIX = "HF_FSDP2_"
+_USER_POLICY = "_hf_fsdp2_user_policy"  # set on a plugin whose mixed_precision_policy the user gave
 
 _originals: dict[tuple[Any, str], Any] = {}
 _overrides: dict[str, Any] = {}
@@ -130,6 +131,9 @@ def config_from_accelerator(accelerator) -> FSDP2Config:
         # Gradients are reduced in fp32 whatever the compute dtype (Accelerate would reduce in bf16).
         "param_dtype": {"bf16": "bf16", "fp16": "fp16"}.get(str(accelerator.mixed_precision)),
     }
+    policy = getattr(plugin, _USER_POLICY, None)
+    if policy is not None:
+        values.update(_policy_dtypes(policy))
     pc = getattr(accelerator, "parallelism_config", None)
     if pc is not None and getattr(pc, "dp_replicate_size", 1) > 1:
         values["replicate_size"] = pc.dp_replicate_size
@@ -137,6 +141,16 @@ def config_from_accelerator(accelerator) -> FSDP2Config:
     values.update(_overrides)
     values.update(env_overrides())
     return FSDP2Config.from_dict(values, source="Accelerate config")
+
+
+def _policy_dtypes(policy) -> dict[str, Any]:
+    """A `mixed_precision_policy` given to the plugin (torch's MixedPrecisionPolicy, or the dict / str
+    Accelerate turns into one): honoured as given, reduce dtype included."""
+    if getattr(policy, "cast_forward_inputs", True) is False:
+        raise ValueError("FullyShardedDataParallelPlugin(mixed_precision_policy=...): cast_forward_inputs=False is "
+                         "not supported by hf_fsdp2 (each group casts its floating-point inputs to param_dtype).")
+    return {"param_dtype": policy.param_dtype, "reduce_dtype": policy.reduce_dtype,
+            "output_dtype": policy.output_dtype}
 
 
 def _wrap_policy(plugin) -> dict[str, Any]:
@@ -184,6 +198,10 @@ def _init(self, *args, **kwargs):
 
     from accelerate.parallelism_config import ParallelismConfig
 
+    given = kwargs.get("fsdp_plugin")
+    if given is not None and given.mixed_precision_policy is not None:
+        # The user's own policy; Accelerator.__init__ fills an unset one from `mixed_precision` later.
+        given.__dict__[_USER_POLICY] = given.mixed_precision_policy
     wants_fsdp = kwargs.get("fsdp_plugin") is not None or os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true"
     if not (wants_fsdp and not _has_accelerator_device()):
         _original("Accelerator", "__init__")(self, *args, **kwargs)
