@@ -116,11 +116,11 @@ def _worker(rank, world, root):
 
 
 # LoRA on every architecture above, and on every layer type PEFT adapts that a merged export supports:
-# Linear, ParamWrapper on fused 3-D experts (Mixtral `target_parameters`), Embedding, Conv1D with
-# fan_in_fan_out (GPT-2).
+# Linear, ParamWrapper on fused 3-D experts (Mixtral `target_parameters`), Embedding, Conv2d (ViT's
+# patch projection), Conv1D with fan_in_fan_out (GPT-2).
 LORA_CASES = ("bart", "bert", "vit", "mixtral", "llava", "gpt2")
 LORA_TARGETS = {"bart": ["q_proj", "v_proj"], "bert": ["query", "value"],
-                "vit": ["q_proj", "v_proj", "query", "value"],  # transformers 5 | 4 names
+                "vit": ["q_proj", "v_proj", "query", "value", "projection"],  # 5.x | 4.x names; a Conv2d
                 "llava": ["q_proj", "v_proj"]}
 
 

@@ -6,10 +6,11 @@ delta follows PEFT's own `get_delta_weight` of the layer type (peft/tuners/lora/
 to a row range:
 - `Linear`: delta = B @ A * s, transposed for `fan_in_fan_out` (GPT-2's `Conv1D` stores [in, out]);
 - `Embedding`: delta = (B @ A)^T * s (PEFT's lora_embedding_A is [r, num_embeddings]);
+- `Conv1d/2d/3d`: PEFT's conv of A^T with B (a matmul for 1x1 kernels); row o needs only B[o];
 - `ParamWrapper` (`target_parameters`, e.g. fused MoE experts [E, ., .]): per expert
   einsum("o r e, e r i -> e i o" or "-> e o i") of B viewed [out, r, E] and A viewed [E, r, in];
   FSDP2's dim-0 shards of such a parameter are whole experts.
-Other types (convolutions, DoRA, multi-head attention) are refused by name: save the adapter instead.
+Other types (DoRA, multi-head attention) are refused by name: save the adapter instead.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 def _delta_of(module: nn.Module, adapter: str) -> tuple[torch.Tensor, RowsDelta]:
     """(base parameter, its delta by rows) for one LoRA layer. Collective: gathers the factors."""
     from peft.tuners.lora import Embedding, Linear, ParamWrapper
+    from peft.tuners.lora.layer import _ConvNd
 
     kind = type(module).__name__
     if module.use_dora.get(adapter, False):
@@ -54,6 +56,16 @@ def _delta_of(module: nn.Module, adapter: str) -> tuple[torch.Tensor, RowsDelta]
         if module.fan_in_fan_out:  # weight is [in, out]: its rows are A's columns
             return module.get_base_layer().weight, lambda lo, hi: (b @ a[:, lo:hi]).T * scaling
         return module.get_base_layer().weight, lambda lo, hi: (b[lo:hi] @ a) * scaling
+    if isinstance(module, _ConvNd):  # delta row o (out channel) needs B[o] only
+        a, b = _full(module.lora_A[adapter].weight), _full(module.lora_B[adapter].weight)
+        weight = module.get_base_layer().weight
+        if weight.shape[2:4] == (1, 1):
+            return weight, lambda lo, hi: (b[lo:hi].squeeze(3).squeeze(2) @ a.squeeze(3).squeeze(2))[
+                :, :, None, None] * scaling
+        if module.get_base_layer().groups > 1:  # PEFT's grouped form is not row-separable: whole delta, sliced
+            delta = module.conv_fn(a.transpose(0, 1), b) * scaling
+            return weight, lambda lo, hi: delta[lo:hi]
+        return weight, lambda lo, hi: module.conv_fn(a.transpose(0, 1), b[lo:hi]).transpose(0, 1) * scaling
     if isinstance(module, Embedding):
         a, b = _full(module.lora_embedding_A[adapter]), _full(module.lora_embedding_B[adapter])
         return module.get_base_layer().weight, lambda lo, hi: (b @ a[:, lo:hi]).T * scaling
