@@ -114,6 +114,11 @@ def test_evaluation_best_model_and_rotation(tmp_path):
     assert best.name == Path(one["best_model_checkpoint"]).name
     kept = sorted(p.name for p in (tmp_path / "two" / "out").glob("checkpoint-*"))
     assert best.name in kept and len(kept) <= 2  # the best and the latest
+    # The same under `accelerate launch --config_file fsdp2.yaml` (no --fsdp flag).
+    launched = launch_trainer(tmp_path, "launched", 6, *flags)
+    assert launched["all_dtensor"] and launched["eval_losses"] == pytest.approx(one["eval_losses"], abs=1e-4)
+    assert Path(launched["best_model_checkpoint"]).name == best.name
+    assert len(list((tmp_path / "launched").glob("checkpoint-*"))) <= 2
     final, saved = _weights(tmp_path / "final"), _weights(best)
     assert final.keys() == saved.keys() and all(torch.equal(final[k], saved[k]) for k in final)
     # A checkpoint of ours resumed by a Trainer that hf_fsdp2 does not shard: refused, not half-loaded.
