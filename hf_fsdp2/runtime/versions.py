@@ -13,9 +13,9 @@ from importlib.metadata import PackageNotFoundError, version
 # package -> ([min, max) as (major, minor), why the floor)
 SUPPORTED: dict[str, tuple[tuple[int, int], tuple[int, int]]] = {
     "torch": ((2, 13), (3, 0)),  # the only torch with a CPU wheel here: older ones are untested, so refused
-    "transformers": ((5, 0), (6, 0)),  # 4.57 fails in ~10 places, 2 silently (README "Supported versions")
-    "accelerate": ((1, 12), (1, 16)),  # the backend replaces internals: 1.12 is the oldest tested with 5.0
-    "peft": ((0, 18), (1, 0)),  # the first release for transformers 5
+    "transformers": ((5, 12), (6, 0)),  # 4.57 and 5.0 fail tests (README "Supported versions")
+    "accelerate": ((1, 15), (1, 16)),  # the backend and check-config follow Accelerate's internals per release
+    "peft": ((0, 20), (1, 0)),  # 0.19 cannot reload a MoE adapter with transformers 5.12
 }
 
 
