@@ -131,7 +131,10 @@ def test_readers_always_find_one_complete_checkpoint_while_saves_swap_it(tmp_pat
     never a mix (the swap is one `renameat2(RENAME_EXCHANGE)`; `CheckpointFiles` pins its files)."""
     target = tmp_path / "ckpt"
     models = {seed: build_model(seed=seed, num_hidden_layers=1) for seed in (1, 2)}
-    expected = {seed: m.lm_head.weight[0, :4].clone() for seed, m in models.items()}
+    # Detached copies: the reader thread must not touch the live parameters the saver reads (torch's
+    # autograd takes a per-tensor mutex and then the GIL; a second thread doing the reverse deadlocks).
+    expected = {seed: m.lm_head.weight[0, :4].detach().clone() for seed, m in models.items()}
+    embeds = {seed: m.model.embed_tokens.weight[:1].detach().clone() for seed, m in models.items()}
     save_pretrained(models[1], target, durable=False)
     stop, seen, problems = threading.Event(), [], []
 
@@ -142,7 +145,7 @@ def test_readers_always_find_one_complete_checkpoint_while_saves_swap_it(tmp_pat
                     row = files.read_rows("lm_head.weight", 0, 1)[0, :4]
                     head = files.read_rows("model.embed_tokens.weight", 0, 1)
                 seeds = [s for s, e in expected.items() if torch.equal(row, e)]
-                embed = {s: torch.equal(head, models[s].model.embed_tokens.weight[:1]) for s in seeds}
+                embed = {s: torch.equal(head, embeds[s]) for s in seeds}
                 if len(seeds) != 1 or not embed[seeds[0]]:
                     problems.append("mix")
                 seen.append(seeds[0] if seeds else None)

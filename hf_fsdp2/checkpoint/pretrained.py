@@ -78,7 +78,9 @@ def write_tensors(items: Sequence[ExportTensor], directory: Path, *, weights_nam
             work.append((layout, name, start, stop))
     # The bar shows rank 0's share, which is about 1/N of the checkpoint.
     total = sum(layout.specs[name].row_bytes * (stop - start) for layout, name, start, stop in work)
-    with _progress(total, f"saving {directory.name} (rank 0 share)", progress) as bar:
+    # no_grad: writing reads parameters; autograd bookkeeping (views of leaves that require grad) is
+    # useless here and takes per-tensor locks other threads may hold.
+    with _progress(total, f"saving {directory.name} (rank 0 share)", progress) as bar, torch.no_grad():
         for layout in layouts:
             with FileWriter(directory / layout.filename, layout, create=_rank() == 0, durable=durable) as writer:
                 for lay, name, start, stop in work:
