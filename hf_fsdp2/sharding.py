@@ -283,7 +283,7 @@ def apply_activation_checkpointing(model: nn.Module, layers: list[nn.Module]) ->
     # A KV cache filled in the forward is filled again by the recomputation (transformers 5.0 then fails
     # torch's metadata check); transformers' own gradient checkpointing turns the cache off the same way.
     config = getattr(unwrap_peft(model), "config", None)
-    for cfg in {id(c): c for c in (config, getattr(config, "get_text_config", lambda: None)()) if c is not None}.values():
+    for cfg in (config, getattr(config, "get_text_config", lambda: None)()):  # a multimodal model's text config too
         if getattr(cfg, "use_cache", False):
             cfg.use_cache = False
     wrapped: list[nn.Module] = []

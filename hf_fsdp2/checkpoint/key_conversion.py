@@ -22,6 +22,7 @@ Transformers 4 has no conversion mapping (its MoE experts are separate modules):
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import math
 from dataclasses import dataclass
@@ -93,10 +94,8 @@ def _conversions(model: nn.Module) -> list | None:
         return None
     conversions = getattr(model, "_weight_conversions", None)
     if conversions is None:  # as revert_weight_conversion does for a model not made by from_pretrained
-        try:  # transformers >= 5.20 (?) drops prefix changes on resave; earlier 5.x have none
-            from transformers.core_model_loading import PrefixChange
-        except ImportError:
-            PrefixChange = ()  # noqa: N806
+        from transformers.core_model_loading import PrefixChange
+
         conversions = [c for c in get_model_conversion_mapping(model, add_legacy=False)
                        if not isinstance(c, PrefixChange)]
     return conversions or None
@@ -182,7 +181,7 @@ def _probe_view(disk_name: str, value: torch.Tensor, probes, starts, tensors) ->
     if value.dtype != torch.int64 or value.numel() == 0 or value.dim() == 0:
         raise CheckpointError(f"{disk_name}: transformers' conversion produced a tensor hf_fsdp2 cannot place.")
     first = int(value.reshape(-1)[0])
-    _, source = max((s, n) for s, n in starts if s <= first)
+    source = starts[bisect.bisect_right(starts, (first, "\uffff")) - 1][1]  # the probe whose ids hold `first`
     probe, base = probes[source]
     position = torch.unravel_index(torch.tensor(first - base), probe.shape)
     full = tuple(tensors[source].shape)
@@ -199,7 +198,3 @@ def _probe_view(disk_name: str, value: torch.Tensor, probes, starts, tensors) ->
         return DiskView(disk_name, source, None, lo, lo + rows, (rows,) + full[1:])
     raise CheckpointError(f"{disk_name}: transformers' conversion of {source} rearranges it beyond whole experts or "
                           "row blocks; hf_fsdp2 cannot write or read it without gathering.")
-
-
-def is_identity(views: list[DiskView] | None) -> bool:
-    return views is None or all(v.name == v.source and v.index is None for v in views)

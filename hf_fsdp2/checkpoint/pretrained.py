@@ -274,24 +274,25 @@ class WeightsPlan:
         if is_peft_model(model) and ((directory / ADAPTER_FILE).exists()
                                      or (directory / (ADAPTER_FILE + INDEX_SUFFIX)).exists()):
             self.targets, self.files = adapter_tensors(model), CheckpointFiles(directory, ADAPTER_FILE)
-            aliases = None
+            aliases, base = None, None  # PEFT's adapter keys: no transformers conversion
         else:
             base = model.get_base_model() if is_peft_model(model) else model
             self.targets, self.files = model_tensors(base), CheckpointFiles(directory, SINGLE_FILE)
             aliases = tied_aliases(base)
         self.views = None
         try:
-            self._use_disk_names(base if aliases is not None else None)
+            if base is not None:
+                self._use_disk_names(base)
             self.source_of = match_tensors(self.targets, self.files, aliases=aliases, strict=strict)
         except BaseException:
             self.close()
             raise
 
-    def _use_disk_names(self, model: nn.Module | None) -> None:
+    def _use_disk_names(self, model: nn.Module) -> None:
         """Expect the names stock `save_pretrained` writes where transformers converts this model (MoE
         experts one tensor each, renamed modules), unless the files hold the in-memory names (written
         by hf_fsdp2 before it reverted conversions, or by `torch.save(model.state_dict())` tools)."""
-        views = disk_views(model, self.targets) if model is not None else None
+        views = disk_views(model, self.targets)
         if views is None or all(name in self.files.where for name in self.targets):
             return
         memory = self.targets

@@ -130,13 +130,10 @@ def _save_checkpoint(self, model, trial) -> None:
         save_state(output_dir, self.model, self.optimizer, self.lr_scheduler, step=self.state.global_step,
                    write_extra=_extra_files(self, with_state=True))
     if self.args.should_save:
-        try:  # transformers >= 5.x (a function); 5.0 has only the Trainer method
-            from transformers.trainer_utils import rotate_checkpoints
-        except ImportError:
-            self._rotate_checkpoints(use_mtime=True, output_dir=run_dir)
-        else:
-            rotate_checkpoints(output_dir=run_dir, save_total_limit=self.args.save_total_limit,
-                               best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
+        from transformers.trainer_utils import rotate_checkpoints
+
+        rotate_checkpoints(output_dir=run_dir, save_total_limit=self.args.save_total_limit,
+                           best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
 
 
 def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
