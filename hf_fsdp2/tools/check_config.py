@@ -403,22 +403,16 @@ def _check_wrapping(fsdp: _Fsdp, out: list[Finding]) -> None:
 
 
 def _check_loading(fsdp: _Fsdp, out: list[Finding]) -> None:
-    """`fsdp_cpu_ram_efficient_loading`: the launcher defaults it to "true" when the yaml omits it."""
+    """`fsdp_cpu_ram_efficient_loading` works (rank 0 loads, hf_fsdp2 broadcasts its weights tensor by
+    tensor while sharding: integrations/accelerate.py `_shard_from_rank0`), and the launcher turns it on
+    when the yaml omits it. Only its pairing with `fsdp_sync_module_states` can stop the launcher."""
     ram, sync = fsdp.raw("fsdp_cpu_ram_efficient_loading"), fsdp.raw("fsdp_sync_module_states")
-    ram_key = fsdp.key("fsdp_cpu_ram_efficient_loading")
     # prepare_multi_gpu_env tests the raw values for truth: a quoted "false" counts as true there.
     if ram and not sync:
-        _error(out, ram_key, f"Accelerate's launcher refuses {ram!r} together with `fsdp_sync_module_states: {sync}` "
-                             "(it tests the raw values, so even a quoted 'false' counts as on); write an unquoted "
-                             "`false`, or drop `fsdp_sync_module_states`.")
-    if _launcher_bool(ram):
-        where = ("set" if "fsdp_cpu_ram_efficient_loading" in fsdp.given
-                 else "not set, and Accelerate's launcher then turns it on")
-        _error(out, ram_key, f"{where}: with it, transformers leaves weights the checkpoint lacks on the meta device "
-                             "on every rank but 0, expecting Accelerate to broadcast rank 0's copy; hf_fsdp2 does not "
-                             "broadcast, and re-initialises those ranks' shards of every weight. Set "
-                             "`fsdp_cpu_ram_efficient_loading: false`; to load without a full copy per rank, use "
-                             "hf_fsdp2.from_pretrained.")
+        _error(out, fsdp.key("fsdp_cpu_ram_efficient_loading"),
+               f"Accelerate's launcher refuses {ram!r} together with `fsdp_sync_module_states: {sync}` "
+               "(it tests the raw values, so even a quoted 'false' counts as on); write an unquoted "
+               "`false`, or drop `fsdp_sync_module_states`.")
 
 
 def _check_ignored_by_fsdp2(fsdp: _Fsdp, out: list[Finding]) -> None:
