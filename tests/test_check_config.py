@@ -507,3 +507,34 @@ def test_checker_imports_no_accelerate():
     code = ("import sys, hf_fsdp2.tools.check_config as c; c.check_accelerate_config(sys.argv[1]); "
             "assert 'accelerate' not in sys.modules, 'accelerate imported'")
     subprocess.run([sys.executable, "-c", code, str(HSDP_YAML)], check=True, cwd=ROOT)
+
+
+def test_every_accelerate_plugin_field_has_a_stated_fate():
+    """Each FullyShardedDataParallelPlugin field is honoured, refused, or handled by Accelerate itself;
+    a field a newer Accelerate adds fails this test until it is classified."""
+    from dataclasses import fields as dataclass_fields
+
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    from hf_fsdp2.integrations.accelerate import PLUGIN_FIELDS
+
+    assert {f.name for f in dataclass_fields(FullyShardedDataParallelPlugin)} == set(PLUGIN_FIELDS)
+
+
+@pytest.mark.parametrize("field, value", [("param_init_fn", lambda module: module), ("limit_all_gathers", False)])
+def test_fsdp1_only_plugin_fields_are_refused_by_name(field, value, monkeypatch):
+    """Stock Accelerate's FSDP2 path ignores these silently."""
+    from types import SimpleNamespace
+
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    from hf_fsdp2.integrations.accelerate import config_from_accelerator
+
+    monkeypatch.delenv("ACCELERATE_USE_FSDP", raising=False)
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, **{field: value})
+    accelerator = SimpleNamespace(state=SimpleNamespace(fsdp_plugin=plugin), mixed_precision="no",
+                                  parallelism_config=None)
+    with pytest.raises(ValueError, match=field):
+        config_from_accelerator(accelerator)
+    setattr(plugin, field, FullyShardedDataParallelPlugin.__dataclass_fields__[field].default)
+    assert config_from_accelerator(accelerator).wrap_policy == "none"

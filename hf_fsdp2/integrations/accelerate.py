@@ -117,10 +117,50 @@ def _layer_names(raw: Any) -> list[str] | None:
     return [n for n in names if n] or None
 
 
+# Every field of Accelerate's `FullyShardedDataParallelPlugin` and what becomes of it with hf_fsdp2, so
+# that none is dropped silently (tests check this covers the installed Accelerate's fields).
+PLUGIN_FIELDS = {
+    "fsdp_version": "must be 2; anything else is refused at Accelerator()",
+    "reshard_after_forward": "honoured (fully_shard's reshard_after_forward)",
+    "auto_wrap_policy": "honoured: TRANSFORMER_BASED_WRAP, SIZE_BASED_WRAP, NO_WRAP; a custom callable is refused",
+    "transformer_cls_names_to_wrap": "honoured (absent classes are refused, listing the model's)",
+    "min_num_params": "honoured with SIZE_BASED_WRAP",
+    "ignored_modules": "honoured (regex or modules): left out of every group",
+    "cpu_offload": "honoured (CPUOffloadPolicy)",
+    "mixed_precision_policy": "honoured (param/reduce/output dtypes); cast_forward_inputs=False is refused",
+    "activation_checkpointing": "honoured by Accelerate's own fsdp2_apply_ac before sharding",
+    "activation_checkpointing_offload": "honoured by Accelerate's own fsdp2_apply_ac",
+    "cpu_ram_efficient_loading": "honoured: rank 0's weights are broadcast into the shards",
+    "state_dict_type": "accepted: hf_fsdp2 writes the same gather-free safetensors for either type",
+    "state_dict_config": "used by Accelerate's get_state_dict only; save_model/save_state never gather",
+    "optim_state_dict_config": "used by Accelerate's get_state_dict only; save_model/save_state never gather",
+    "sharding_strategy": "Accelerate: FSDP1's; with FSDP2 it warns, or raises when reshard_after_forward is unset",
+    "backward_prefetch": "Accelerate: FSDP1's; with FSDP2 it warns and sets None (hf_fsdp2: backward_prefetch)",
+    "forward_prefetch": "Accelerate: FSDP1's; with FSDP2 it raises (hf_fsdp2: forward_prefetch)",
+    "use_orig_params": "Accelerate: obsolete with FSDP2, it warns",
+    "sync_module_states": "Accelerate: obsolete with FSDP2, it warns (cpu_ram_efficient_loading broadcasts)",
+    "limit_all_gathers": "FSDP1's rate limiter; FSDP2 has none: False is refused, not ignored",
+    "param_init_fn": "FSDP1's; stock FSDP2 ignores it silently, hf_fsdp2 refuses it",
+}
+
+
+def _refuse_fsdp1_only(plugin) -> None:
+    """Fields stock Accelerate's FSDP2 path ignores without a word."""
+    if getattr(plugin, "param_init_fn", None) is not None:
+        raise ValueError("FullyShardedDataParallelPlugin(param_init_fn=...) is FSDP1's and has no effect with FSDP2; "
+                         "hf_fsdp2 materialises meta-device models itself (shard_model(init_weights=True), "
+                         "hf_fsdp2.from_pretrained, or fsdp_cpu_ram_efficient_loading). Remove param_init_fn.")
+    if getattr(plugin, "limit_all_gathers", True) is False:
+        raise ValueError("FullyShardedDataParallelPlugin(limit_all_gathers=False) / fsdp_config `limit_all_gathers` "
+                         "is FSDP1's rate limiter and has no effect with FSDP2; remove it (hf_fsdp2 bounds "
+                         "in-flight all-gathers by its forward_prefetch/backward_prefetch depths).")
+
+
 def config_from_accelerator(accelerator) -> FSDP2Config:
     plugin = accelerator.state.fsdp_plugin
     from torch.distributed.fsdp import CPUOffloadPolicy
 
+    _refuse_fsdp1_only(plugin)
     values: dict[str, Any] = {
         **_wrap_policy(plugin),
         "layer_cls_names": _layer_names(plugin.transformer_cls_names_to_wrap),
