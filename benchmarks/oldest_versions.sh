@@ -3,14 +3,16 @@
 #   bash benchmarks/oldest_versions.sh --subset   # CI (.ci/run): sharding, save/load of every architecture,
 #                                                 # the Accelerate launch, the Trainer flag, the main job
 #   bash benchmarks/oldest_versions.sh            # the whole suite
-# Extra arguments go to pytest. The environment is (re)built when constraints-min.txt changes.
+# Extra arguments go to pytest. The environment is (re)built when constraints-min.txt changes. It sees
+# the main environment's packages (--system-site-packages) and installs over them only what
+# constraints-min.txt pins differently (transformers, peft): no second multi-GB torch.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=.venv-min
 STAMP="$VENV/constraints-min.txt"
 if [ ! -x "$VENV/bin/python" ] || ! cmp -s constraints-min.txt "$STAMP"; then
     rm -rf "$VENV"
-    python -m venv "$VENV"
+    python -m venv --system-site-packages "$VENV"
     "$VENV/bin/python" -m pip install -q -c constraints-min.txt -e ".[test]"
     cp constraints-min.txt "$STAMP"
 fi

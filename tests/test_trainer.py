@@ -79,16 +79,41 @@ def launch_trainer(tmp: Path, name: str, max_steps: int, *extra: str, launch_arg
     return run_script(launcher, tmp / f"{name}.json", tmp / name, 2, max_steps, "--save_strategy", "no", *extra)
 
 
-def test_trainer_script_under_accelerate_launch_is_sharded_on_cpu(tmp_path):
+@pytest.fixture(scope="module")
+def single(tmp_path_factory) -> dict:
+    """The reference: 3 steps on one process (same data order and optimizer: AdamW, lr 1e-2, constant)."""
+    return train(tmp_path_factory.mktemp("single"), "single", 1, 3, "--save_strategy", "no")
+
+
+def test_trainer_script_under_accelerate_launch_is_sharded_on_cpu(tmp_path, single):
     """Issue: on a CPU-only machine this ran two unsynchronised unsharded copies, silently."""
     out = launch_trainer(tmp_path, "launched", 3)
     assert out["all_dtensor"] and out["world"] == 2
-    # Same data order and optimizer as the single-process reference (AdamW, lr 1e-2, constant).
-    single = train(tmp_path, "single", 1, 3, "--save_strategy", "no")
     assert out["losses"] == pytest.approx(single["losses"], abs=1e-4)
     # bf16 on CPU: runs (CPU autocast) instead of stopping at the Trainer's GPU check.
     bf16 = launch_trainer(tmp_path, "bf16", 2, "--bf16", "true")
     assert bf16["all_dtensor"] and bf16["losses"][0] == pytest.approx(out["losses"][0], abs=5e-2)
+
+
+@pytest.mark.parametrize("fsdp, edit, extra, reshards, offloads", [
+    ("shard_grad_op auto_wrap", {"reshard_after_forward": None},  # the fsdp_config's own value would win
+     ("--gradient_accumulation_steps", "2", "--per_device_train_batch_size", "2"),
+     False, False),
+    ("full_shard auto_wrap offload", {"cpu_ram_efficient_loading": True}, (), True, True),
+], ids=["shard_grad_op-accumulation", "offload-ram_efficient_loading"])
+def test_trainer_fsdp_options_match_one_process(tmp_path, single, fsdp, edit, extra, reshards, offloads):
+    """Transformers' tests/fsdp/test_fsdp.py runs its Trainer with `--fsdp "<strategy> auto_wrap"`
+    (full_shard / shard_grad_op), with gradient accumulation (test_basic_run_with_gradient_accumulation),
+    with `offload` (test_basic_run_with_cpu_offload) and `cpu_ram_efficient_loading` in its fsdp_config;
+    here each also equals the single-process reference."""
+    config = {**json.loads((ROOT / "accelerate_configs" / "fsdp2.json").read_text()), **edit}
+    config = {key: value for key, value in config.items() if value is not None}
+    (tmp_path / "fsdp.json").write_text(json.dumps(config))
+    out = train(tmp_path, "run", 2, 3, "--save_strategy", "no", "--fsdp", fsdp, "--fsdp_config",
+                str(tmp_path / "fsdp.json"), *extra)
+    assert out["all_dtensor"] and out["world"] == 2
+    assert (out["reshard_after_forward"], out["offload"]) == (reshards, offloads)
+    assert out["losses"] == pytest.approx(single["losses"], abs=1e-4)
 
 
 def _weights(directory: Path) -> dict:
@@ -130,16 +155,25 @@ def test_evaluation_best_model_and_rotation(tmp_path):
 
 
 def test_save_only_model_checkpoints_hold_only_the_model(tmp_path):
-    """`save_only_model=True`: weights and trainer_state.json, no optimizer/RNG; resuming from it is
-    refused with a clear error. (The Trainer itself refuses save_only_model with SHARDED_STATE_DICT.)"""
+    """`save_only_model=True` under `accelerate launch`: weights (equal to one process's) and
+    trainer_state.json, no optimizer/RNG; resuming from it is refused with a clear error. (The Trainer
+    itself refuses save_only_model with SHARDED_STATE_DICT, hence FULL_STATE_DICT.)"""
+    import torch
+
     config = json.loads((ROOT / "accelerate_configs" / "fsdp2.json").read_text())
     config["state_dict_type"] = "FULL_STATE_DICT"
     (tmp_path / "full.json").write_text(json.dumps(config))
-    train(tmp_path, "only", 2, 2, "--save_strategy", "steps", "--save_steps", "2", "--save_only_model", "true",
-          "--fsdp_config", str(tmp_path / "full.json"))
-    names = {p.name for p in (tmp_path / "out" / "checkpoint-2").iterdir()}
+    flags = ("--save_strategy", "steps", "--save_steps", "2", "--save_only_model", "true")
+    train(tmp_path / "one", "one", 1, 2, *flags, "--fsdp_config", str(tmp_path / "full.json"))
+    full = ("--fsdp_state_dict_type", "FULL_STATE_DICT")
+    launch_trainer(tmp_path, "two", 2, *flags, launch_args=full)
+    saved = tmp_path / "two" / "checkpoint-2"
+    names = {p.name for p in saved.iterdir()}
     assert {"model.safetensors", "config.json", "trainer_state.json"} <= names
     assert not names & {"optimizer.safetensors", "rng", "hf_fsdp2_state.json"}
+    two, one = _weights(saved), _weights(tmp_path / "one" / "out" / "checkpoint-2")
+    assert two.keys() == one.keys()
+    # Adam's normalised steps (lr 1e-2) turn reduction-order differences of the gradients into ~1e-5.
+    assert all(torch.allclose(two[k].float(), one[k].float(), atol=1e-4, rtol=0) for k in one)
     with pytest.raises(AssertionError, match="holds only the model"):
-        train(tmp_path, "resume", 2, 4, "--save_strategy", "no", "--resume", str(tmp_path / "out" / "checkpoint-2"),
-              "--fsdp_config", str(tmp_path / "full.json"))
+        launch_trainer(tmp_path, "resume", 4, "--resume", str(saved), launch_args=full)

@@ -36,13 +36,17 @@ def main():
     trainer.train(resume_from_checkpoint=script.resume)
     if script.final_dir:
         trainer.save_model(script.final_dir)
+    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
     from torch.distributed.tensor import DTensor
 
+    groups = [m._get_fsdp_state()._fsdp_param_group for m in model.modules() if isinstance(m, FSDPModule)]
+    groups = [g for g in groups if g is not None]
     if trainer.is_world_process_zero():
         losses = {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
         Path(script.report).write_text(json.dumps({
             "losses": losses, "all_dtensor": all(isinstance(p, DTensor) for p in model.parameters()),
-            "world": trainer.args.world_size, "best_model_checkpoint": trainer.state.best_model_checkpoint,
+            "world": trainer.args.world_size, "offload": all(isinstance(g.offload_policy, CPUOffloadPolicy) for g in groups),
+            "reshard_after_forward": any(g.post_forward_mesh_info is not None for g in groups), "best_model_checkpoint": trainer.state.best_model_checkpoint,
             "eval_losses": {h["step"]: h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h}}))
 
 
