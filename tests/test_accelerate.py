@@ -190,3 +190,33 @@ except ValueError as e:
     assert lines[-3] == "torch.bfloat16 torch.bfloat16 torch.float32", proc.stdout
     assert lines[-2] == "torch.bfloat16 torch.float32 None", proc.stdout
     assert lines[-1].startswith("refused: ") and "cast_forward_inputs=False" in lines[-1], proc.stdout
+
+
+def test_mixed_precision_upcasts_trainable_weights_to_fp32_masters():
+    """Ported from Accelerate's tests/fsdp/test_fsdp.py (FSDP2PluginIntegration:
+    test_fsdp2_uniform_dtype_upcast_bf16/_fp16, test_fsdp2_no_dtype_cast_when_no_mixed_precision), where
+    fully_shard is mocked; here the model is really prepared (one gloo rank). A bf16 Linear beside an
+    fp32 LayerNorm: bf16/fp16 mixed precision keeps fp32 master weights for all, 'no' keeps the dtypes."""
+    code = """
+import os
+os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["PORT"])
+import torch, hf_fsdp2
+from accelerate import Accelerator
+from accelerate.state import AcceleratorState
+from accelerate.utils import FullyShardedDataParallelPlugin
+from torch.distributed.tensor import DTensor
+hf_fsdp2.register()
+for precision in ("bf16", "fp16", "no"):
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    model[0].to(torch.bfloat16)
+    accelerator = Accelerator(mixed_precision=precision, fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2))
+    model, _ = accelerator.prepare(model, torch.optim.AdamW(model.parameters()))
+    assert all(isinstance(p, DTensor) for p in model.parameters())
+    print(precision, sorted({str(p.dtype) for p in model.parameters()}))
+    AcceleratorState._reset_state(True)
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT,
+                          env={**os.environ, "PORT": str(free_port()), "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-3:] == [
+        "bf16 ['torch.float32']", "fp16 ['torch.float32']", "no ['torch.bfloat16', 'torch.float32']"], proc.stdout
