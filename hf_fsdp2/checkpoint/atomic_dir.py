@@ -74,17 +74,18 @@ def _error_code(error: BaseException) -> int:
     return code if isinstance(code, int) and 0 < code < 4096 else 1
 
 
-def agree(error: BaseException | None, what: str) -> None:
+def agree(error: BaseException | None, what: str, group=None) -> None:
     """Raise on every rank if any rank failed; the failing rank re-raises its own error.
 
     The only collective is an all-reduce of one integer (an errno, or 1), so a failure on one rank
-    becomes a clear error everywhere instead of a hang at the next barrier.
+    becomes a clear error everywhere instead of a hang at the next barrier. `group`: the process
+    group to agree on (a background save's own gloo group; default: the default group).
     Collective: call on every rank.
     """
     code = 0 if error is None else _error_code(error)
     if dist.is_initialized():
         flag = torch.tensor([code], dtype=torch.int64)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
         code = int(flag.item())
     if error is not None:
         raise error
@@ -286,12 +287,13 @@ def _resolve(target: str | os.PathLike) -> Path:
 
 @contextlib.contextmanager
 def committed_directory(target: str | os.PathLike, *, weights_names: Iterable[str] = (), what: str = "saving",
-                        durable: bool = True) -> Iterator[Path]:
+                        durable: bool = True, group=None) -> Iterator[Path]:
     """Yield a staging directory on every rank; commit it as `target` when every rank succeeded.
 
     `weights_names`: the weights files this save writes (their previous layouts are replaced too).
     Any exception on any rank, of any type, leaves the previous `target` as it was and raises on
     every rank. `durable=False`: no fsyncs (atomic for crashes of processes, not of the machine).
+    `group`: the process group the ranks agree on (see `agree`).
     Collective: call on every rank.
     """
     target = _resolve(target)
@@ -310,13 +312,13 @@ def committed_directory(target: str | os.PathLike, *, weights_names: Iterable[st
                 staging.mkdir()
             except BaseException as e:  # noqa: BLE001 - every rank must learn about it
                 error = e
-        agree(error, f"preparing {target}")
+        agree(error, f"preparing {target}", group)
         try:
             yield staging
         except BaseException as e:  # noqa: BLE001 - every rank must learn about it
             error = e
         try:
-            agree(error, f"{what} {target}")
+            agree(error, f"{what} {target}", group)
         except BaseException:
             if _rank() == 0:
                 shutil.rmtree(staging, ignore_errors=True)  # the previous `target` is untouched
@@ -329,4 +331,4 @@ def committed_directory(target: str | os.PathLike, *, weights_names: Iterable[st
                 error = e
                 with contextlib.suppress(Exception):
                     recover(target, replaced)  # back to one complete copy: the previous or the new
-        agree(error, f"committing {target}")
+        agree(error, f"committing {target}", group)

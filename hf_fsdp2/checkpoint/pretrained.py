@@ -20,6 +20,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from tqdm.auto import tqdm
 
+from . import async_save
+from .async_save import SaveHandle
 from .atomic_dir import committed_directory
 from .key_conversion import DiskView, disk_views
 from ..config import FSDP2Config, parse_dtype
@@ -160,7 +162,7 @@ def _write_adapter_config(model: nn.Module, directory: Path) -> None:
 def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, *, dtype: torch.dtype | str | None = None,
                     max_shard_size: int | str | None = None, merge_adapters: bool = False,
                     write_extra: Callable[[Path], None] | None = None, progress: bool | None = None,
-                    durable: bool = True) -> None:
+                    durable: bool = True, blocking: bool = True) -> SaveHandle | None:
     """Save a sharded model in the Hugging Face layout, every rank writing only its own rows.
 
     Plain model: `config.json`, `model.safetensors` (or `model-0000k-of-0000n.safetensors` and
@@ -173,10 +175,14 @@ def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, *, dtyp
     files (a tokenizer) that commit with the weights. Files and directories are fsynced before the
     commit; `durable=False` skips that (about 3x faster for small models here, see benchmarks/README.md):
     a crashed process still never leaves a partial directory, a crashed machine may.
+    `blocking=False`: return a `SaveHandle` once this rank's rows are copied to host memory; writing
+    and committing go on in the background (checkpoint/async_save.py). Any save first waits for the
+    previous one.
 
     Collective: call on every rank. Apart from A matrices for merging, the only collectives are
     one-integer all-reduces that let every rank agree that the writes succeeded.
     """
+    async_save.wait_pending()
     dtype = parse_dtype(dtype, "dtype")
     items, is_adapter = export_items(model, dtype, merge_adapters)
     weights_name = ADAPTER_FILE if is_adapter else SINGLE_FILE
@@ -184,14 +190,27 @@ def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, *, dtyp
         max_shard_size = transformers_max_shard_size()
     total_parameters = None if is_adapter else sum(
         item.tensor.numel() for item in items if isinstance(item.tensor, nn.Parameter))
-    with committed_directory(save_directory, weights_names=(weights_name,), what="saving",
-                             durable=durable) as staging:
-        write_tensors(items, staging, weights_name=weights_name, max_shard_size=max_shard_size, progress=progress,
-                      durable=durable, total_parameters=total_parameters)
-        if _rank() == 0:
-            write_configs(model, staging, is_adapter, dtype)
-            if write_extra is not None:
-                write_extra(staging)
+
+    def small_files(staging: Path) -> None:  # rank 0
+        write_configs(model, staging, is_adapter, dtype)
+        if write_extra is not None:
+            write_extra(staging)
+
+    def commit(items, small_files, group=None) -> None:
+        with committed_directory(save_directory, weights_names=(weights_name,), what="saving",
+                                 durable=durable, group=group) as staging:
+            write_tensors(items, staging, weights_name=weights_name, max_shard_size=max_shard_size,
+                          progress=progress, durable=durable, total_parameters=total_parameters)
+            if _rank() == 0:
+                small_files(staging)
+
+    if blocking:
+        commit(items, small_files)
+        return None
+    staged = async_save.staging_pool().stage(items, "pretrained")
+    files = async_save.capture_files(small_files) if _rank() == 0 else {}
+    return async_save.submit(Path(save_directory).absolute(), lambda group: commit(
+        staged, lambda staging: async_save.write_captured(files, staging, durable), group))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -318,6 +337,7 @@ def load_pretrained(model: nn.Module, directory: str | os.PathLike, *, strict: b
     Every key, shape and dtype is checked before any weight changes.
     Collective: call on every rank (no communication; every rank reads its rows in parallel).
     """
+    async_save.wait_pending()  # a save still in flight may be of this very directory
     WeightsPlan(model, _existing_dir(Path(directory)), strict).read(progress)
     return model
 

@@ -29,6 +29,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from . import async_save
+from .async_save import SaveHandle
 from .atomic_dir import agree, committed_directory, old_path, staging_path
 from .pretrained import ADAPTER_FILE, WeightsPlan, export_items, load_tensors, write_configs, write_tensors
 from .safetensors_io import CheckpointError, CheckpointFiles, TensorSpec, read_json_file, write_json
@@ -223,19 +225,23 @@ def _to_json(value: Any, what: str) -> Any:
 def save_state(directory: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer,
                scheduler: Any = None, *, step: int, extra: dict | None = None, keep_last: int | None = None,
                write_extra: Callable[[Path], None] | None = None, progress: bool | None = None,
-               durable: bool = True) -> Path:
+               durable: bool = True, blocking: bool = True) -> Path | SaveHandle:
     """Save model, optimizer, scheduler and RNG states to `directory`, committed atomically.
 
     `extra`: any JSON-serialisable dict, returned by `load_state`. `keep_last=N` deletes older
     complete states in the same parent directory, keeping the N with the highest step.
     `write_extra(staging_dir)`: runs on rank 0 to add files (a tokenizer, the Trainer's state) that
     must commit together with the checkpoint. `durable=False` skips the fsyncs (see `save_pretrained`).
+    `blocking=False`: return a `SaveHandle` once this rank's rows are copied to host memory; writing
+    and committing go on in the background (checkpoint/async_save.py). Any save first waits for the
+    previous one.
     Collective: call on every rank.
     """
     if not isinstance(step, int) or step < 0:
         raise ValueError(f"`step`={step!r} must be a non-negative int.")
     if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
         raise ValueError(f"`keep_last`={keep_last!r} must be a positive int or None.")
+    async_save.wait_pending()
     directory = Path(directory).absolute()
     model_items, is_adapter = export_items(model, None, False)
     opt_items, opt_other, groups = _optimizer_items(model, optimizer)
@@ -250,29 +256,42 @@ def save_state(directory: str | os.PathLike, model: nn.Module, optimizer: torch.
         "optimizer_state": _to_json(opt_other, "optimizer state"),
         "scheduler": _to_json(scheduler.state_dict(), "scheduler.state_dict()") if scheduler is not None else None,
     }
-    weights_name = ADAPTER_FILE if is_adapter else "model.safetensors"
-    with committed_directory(directory, weights_names=(weights_name, OPTIMIZER_FILE), what="saving state",
-                             durable=durable) as staging:
-        write_tensors(model_items, staging, weights_name=weights_name,
-                      progress=progress, durable=durable)
-        if opt_items:
-            write_tensors(opt_items, staging, weights_name=OPTIMIZER_FILE, progress=progress, durable=durable)
-        (staging / "rng").mkdir(exist_ok=True)
-        write_json(staging / "rng" / f"rank-{_rank():05d}.json", _rng_state(), durable=durable)
-        if _rank() == 0:
-            write_configs(model, staging, is_adapter, None)
-            if write_extra is not None:
-                write_extra(staging)
-            write_json(staging / MANIFEST, manifest, durable=durable)
-            write_json(staging / MARKER, {"format": FORMAT, "step": step}, durable=durable)
-    error = None
-    if keep_last is not None and _rank() == 0:
-        try:
-            _rotate(directory.parent, keep_last)
-        except OSError as e:
-            error = e
-    agree(error, f"rotating states beside {directory}")
-    return directory
+    rng = _rng_state()
+
+    def small_files(staging: Path) -> None:  # rank 0
+        write_configs(model, staging, is_adapter, None)
+        if write_extra is not None:
+            write_extra(staging)
+
+    def commit(model_items, opt_items, small_files, group=None) -> None:
+        weights_name = ADAPTER_FILE if is_adapter else "model.safetensors"
+        with committed_directory(directory, weights_names=(weights_name, OPTIMIZER_FILE), what="saving state",
+                                 durable=durable, group=group) as staging:
+            write_tensors(model_items, staging, weights_name=weights_name, progress=progress, durable=durable)
+            if opt_items:
+                write_tensors(opt_items, staging, weights_name=OPTIMIZER_FILE, progress=progress, durable=durable)
+            (staging / "rng").mkdir(exist_ok=True)
+            write_json(staging / "rng" / f"rank-{_rank():05d}.json", rng, durable=durable)
+            if _rank() == 0:
+                small_files(staging)
+                write_json(staging / MANIFEST, manifest, durable=durable)
+                write_json(staging / MARKER, {"format": FORMAT, "step": step}, durable=durable)
+        error = None
+        if keep_last is not None and _rank() == 0:
+            try:
+                _rotate(directory.parent, keep_last)
+            except OSError as e:
+                error = e
+        agree(error, f"rotating states beside {directory}", group)
+
+    if blocking:
+        commit(model_items, opt_items, small_files)
+        return directory
+    pool = async_save.staging_pool()
+    staged_model, staged_opt = pool.stage(model_items, "state-model"), pool.stage(opt_items, "state-optimizer")
+    files = async_save.capture_files(small_files) if _rank() == 0 else {}
+    return async_save.submit(directory, lambda group: commit(
+        staged_model, staged_opt, lambda staging: async_save.write_captured(files, staging, durable), group))
 
 
 _MANIFEST_TYPES = {"step": int, "extra": dict, "world_size": int, "weights": str, "param_groups": list,
@@ -329,6 +348,7 @@ def load_state(directory: str | os.PathLike, model: nn.Module, optimizer: torch.
     `load_weights=False` skips the model weights (already loaded with `load_pretrained`).
     Collective: call on every rank.
     """
+    async_save.wait_pending()  # a save still in flight may be of this very directory
     directory = Path(directory)
     manifest = read_manifest(directory)
     rng_file = _rng_file(directory)

@@ -1,0 +1,201 @@
+"""Asynchronous saves: training waits only for a copy of its own rows.
+
+A save with `blocking=False` (`save_state`, `save_pretrained`) runs in two parts:
+
+1. On the calling thread, now: each rank copies the rows it writes into host staging memory
+   (`StagingPool`: one buffer per tensor, reused from save to save, pinned when the tensors live on
+   CUDA, so the staging costs one copy of the rank's shard of what is saved), and rank 0 renders
+   the small files (configs, the Trainer's state, a tokenizer) into memory.
+2. On one background thread: the files are written (and fsynced), the ranks agree that every rank
+   succeeded, and the directory is committed by the same atomic rename as a blocking save.
+
+The agreement in (2) runs on a separate gloo process group created once (collectively, by the first
+asynchronous save), never on the training's group: collectives issued from a background thread on
+the training's group would interleave with the training's own and pair up wrongly across ranks.
+
+One save is in flight at a time: every save (blocking or not) first waits for the previous one. A
+failure in the background (disk full, a rank killed) is raised by `SaveHandle.wait()`, or else by
+the next save, on every rank (all ranks take part in the agreement); the previous complete
+checkpoint is untouched and is what `latest_state` returns. At exit the process waits for a pending
+save; if it failed, it says so on stderr and exits with status 1 instead of reporting success.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import sys
+import tempfile
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .safetensors_io import TensorSpec
+
+
+@dataclass(frozen=True)
+class StagedTensor:
+    """A file tensor's rows this rank writes, already copied off the live parameters. Quacks like
+    `ExportTensor` for `write_tensors` (name, spec, rows(), block())."""
+
+    name: str
+    spec: TensorSpec
+    start: int
+    stop: int
+    data: torch.Tensor | None  # None when this rank writes no rows of it
+
+    def rows(self) -> tuple[int, int]:
+        return self.start, self.stop
+
+    def block(self) -> torch.Tensor:
+        assert self.data is not None, f"{self.name}: this rank writes no rows"
+        return self.data
+
+
+class StagingPool:
+    """Host buffers for staged rows, kept between saves (allocating and pinning memory every save
+    would cost more than the copy)."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[str, str], torch.Tensor] = {}
+
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self._buffers.values())
+
+    def stage(self, items: Sequence, kind: str) -> list[StagedTensor]:
+        """Copy this rank's rows of every item (an `ExportTensor`) into the pool."""
+        staged, on_cuda = [], False
+        with torch.no_grad():
+            for item in items:
+                start, stop = item.rows()
+                if stop <= start:
+                    staged.append(StagedTensor(item.name, item.spec, start, stop, None))
+                    continue
+                source = item.block()
+                key = (kind, item.name)
+                buffer = self._buffers.get(key)
+                if buffer is None or buffer.shape != source.shape or buffer.dtype != source.dtype:
+                    buffer = torch.empty(source.shape, dtype=source.dtype, device="cpu", pin_memory=source.is_cuda)
+                    self._buffers[key] = buffer
+                buffer.copy_(source, non_blocking=source.is_cuda)
+                on_cuda = on_cuda or source.is_cuda
+                staged.append(StagedTensor(item.name, item.spec, start, stop, buffer))
+        if on_cuda:
+            torch.cuda.current_stream().synchronize()  # the copies are in the buffers before training goes on
+        return staged
+
+
+def capture_files(write: Callable[[Path], None]) -> dict[str, bytes]:
+    """Run `write(directory)` into a scratch directory now; its files, by relative path."""
+    with tempfile.TemporaryDirectory(prefix="hf_fsdp2-async-") as scratch:
+        root = Path(scratch)
+        write(root)
+        return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def write_captured(files: dict[str, bytes], directory: Path, durable: bool) -> None:
+    for relative, data in files.items():
+        path = directory / relative
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "wb") as f:
+            f.write(data)
+            f.flush()
+            if durable:
+                os.fsync(f.fileno())
+
+
+class SaveHandle:
+    """A save running in the background. `wait()` returns its directory or raises its error."""
+
+    def __init__(self, directory: Path, work: Callable[[], None]):
+        self.directory = directory
+        self._error: BaseException | None = None
+        self._reported = False
+        self._thread = threading.Thread(target=self._run, args=(work,), name="hf_fsdp2-async-save", daemon=True)
+        self._thread.start()
+
+    def _run(self, work: Callable[[], None]) -> None:
+        try:
+            work()
+        except BaseException as e:  # noqa: BLE001 - handed to whoever waits
+            self._error = e
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def wait(self, timeout: float | None = None) -> Path:
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise TimeoutError(f"the background save of {self.directory} is still running after {timeout} s")
+        if self._error is not None:
+            self._reported = True
+            raise self._error
+        return self.directory
+
+    def __repr__(self) -> str:
+        state = "running" if not self.done() else ("failed" if self._error else "committed")
+        return f"SaveHandle({str(self.directory)!r}, {state})"
+
+
+_pool = StagingPool()
+_pending: SaveHandle | None = None
+_group = None
+_exit_hook_installed = False
+
+
+def staging_pool() -> StagingPool:
+    return _pool
+
+
+def wait_pending() -> None:
+    """Wait for the save in flight, if any; raise its error unless its `wait()` already did."""
+    global _pending
+    handle, _pending = _pending, None
+    if handle is None:
+        return
+    already_reported = handle._reported
+    try:
+        handle.wait()
+    except BaseException:
+        if not already_reported:
+            raise
+
+
+def _agreement_group():
+    """The gloo group background saves agree on; created once, collectively (every rank saves)."""
+    global _group
+    if not dist.is_initialized():
+        return None
+    if _group is None:
+        _group = dist.new_group(backend="gloo")
+    return _group
+
+
+def submit(directory: Path, commit: Callable[[object], None]) -> SaveHandle:
+    """Run `commit(group)` in the background (the previous save has been waited for by the caller)."""
+    global _pending, _exit_hook_installed
+    group = _agreement_group()
+    if not _exit_hook_installed:
+        atexit.register(_wait_at_exit)  # registered after exit_guard's, so it runs before it
+        _exit_hook_installed = True
+    _pending = SaveHandle(directory, lambda: commit(group))
+    return _pending
+
+
+def _wait_at_exit() -> None:
+    handle = _pending
+    if handle is None:
+        return
+    already_reported = handle._reported
+    try:
+        handle.wait()
+    except BaseException as e:  # noqa: BLE001
+        if not already_reported:
+            print(f"hf_fsdp2: the background save of {handle.directory} failed: {type(e).__name__}: {e}. "
+                  "Nothing of it was committed; the previous complete checkpoint is intact.", file=sys.stderr)
+            sys.stderr.flush()
+            os._exit(1)
