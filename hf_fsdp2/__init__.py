@@ -12,6 +12,7 @@ from .integrations import trainer as _trainer_backend  # noqa: E402
 from .checkpoint.pretrained import from_pretrained, load_pretrained, save_pretrained  # noqa: E402
 from .checkpoint.errors import CheckpointError  # noqa: E402
 from .checkpoint.state import latest_state, load_state, save_state  # noqa: E402
+from .checkpoint.async_save import SaveHandle, wait_pending as wait_for_saves  # noqa: E402
 from .sharding import no_sync, shard_model  # noqa: E402
 
 __version__ = "0.1.0"
@@ -39,6 +40,7 @@ def unregister() -> None:
 __all__ = [
     "CheckpointError",
     "FSDP2Config",
+    "SaveHandle",
     "build_mesh",
     "from_pretrained",
     "init_distributed",
@@ -51,4 +53,5 @@ __all__ = [
     "save_state",
     "shard_model",
     "unregister",
+    "wait_for_saves",
 ]

@@ -130,6 +130,9 @@ class FSDP2Config:
         shard_size: ranks each replica shards over; None: world_size // replicate_size.
         frozen_dtype: dtype frozen (requires_grad=False) parameters are stored in, e.g. bf16 base weights
             under fp32 LoRA adapters; None leaves them as they are.
+        async_save: the integrations' checkpoints (Accelerate's `save_state`, the Trainer's) return once
+            each rank's rows are copied to host memory and commit in the background
+            (checkpoint/async_save.py); `register(async_save=True)` or HF_FSDP2_ASYNC_SAVE=1.
     """
 
     wrap_policy: str = "transformer"
@@ -147,6 +150,7 @@ class FSDP2Config:
     replicate_size: int = 1
     shard_size: int | None = None
     frozen_dtype: torch.dtype | str | None = None
+    async_save: bool = False
 
     def __post_init__(self) -> None:
         self.wrap_policy = _parse_wrap_policy(self.wrap_policy)
@@ -169,6 +173,7 @@ class FSDP2Config:
         self.backward_prefetch = _parse_int(self.backward_prefetch, "backward_prefetch", 0)
         self.activation_checkpointing = parse_bool(self.activation_checkpointing, "activation_checkpointing")
         self.cpu_offload = parse_bool(self.cpu_offload, "cpu_offload")
+        self.async_save = parse_bool(self.async_save, "async_save")
         if self.activation_checkpointing and self.wrap_policy != "transformer":
             raise ValueError(f"`activation_checkpointing` recomputes each decoder layer: it needs "
                              f"`wrap_policy`='transformer', not {self.wrap_policy!r}.")

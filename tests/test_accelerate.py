@@ -51,8 +51,10 @@ def reference_losses(steps: int = 5, use_lora: bool = False) -> list[float]:
 
 def test_fsdp2_yaml_on_cpu_shards_trains_saves_and_resumes_elsewhere(tmp_path):
     reference = reference_losses()
+    # HF_FSDP2_ASYNC_SAVE=1: save_state returns at once; the script then ends (end_training destroys
+    # the process group, the interpreter exits), and the state must still be committed whole.
     first = launch("fsdp2.yaml", 2, tmp_path / "a.json", "--steps", "3", "--save-model", str(tmp_path / "model"),
-                   "--save-state", str(tmp_path / "state"))
+                   "--save-state", str(tmp_path / "state"), env={"HF_FSDP2_ASYNC_SAVE": "1"})
     assert first["distributed_type"] == "DistributedType.FSDP" and first["world"] == 2
     assert first["all_dtensor"] and first["opt_params_are_model_params"]
     assert first["losses"] == pytest.approx(reference[:3], abs=1e-4)

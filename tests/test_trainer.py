@@ -19,14 +19,14 @@ GLOBAL_BATCH = 8
 
 
 def run_script(launcher: list[str], report: Path, output_dir: Path, processes: int, max_steps: int,
-               *extra: str) -> dict:
+               *extra: str, env: dict | None = None) -> dict:
     """Run the Trainer script under `launcher` with the shared training arguments; its report."""
     cmd = [*launcher, str(SCRIPT), "--report", str(report), "--output_dir", str(output_dir),
            "--max_steps", str(max_steps), "--per_device_train_batch_size", str(GLOBAL_BATCH // processes),
            "--learning_rate", "1e-2", "--lr_scheduler_type", "constant", "--logging_steps", "1",
            "--report_to", "none", "--disable_tqdm", "true", *extra]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
     out = json.loads(report.read_text())
     out["losses"] = [out["losses"][str(i)] for i in range(1, max_steps + 1)]
@@ -70,13 +70,15 @@ def test_checkpoint_and_resume_on_another_process_count(tmp_path, use_lora, befo
         AutoModelForCausalLM.from_pretrained(tmp_path / "final")
 
 
-def launch_trainer(tmp: Path, name: str, max_steps: int, *extra: str, launch_args: tuple = ()) -> dict:
+def launch_trainer(tmp: Path, name: str, max_steps: int, *extra: str, launch_args: tuple = (),
+                   env: dict | None = None) -> dict:
     """The same Trainer script under `accelerate launch --config_file accelerate_configs/fsdp2.yaml`
     and no `--fsdp` flag: how libraries built on the Trainer document FSDP."""
     launcher = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
                 str(ROOT / "accelerate_configs" / "fsdp2.yaml"), "--num_processes", "2",
                 "--main_process_port", str(free_port()), *launch_args]
-    return run_script(launcher, tmp / f"{name}.json", tmp / name, 2, max_steps, "--save_strategy", "no", *extra)
+    return run_script(launcher, tmp / f"{name}.json", tmp / name, 2, max_steps, "--save_strategy", "no", *extra,
+                      env=env)
 
 
 @pytest.fixture(scope="module")
@@ -139,9 +141,10 @@ def test_evaluation_best_model_and_rotation(tmp_path):
     assert best.name == Path(one["best_model_checkpoint"]).name
     kept = sorted(p.name for p in (tmp_path / "two" / "out").glob("checkpoint-*"))
     assert best.name in kept and len(kept) <= 2  # the best and the latest
-    # The same under `accelerate launch --config_file fsdp2.yaml` (no --fsdp flag).
-    launched = launch_trainer(tmp_path, "launched", 6, *flags)
-    assert launched["all_dtensor"] and launched["eval_losses"] == pytest.approx(one["eval_losses"], abs=1e-4)
+    # The same under `accelerate launch --config_file fsdp2.yaml` (no --fsdp flag), with asynchronous
+    # checkpoints: rotation after each commit, the best one loaded once its save is done.
+    launched = launch_trainer(tmp_path, "launched", 6, *flags, env={"HF_FSDP2_ASYNC_SAVE": "1"})
+    assert launched["async_save"] and launched["all_dtensor"] and launched["eval_losses"] == pytest.approx(one["eval_losses"], abs=1e-4)
     assert Path(launched["best_model_checkpoint"]).name == best.name
     assert len(list((tmp_path / "launched").glob("checkpoint-*"))) <= 2
     final, saved = _weights(tmp_path / "final"), _weights(best)

@@ -18,11 +18,14 @@ failure in the background (disk full, a rank killed) is raised by `SaveHandle.wa
 the next save, on every rank (all ranks take part in the agreement); the previous complete
 checkpoint is untouched and is what `latest_state` returns. At exit the process waits for a pending
 save; if it failed, it says so on stderr and exits with status 1 instead of reporting success.
+`torch.distributed.destroy_process_group` (which would destroy the agreement group under a pending
+save) is wrapped, from the first asynchronous save on, to wait for the save first.
 """
 
 from __future__ import annotations
 
 import atexit
+import functools
 import os
 import sys
 import tempfile
@@ -181,9 +184,26 @@ def submit(directory: Path, commit: Callable[[object], None]) -> SaveHandle:
     group = _agreement_group()
     if not _exit_hook_installed:
         atexit.register(_wait_at_exit)  # registered after exit_guard's, so it runs before it
+        _wrap_destroy_process_group()
         _exit_hook_installed = True
     _pending = SaveHandle(directory, lambda: commit(group))
     return _pending
+
+
+def _wrap_destroy_process_group() -> None:
+    """`dist.destroy_process_group()` (scripts end with it; so does `Accelerator.end_training`) also
+    destroys the agreement group a pending save still needs: wait for the save first."""
+    original = dist.destroy_process_group
+
+    @functools.wraps(original)
+    def destroy_process_group(group=None):
+        global _group
+        wait_pending()
+        if group is None:
+            _group = None  # destroyed with the rest
+        return original(group)
+
+    dist.destroy_process_group = destroy_process_group
 
 
 def _wait_at_exit() -> None:

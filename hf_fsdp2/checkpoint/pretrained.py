@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 
 from . import async_save
 from .async_save import SaveHandle
-from .atomic_dir import committed_directory
+from .atomic_dir import agree, committed_directory
 from .key_conversion import DiskView, disk_views
 from ..config import FSDP2Config, parse_dtype
 from ..runtime.distributed import build_mesh
@@ -162,7 +162,8 @@ def _write_adapter_config(model: nn.Module, directory: Path) -> None:
 def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, *, dtype: torch.dtype | str | None = None,
                     max_shard_size: int | str | None = None, merge_adapters: bool = False,
                     write_extra: Callable[[Path], None] | None = None, progress: bool | None = None,
-                    durable: bool = True, blocking: bool = True) -> SaveHandle | None:
+                    durable: bool = True, blocking: bool = True,
+                    after_commit: Callable[[], None] | None = None) -> SaveHandle | None:
     """Save a sharded model in the Hugging Face layout, every rank writing only its own rows.
 
     Plain model: `config.json`, `model.safetensors` (or `model-0000k-of-0000n.safetensors` and
@@ -177,7 +178,7 @@ def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, *, dtyp
     a crashed process still never leaves a partial directory, a crashed machine may.
     `blocking=False`: return a `SaveHandle` once this rank's rows are copied to host memory; writing
     and committing go on in the background (checkpoint/async_save.py). Any save first waits for the
-    previous one.
+    previous one. `after_commit()`: runs on rank 0 once the directory is committed (in the background too).
 
     Collective: call on every rank. Apart from A matrices for merging, the only collectives are
     one-integer all-reduces that let every rank agree that the writes succeeded.
@@ -203,6 +204,13 @@ def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, *, dtyp
                           progress=progress, durable=durable, total_parameters=total_parameters)
             if _rank() == 0:
                 small_files(staging)
+        error = None
+        if after_commit is not None and _rank() == 0:
+            try:
+                after_commit()
+            except Exception as e:  # noqa: BLE001 - every rank must learn about it
+                error = e
+        agree(error, f"finishing the save of {save_directory}", group)
 
     if blocking:
         commit(items, small_files)

@@ -225,7 +225,8 @@ def _to_json(value: Any, what: str) -> Any:
 def save_state(directory: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer,
                scheduler: Any = None, *, step: int, extra: dict | None = None, keep_last: int | None = None,
                write_extra: Callable[[Path], None] | None = None, progress: bool | None = None,
-               durable: bool = True, blocking: bool = True) -> Path | SaveHandle:
+               durable: bool = True, blocking: bool = True,
+               after_commit: Callable[[], None] | None = None) -> Path | SaveHandle:
     """Save model, optimizer, scheduler and RNG states to `directory`, committed atomically.
 
     `extra`: any JSON-serialisable dict, returned by `load_state`. `keep_last=N` deletes older
@@ -234,7 +235,8 @@ def save_state(directory: str | os.PathLike, model: nn.Module, optimizer: torch.
     must commit together with the checkpoint. `durable=False` skips the fsyncs (see `save_pretrained`).
     `blocking=False`: return a `SaveHandle` once this rank's rows are copied to host memory; writing
     and committing go on in the background (checkpoint/async_save.py). Any save first waits for the
-    previous one.
+    previous one. `after_commit()`: runs on rank 0 once the state is committed (in the background
+    too), e.g. the Trainer's checkpoint rotation, which must not see an uncommitted checkpoint.
     Collective: call on every rank.
     """
     if not isinstance(step, int) or step < 0:
@@ -277,10 +279,13 @@ def save_state(directory: str | os.PathLike, model: nn.Module, optimizer: torch.
                 write_json(staging / MANIFEST, manifest, durable=durable)
                 write_json(staging / MARKER, {"format": FORMAT, "step": step}, durable=durable)
         error = None
-        if keep_last is not None and _rank() == 0:
+        if _rank() == 0:
             try:
-                _rotate(directory.parent, keep_last)
-            except OSError as e:
+                if keep_last is not None:
+                    _rotate(directory.parent, keep_last)
+                if after_commit is not None:
+                    after_commit()
+            except Exception as e:  # noqa: BLE001 - every rank must learn about it
                 error = e
         agree(error, f"rotating states beside {directory}", group)
 

@@ -391,7 +391,7 @@ def _save_state(self, output_dir=None, safe_serialization=True, **kwargs):
         raise ValueError("hf_fsdp2's save_state needs the optimizer prepared with the model.")
     keep = config.total_limit if config.automatic_checkpoint_naming else None
     save_state(output_dir, model, optimizer, step=self.save_iteration, extra=_accelerate_extra(self),
-               keep_last=keep)
+               keep_last=keep, blocking=not model._hf_fsdp2_config.async_save)
     config.iteration += 1
     return output_dir
 

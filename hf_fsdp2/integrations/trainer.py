@@ -15,6 +15,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from ..checkpoint import async_save
 from ..checkpoint.pretrained import load_pretrained, save_pretrained
 from ..checkpoint.state import MANIFEST, load_rng_state, load_state, save_state
 
@@ -108,6 +109,7 @@ def _save_checkpoint(self, model, trial) -> None:
     from transformers.trainer_callback import ExportableState
     from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
+    async_save.wait_pending()  # the previous checkpoint is on disk before the best one is looked for
     if self.hp_search_backend is None and trial is None:
         self.store_flos()
     run_dir = self._get_output_dir(trial=trial)
@@ -124,16 +126,20 @@ def _save_checkpoint(self, model, trial) -> None:
             self.state.stateful_callbacks[name].append(cb.state())
         else:
             self.state.stateful_callbacks[name] = cb.state()
-    if self.args.save_only_model:  # the weights and trainer_state.json; nothing to resume training from
-        save_pretrained(self.model, output_dir, write_extra=_extra_files(self, with_state=True))
-    else:
-        save_state(output_dir, self.model, self.optimizer, self.lr_scheduler, step=self.state.global_step,
-                   write_extra=_extra_files(self, with_state=True))
+    rotate = None
     if self.args.should_save:
         from transformers.trainer_utils import rotate_checkpoints
 
-        rotate_checkpoints(output_dir=run_dir, save_total_limit=self.args.save_total_limit,
-                           best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
+        # After the commit: an asynchronous checkpoint is not on disk yet when the save returns.
+        rotate = functools.partial(rotate_checkpoints, output_dir=run_dir, save_total_limit=self.args.save_total_limit,
+                                   best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
+    blocking = not self.model._hf_fsdp2_config.async_save
+    if self.args.save_only_model:  # the weights and trainer_state.json; nothing to resume training from
+        save_pretrained(self.model, output_dir, write_extra=_extra_files(self, with_state=True),
+                        blocking=blocking, after_commit=rotate)
+    else:
+        save_state(output_dir, self.model, self.optimizer, self.lr_scheduler, step=self.state.global_step,
+                   write_extra=_extra_files(self, with_state=True), blocking=blocking, after_commit=rotate)
 
 
 def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
