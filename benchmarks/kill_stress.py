@@ -4,6 +4,7 @@ checkpoint must load bit-exact and `latest_state` must never return a partial on
 (`tests/kill_trials.py` has the trial and its checks).
 
     python benchmarks/kill_stress.py --trials 20
+    python benchmarks/kill_stress.py --trials 20 --async   # the saves with blocking=False
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--trials", type=int, default=20)
     parser.add_argument("--first-seed", type=int, default=1000)
+    parser.add_argument("--async", dest="asynchronous", action="store_true",
+                        help="save with blocking=False: kills land in the staging or the background commit")
     args = parser.parse_args()
     seen = collections.Counter()
     start = time.time()
@@ -30,7 +33,7 @@ def main() -> None:
     for seed in range(args.first_seed, args.first_seed + args.trials):
         with tempfile.TemporaryDirectory() as tmp:
             try:
-                r = run_trial(Path(tmp), seed)
+                r = run_trial(Path(tmp), seed, blocking=not args.asynchronous)
             except AssertionError as e:
                 failures += 1
                 print(f"FAIL {e}")

@@ -3,7 +3,8 @@ trials) and `benchmarks/kill_stress.py` (many).
 
 One trial, on 2 gloo ranks: train, save a complete model (`model/`) and state (`states/step-1`),
 train again, write reference copies of the new weights, then one random rank SIGKILLs itself at a
-random moment while overwriting `model/` and saving `states/step-2`. Afterwards `model/` must be
+random moment while overwriting `model/` and saving `states/step-2` (with `blocking=False`, the
+moment falls in the staging or in the background write and commit). Afterwards `model/` must be
 exactly the old or exactly the new weights (every tensor, bit for bit), `latest_state` must return
 a complete state whose weights are bit-exact and that `load_state` accepts, and the next save into
 the same places must repair whatever the kill left.
@@ -31,7 +32,7 @@ def _step(model, opt, rank, world, seed):
     opt.zero_grad()
 
 
-def _trial_worker(rank, world, root, seed):
+def _trial_worker(rank, world, root, seed, blocking=True):
     from hf_fsdp2 import save_pretrained, shard_model
     from hf_fsdp2.checkpoint.state import save_state
 
@@ -51,8 +52,12 @@ def _trial_worker(rank, world, root, seed):
     victim, delay = rng.randrange(world), rng.uniform(0, took * 1.5)  # the two saves below take ~2/3 of `took`
     if rank == victim:
         threading.Timer(delay, os.kill, (os.getpid(), signal.SIGKILL)).start()
-    save_pretrained(model, root / "model", durable=False)
-    save_state(root / "states" / "step-2", model, opt, step=2, durable=False)
+    first = save_pretrained(model, root / "model", durable=False, blocking=blocking)
+    second = save_state(root / "states" / "step-2", model, opt, step=2, durable=False, blocking=blocking)
+    if not blocking:
+        _step(model, opt, rank, world, seed=3)  # training goes on while the background commits
+        assert first.done()  # the second save waited for the first
+        second.wait()
     time.sleep(took * 1.5 if rank == victim else 0)  # the victim dies in here at the latest
     return "survived"
 
@@ -68,12 +73,12 @@ def _same(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def run_trial(root: Path, seed: int) -> dict:
+def run_trial(root: Path, seed: int, blocking: bool = True) -> dict:
     """One trial; returns what it found. Raises AssertionError if anything was lost or mixed."""
     from hf_fsdp2 import save_pretrained
     from hf_fsdp2.checkpoint.state import latest_state, load_state, save_state
 
-    out, errors = run_ranks_collecting_errors(_trial_worker, 2, str(root), seed, timeout=180, pg_timeout=20)
+    out, errors = run_ranks_collecting_errors(_trial_worker, 2, str(root), seed, blocking, timeout=180, pg_timeout=20)
     killed = any("exited with code -9" in e for e in errors.values())
     # With a rank killed, the survivor's collective fails (an error, expected); without one, none may.
     unexpected = [] if killed else list(errors.values())

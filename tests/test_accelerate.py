@@ -56,7 +56,7 @@ def test_fsdp2_yaml_on_cpu_shards_trains_saves_and_resumes_elsewhere(tmp_path):
     first = launch("fsdp2.yaml", 2, tmp_path / "a.json", "--steps", "3", "--save-model", str(tmp_path / "model"),
                    "--save-state", str(tmp_path / "state"), env={"HF_FSDP2_ASYNC_SAVE": "1"})
     assert first["distributed_type"] == "DistributedType.FSDP" and first["world"] == 2
-    assert first["all_dtensor"] and first["opt_params_are_model_params"]
+    assert first["all_dtensor"] and first["opt_params_are_model_params"] and first["async_save"]
     assert first["losses"] == pytest.approx(reference[:3], abs=1e-4)
     # save_model: a plain Hugging Face directory.
     from transformers import AutoModelForCausalLM

@@ -255,10 +255,11 @@ def test_import_refuses_an_unsupported_version(tmp_path):
                            "(supported: peft>=0.20,<1.0)"), result.stderr
 
 
-@pytest.mark.parametrize("seed", [3, 20])
-def test_random_sigkill_during_saves_never_loses_the_last_complete_checkpoint(tmp_path, seed):
-    """A few of `benchmarks/kill_stress.py`'s randomized trials (see tests/kill_trials.py)."""
+@pytest.mark.parametrize("seed, blocking", [(3, True), (20, True), (2, False), (15, False)])
+def test_random_sigkill_during_saves_never_loses_the_last_complete_checkpoint(tmp_path, seed, blocking):
+    """A few of `benchmarks/kill_stress.py`'s randomized trials (see tests/kill_trials.py); with
+    blocking=False the kill lands in the staging or the background write and commit."""
     from .kill_trials import run_trial
 
-    result = run_trial(tmp_path, seed)
+    result = run_trial(tmp_path, seed, blocking)
     assert not result["unexpected_errors"], result

@@ -174,8 +174,20 @@ def _agreement_group():
     if not dist.is_initialized():
         return None
     if _group is None:
-        _group = dist.new_group(backend="gloo")
+        # The training group's timeout, so a dead peer fails the agreement as soon as it fails training.
+        timeout = _default_group_timeout()
+        _group = dist.new_group(backend="gloo", **({"timeout": timeout} if timeout is not None else {}))
     return _group
+
+
+def _default_group_timeout():
+    group = dist.distributed_c10d._get_default_group()
+    for device in ("cpu", "cuda"):
+        try:
+            return group._get_backend(torch.device(device)).options._timeout
+        except Exception:  # noqa: BLE001 - no backend for that device, or no options on it
+            continue
+    return None
 
 
 def submit(directory: Path, commit: Callable[[object], None]) -> SaveHandle:
