@@ -67,6 +67,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lora-alpha", type=int, help="default: 2 * r")
     p.add_argument("--save-every", type=int, default=0,
                    help="save the training state to OUTPUT_DIR/checkpoints/step-N every N steps and at the end")
+    p.add_argument("--save-async", action="store_true",
+                   help="checkpoints return once each rank's rows are copied to host memory; writing and the "
+                        "atomic commit go on in the background (register(async_save=True))")
     p.add_argument("--resume", help="'auto': continue from the latest complete checkpoint under "
                                     "OUTPUT_DIR/checkpoints (start fresh if none); or a checkpoint directory")
     p.add_argument("--report-to", default="none",
@@ -233,7 +236,8 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"{checkpoints} holds checkpoints of an earlier run: pass `--resume auto` to continue it, "
                          "or choose another `--output-dir`.")
 
-    hf_fsdp2.register()  # Accelerate's FSDP2 paths now shard, save and resume with hf_fsdp2
+    # Accelerate's FSDP2 paths now shard, save and resume with hf_fsdp2.
+    hf_fsdp2.register(**({"async_save": True} if args.save_async else {}))
     accelerator = Accelerator(
         gradient_accumulation_steps=args.gradient_accumulation_steps,
         log_with=None if args.report_to == "none" else args.report_to.split(","),

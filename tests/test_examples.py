@@ -119,7 +119,7 @@ def test_lora_adapter_loads_with_peft(tmp_path):
 
 
 def test_resume_auto_continues_from_latest_complete_checkpoint(tmp_path):
-    """2 processes save every 2 steps and "crash" while saving step 6; `--resume auto` on 1 process
+    """2 processes save every 2 steps (asynchronously) and "crash" while saving step 6; `--resume auto` on 1 process
     (same global batch) picks step 4, skips the batches it consumed and ends exactly where the
     uninterrupted run ended. A one-file dataset (5% held out for validation) packs into 5 steps per
     epoch, so the resumed steps cross an epoch boundary."""
@@ -128,7 +128,7 @@ def test_resume_auto_continues_from_latest_complete_checkpoint(tmp_path):
     out = tmp_path / "out"
     common = ["--dataset", "examples/data/validation.txt", "--output-dir", str(out), "--max-steps", "6",
               "--save-every", "2"]
-    full = finetune(*common, "--batch-size", "4")
+    full = finetune(*common, "--batch-size", "4", "--save-async")  # checkpoints committed in the background
     assert "42 x 128-token sequences, 6 steps of 8 sequences" in full.stdout
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-2", "step-4", "step-6"]
     full_weights = load_file(out / "model.safetensors")
