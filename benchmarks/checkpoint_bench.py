@@ -30,6 +30,8 @@ then fsync): the physical limit for a durable save.
     python benchmarks/checkpoint_bench.py                                  # 1.5 GB model, 4 ranks
     python benchmarks/checkpoint_bench.py --model-gb 0.4 --world-size 2 --repeats 1
     python benchmarks/checkpoint_bench.py --model-gb 0.4 1.5 3 --world-size 2 4 --fsync --profile
+    python benchmarks/checkpoint_bench.py --training-loop     # saves inside training: sync, async, DCP
+                                                              # async_save (benchmarks/checkpoint_loop.py)
 
 Results: a table on stdout, `benchmarks/results/checkpoint_<timestamp>.json` and `.png` beside it.
 """
@@ -499,6 +501,11 @@ class PhaseTimer:
 def run_job(rank: int, world: int, job: dict) -> dict:
     import torch.distributed as dist
 
+    if job.get("run") == "loop":  # --training-loop: benchmarks/checkpoint_loop.py
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import checkpoint_loop
+
+        return checkpoint_loop.run_job(rank, world, job)
     tmp = Path(job["tmp"])
     repeats, interval = job["repeats"], job["sample_interval"]
     out = {"rank": rank, "save": {}, "load": {}, "profile": None}
@@ -833,6 +840,12 @@ def git_state() -> dict:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--training-loop" in argv:  # saves inside a training loop (async vs sync vs DCP async_save)
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import checkpoint_loop
+
+        return checkpoint_loop.main([a for a in argv if a != "--training-loop"])
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-gb", type=float, nargs="+", default=[1.5], help="model sizes in GB (1e9 B), fp32")
