@@ -111,6 +111,16 @@ def write_captured(files: dict[str, bytes], directory: Path, durable: bool) -> N
                 os.fsync(f.fileno())
 
 
+def _lower_priority() -> None:
+    """Run the background writer at the lowest CPU priority (Linux: per-thread nice 19), so that where
+    cores are scarce the training threads keep them and the write takes what is left."""
+    if sys.platform.startswith("linux"):
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        except OSError:
+            pass
+
+
 class SaveHandle:
     """A save running in the background. `wait()` returns its directory or raises its error."""
 
@@ -123,6 +133,7 @@ class SaveHandle:
 
     def _run(self, work: Callable[[], None]) -> None:
         try:
+            _lower_priority()
             work()
         except BaseException as e:  # noqa: BLE001 - handed to whoever waits
             self._error = e
