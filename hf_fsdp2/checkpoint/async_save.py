@@ -201,6 +201,18 @@ def _default_group_timeout():
     return None
 
 
+def start(directory: Path, commit: Callable[..., None], items: dict[str, Sequence],
+          small_files: Callable[[Path], None], durable: bool) -> SaveHandle:
+    """Stage each list of `items` (by kind: buffers are reused per kind) and render rank 0's
+    `small_files` now; then run `commit(*staged_lists, write_small_files, group)` in the background.
+    The caller has waited for the previous save (`wait_pending`)."""
+    staged = [_pool.stage(kind_items, kind) for kind, kind_items in items.items()]
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    files = capture_files(small_files) if rank == 0 else {}
+    return submit(directory, lambda group: commit(
+        *staged, lambda staging: write_captured(files, staging, durable), group))
+
+
 def submit(directory: Path, commit: Callable[[object], None]) -> SaveHandle:
     """Run `commit(group)` in the background (the previous save has been waited for by the caller)."""
     global _pending, _exit_hook_installed

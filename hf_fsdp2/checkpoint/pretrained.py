@@ -184,6 +184,8 @@ def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, *, dtyp
     one-integer all-reduces that let every rank agree that the writes succeeded.
     """
     async_save.wait_pending()
+    if not blocking and progress is None:
+        progress = False  # no progress bar from the background in the middle of training's output
     dtype = parse_dtype(dtype, "dtype")
     items, is_adapter = export_items(model, dtype, merge_adapters)
     weights_name = ADAPTER_FILE if is_adapter else SINGLE_FILE
@@ -215,10 +217,7 @@ def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, *, dtyp
     if blocking:
         commit(items, small_files)
         return None
-    staged = async_save.staging_pool().stage(items, "pretrained")
-    files = async_save.capture_files(small_files) if _rank() == 0 else {}
-    return async_save.submit(Path(save_directory).absolute(), lambda group: commit(
-        staged, lambda staging: async_save.write_captured(files, staging, durable), group))
+    return async_save.start(Path(save_directory).absolute(), commit, {"pretrained": items}, small_files, durable)
 
 
 # ---------------------------------------------------------------------------------------------

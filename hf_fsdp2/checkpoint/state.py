@@ -244,6 +244,8 @@ def save_state(directory: str | os.PathLike, model: nn.Module, optimizer: torch.
     if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
         raise ValueError(f"`keep_last`={keep_last!r} must be a positive int or None.")
     async_save.wait_pending()
+    if not blocking and progress is None:
+        progress = False  # no progress bar from the background in the middle of training's output
     directory = Path(directory).absolute()
     model_items, is_adapter = export_items(model, None, False)
     opt_items, opt_other, groups = _optimizer_items(model, optimizer)
@@ -292,11 +294,8 @@ def save_state(directory: str | os.PathLike, model: nn.Module, optimizer: torch.
     if blocking:
         commit(model_items, opt_items, small_files)
         return directory
-    pool = async_save.staging_pool()
-    staged_model, staged_opt = pool.stage(model_items, "state-model"), pool.stage(opt_items, "state-optimizer")
-    files = async_save.capture_files(small_files) if _rank() == 0 else {}
-    return async_save.submit(directory, lambda group: commit(
-        staged_model, staged_opt, lambda staging: async_save.write_captured(files, staging, durable), group))
+    return async_save.start(directory, commit, {"state-model": model_items, "state-optimizer": opt_items},
+                            small_files, durable)
 
 
 _MANIFEST_TYPES = {"step": int, "extra": dict, "world_size": int, "weights": str, "param_groups": list,
