@@ -46,7 +46,7 @@ def main():
         Path(script.report).write_text(json.dumps({
             "losses": losses, "all_dtensor": all(isinstance(p, DTensor) for p in model.parameters()),
             "world": trainer.args.world_size, "offload": all(isinstance(g.offload_policy, CPUOffloadPolicy) for g in groups),
-            "async_save": model._hf_fsdp2_config.async_save,
+            "async_save": getattr(getattr(model, "_hf_fsdp2_config", None), "async_save", None),
             "reshard_after_forward": any(g.post_forward_mesh_info is not None for g in groups), "best_model_checkpoint": trainer.state.best_model_checkpoint,
             "eval_losses": {h["step"]: h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h}}))
 
