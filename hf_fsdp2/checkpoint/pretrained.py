@@ -178,7 +178,8 @@ def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, *, dtyp
     a crashed process still never leaves a partial directory, a crashed machine may.
     `blocking=False`: return a `SaveHandle` once this rank's rows are copied to host memory; writing
     and committing go on in the background (checkpoint/async_save.py). Any save first waits for the
-    previous one. `after_commit()`: runs on rank 0 once the directory is committed (in the background too).
+    previous one. `after_commit()`: runs on rank 0 once the directory is committed (in the background
+    too); give it on every rank or on none (with it, the ranks agree once more that it succeeded).
 
     Collective: call on every rank. Apart from A matrices for merging, the only collectives are
     one-integer all-reduces that let every rank agree that the writes succeeded.
@@ -206,13 +207,14 @@ def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, *, dtyp
                           progress=progress, durable=durable, total_parameters=total_parameters)
             if _rank() == 0:
                 small_files(staging)
-        error = None
-        if after_commit is not None and _rank() == 0:
-            try:
-                after_commit()
-            except Exception as e:  # noqa: BLE001 - every rank must learn about it
-                error = e
-        agree(error, f"finishing the save of {save_directory}", group)
+        if after_commit is not None:
+            error = None
+            if _rank() == 0:
+                try:
+                    after_commit()
+                except Exception as e:  # noqa: BLE001 - every rank must learn about it
+                    error = e
+            agree(error, f"finishing the save of {save_directory}", group)
 
     if blocking:
         commit(items, small_files)

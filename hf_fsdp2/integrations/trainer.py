@@ -126,13 +126,14 @@ def _save_checkpoint(self, model, trial) -> None:
             self.state.stateful_callbacks[name].append(cb.state())
         else:
             self.state.stateful_callbacks[name] = cb.state()
-    rotate = None
-    if self.args.should_save:
-        from transformers.trainer_utils import rotate_checkpoints
+    from transformers.trainer_utils import rotate_checkpoints
 
-        # After the commit: an asynchronous checkpoint is not on disk yet when the save returns.
-        rotate = functools.partial(rotate_checkpoints, output_dir=run_dir, save_total_limit=self.args.save_total_limit,
-                                   best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
+    should_save, limit, best = self.args.should_save, self.args.save_total_limit, self.state.best_model_checkpoint
+
+    def rotate() -> None:  # on rank 0 after the commit: an asynchronous checkpoint is not on disk at return
+        if should_save:
+            rotate_checkpoints(output_dir=run_dir, save_total_limit=limit, best_model_checkpoint=best, use_mtime=True)
+
     blocking = not self.model._hf_fsdp2_config.async_save
     if self.args.save_only_model:  # the weights and trainer_state.json; nothing to resume training from
         save_pretrained(self.model, output_dir, write_extra=_extra_files(self, with_state=True),
