@@ -85,7 +85,7 @@ def test_rank_killed_during_save_state(tmp_path, point, target):
 # ---------------------------------------------------------------------------------------------
 
 
-def _disk_full_worker(rank, world, root, limit):
+def _disk_full_worker(rank, world, root, limit, blocking=True):
     model, opt = _trained(rank, world)
     save_state(os.path.join(root, "step-1"), model, opt, step=1)
     if limit and rank == 1:
@@ -94,7 +94,10 @@ def _disk_full_worker(rank, world, root, limit):
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
     start = time.monotonic()
     try:
-        save_state(os.path.join(root, "step-1"), model, opt, step=2)  # overwrite: must not touch step-1
+        handle = save_state(os.path.join(root, "step-1"), model, opt, step=2,  # overwrite: must not touch step-1
+                            blocking=blocking)
+        if not blocking:
+            handle.wait()  # the disk fills in the background; the error comes back here, on every rank
     except Exception as e:
         return {"error": f"{type(e).__name__}: {e}", "seconds": time.monotonic() - start}
     return {"error": None}
@@ -123,9 +126,10 @@ def tiny_tmpfs(tmp_path):
     subprocess.run(["umount", str(mount)], check=False)
 
 
-def test_disk_full_on_a_real_small_tmpfs(tiny_tmpfs):
+@pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "async"])
+def test_disk_full_on_a_real_small_tmpfs(tiny_tmpfs, blocking):
     # One state (0.5 MB of fp32 weights + 1 MB of Adam moments) fits in 2.5 MB; two do not.
-    out, errors = run_ranks_collecting_errors(_disk_full_worker, 2, str(tiny_tmpfs), 0, timeout=180)
+    out, errors = run_ranks_collecting_errors(_disk_full_worker, 2, str(tiny_tmpfs), 0, blocking, timeout=180)
     assert not errors, errors
     assert all(r["error"] is not None and r["seconds"] < 60 for r in out.values()), out
     assert any(os.strerror(errno.ENOSPC) in r["error"] for r in out.values()), out

@@ -134,7 +134,9 @@ def _save_checkpoint(self, model, trial) -> None:
         if should_save:
             rotate_checkpoints(output_dir=run_dir, save_total_limit=limit, best_model_checkpoint=best, use_mtime=True)
 
-    blocking = not self.model._hf_fsdp2_config.async_save
+    # The last checkpoint of the run is saved blocking: nothing is left to overlap, and the Trainer's
+    # end-of-training bookkeeping (best model, deleting checkpoints over the limit) must see it.
+    blocking = not self.model._hf_fsdp2_config.async_save or self.state.global_step >= self.state.max_steps
     if self.args.save_only_model:  # the weights and trainer_state.json; nothing to resume training from
         save_pretrained(self.model, output_dir, write_extra=_extra_files(self, with_state=True),
                         blocking=blocking, after_commit=rotate)
