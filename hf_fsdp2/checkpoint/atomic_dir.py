@@ -34,7 +34,7 @@ import re
 import shutil
 import stat
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -287,13 +287,16 @@ def _resolve(target: str | os.PathLike) -> Path:
 
 @contextlib.contextmanager
 def committed_directory(target: str | os.PathLike, *, weights_names: Iterable[str] = (), what: str = "saving",
-                        durable: bool = True, group=None) -> Iterator[Path]:
+                        durable: bool = True, group=None,
+                        after_commit: Callable[[], None] | None = None) -> Iterator[Path]:
     """Yield a staging directory on every rank; commit it as `target` when every rank succeeded.
 
     `weights_names`: the weights files this save writes (their previous layouts are replaced too).
     Any exception on any rank, of any type, leaves the previous `target` as it was and raises on
     every rank. `durable=False`: no fsyncs (atomic for crashes of processes, not of the machine).
-    `group`: the process group the ranks agree on (see `agree`).
+    `group`: the process group the ranks agree on (see `agree`). `after_commit()`: runs on rank 0 once
+    the new `target` is in place (still under the target's lock), e.g. rotating older checkpoints; its
+    failure is raised on every rank by the commit's own agreement (the new `target` stays).
     Collective: call on every rank.
     """
     target = _resolve(target)
@@ -331,4 +334,10 @@ def committed_directory(target: str | os.PathLike, *, weights_names: Iterable[st
                 error = e
                 with contextlib.suppress(Exception):
                     recover(target, replaced)  # back to one complete copy: the previous or the new
-        agree(error, f"committing {target}", group)
+            else:
+                if after_commit is not None:
+                    try:
+                        after_commit()
+                    except BaseException as e:  # noqa: BLE001 - every rank must learn about it
+                        error = e
+        agree(error, f"committing {target}" + (" or the work after it" if after_commit else ""), group)

@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 
 from . import async_save
 from .async_save import SaveHandle
-from .atomic_dir import agree, committed_directory
+from .atomic_dir import committed_directory
 from .key_conversion import DiskView, disk_views
 from ..config import FSDP2Config, parse_dtype
 from ..runtime.distributed import build_mesh
@@ -179,7 +179,7 @@ def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, *, dtyp
     `blocking=False`: return a `SaveHandle` once this rank's rows are copied to host memory; writing
     and committing go on in the background (checkpoint/async_save.py). Any save first waits for the
     previous one. `after_commit()`: runs on rank 0 once the directory is committed (in the background
-    too); give it on every rank or on none (with it, the ranks agree once more that it succeeded).
+    too); see `committed_directory`.
 
     Collective: call on every rank. Apart from A matrices for merging, the only collectives are
     one-integer all-reduces that let every rank agree that the writes succeeded.
@@ -202,19 +202,11 @@ def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, *, dtyp
 
     def commit(items, small_files, group=None) -> None:
         with committed_directory(save_directory, weights_names=(weights_name,), what="saving",
-                                 durable=durable, group=group) as staging:
+                                 durable=durable, group=group, after_commit=after_commit) as staging:
             write_tensors(items, staging, weights_name=weights_name, max_shard_size=max_shard_size,
                           progress=progress, durable=durable, total_parameters=total_parameters)
             if _rank() == 0:
                 small_files(staging)
-        if after_commit is not None:
-            error = None
-            if _rank() == 0:
-                try:
-                    after_commit()
-                except Exception as e:  # noqa: BLE001 - every rank must learn about it
-                    error = e
-            agree(error, f"finishing the save of {save_directory}", group)
 
     if blocking:
         commit(items, small_files)

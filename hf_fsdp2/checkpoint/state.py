@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor
 
 from . import async_save
 from .async_save import SaveHandle
-from .atomic_dir import agree, committed_directory, old_path, staging_path
+from .atomic_dir import committed_directory, old_path, staging_path
 from .pretrained import ADAPTER_FILE, WeightsPlan, export_items, load_tensors, write_configs, write_tensors
 from .safetensors_io import CheckpointError, CheckpointFiles, TensorSpec, read_json_file, write_json
 from .tensor_export import ExportTensor, model_tensors
@@ -267,10 +267,18 @@ def save_state(directory: str | os.PathLike, model: nn.Module, optimizer: torch.
         if write_extra is not None:
             write_extra(staging)
 
+    def after() -> None:  # rank 0, the state committed, still under the target's lock
+        if keep_last is not None:
+            _rotate(directory.parent, keep_last)
+        if after_commit is not None:
+            after_commit()
+
     def commit(model_items, opt_items, small_files, group=None) -> None:
         weights_name = ADAPTER_FILE if is_adapter else "model.safetensors"
         with committed_directory(directory, weights_names=(weights_name, OPTIMIZER_FILE), what="saving state",
-                                 durable=durable, group=group) as staging:
+                                 durable=durable, group=group,
+                                 after_commit=after if keep_last is not None or after_commit is not None else None
+                                 ) as staging:
             write_tensors(model_items, staging, weights_name=weights_name, progress=progress, durable=durable)
             if opt_items:
                 write_tensors(opt_items, staging, weights_name=OPTIMIZER_FILE, progress=progress, durable=durable)
@@ -280,16 +288,6 @@ def save_state(directory: str | os.PathLike, model: nn.Module, optimizer: torch.
                 small_files(staging)
                 write_json(staging / MANIFEST, manifest, durable=durable)
                 write_json(staging / MARKER, {"format": FORMAT, "step": step}, durable=durable)
-        error = None
-        if _rank() == 0:
-            try:
-                if keep_last is not None:
-                    _rotate(directory.parent, keep_last)
-                if after_commit is not None:
-                    after_commit()
-            except Exception as e:  # noqa: BLE001 - every rank must learn about it
-                error = e
-        agree(error, f"rotating states beside {directory}", group)
 
     if blocking:
         commit(model_items, opt_items, small_files)
