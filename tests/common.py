@@ -74,6 +74,22 @@ def trained_one_step(rank: int, world: int):
     return model, opt
 
 
+def train_step(model, opt, rank: int, world: int, seed: int) -> None:
+    """One sharded step on this rank's rows of batch `seed`."""
+    ids = local_rows(batches(1, seed=seed)[0], rank, world)
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def saved_tensors(directory, weights_name: str | None = None) -> dict[str, torch.Tensor]:
+    """Every tensor of a saved checkpoint's weights (or of `weights_name`), read whole."""
+    from hf_fsdp2.checkpoint.safetensors_io import CheckpointFiles
+
+    with (CheckpointFiles(directory) if weights_name is None else CheckpointFiles(directory, weights_name)) as files:
+        return {name: files.read(name) for name in files.names()}
+
+
 def reference_train(model, data: list[torch.Tensor]) -> list[float]:
     opt = optimizer(model)
     losses = []

@@ -21,15 +21,8 @@ from pathlib import Path
 
 import torch
 
-from .common import batches, build_model, local_rows, optimizer
+from .common import build_model, optimizer, saved_tensors, train_step
 from .dist_harness import run_ranks_collecting_errors
-
-
-def _step(model, opt, rank, world, seed):
-    ids = local_rows(batches(1, seed=seed)[0], rank, world)
-    model(input_ids=ids, labels=ids).loss.backward()
-    opt.step()
-    opt.zero_grad()
 
 
 def _trial_worker(rank, world, root, seed, blocking=True):
@@ -40,13 +33,13 @@ def _trial_worker(rank, world, root, seed, blocking=True):
     model = build_model()
     shard_model(model)
     opt = optimizer(model)
-    _step(model, opt, rank, world, seed=1)
+    train_step(model, opt, rank, world, seed=1)
     start = time.monotonic()
     save_pretrained(model, root / "model", durable=False)
     save_state(root / "states" / "step-1", model, opt, step=1, durable=False)
     save_pretrained(model, root / "ref-1", durable=False)
     took = time.monotonic() - start
-    _step(model, opt, rank, world, seed=2)
+    train_step(model, opt, rank, world, seed=2)
     save_pretrained(model, root / "ref-2", durable=False)
     rng = random.Random(seed)
     victim, delay = rng.randrange(world), rng.uniform(0, took * 1.5)  # the two saves below take ~2/3 of `took`
@@ -55,18 +48,11 @@ def _trial_worker(rank, world, root, seed, blocking=True):
     first = save_pretrained(model, root / "model", durable=False, blocking=blocking)
     second = save_state(root / "states" / "step-2", model, opt, step=2, durable=False, blocking=blocking)
     if not blocking:
-        _step(model, opt, rank, world, seed=3)  # training goes on while the background commits
+        train_step(model, opt, rank, world, seed=3)  # training goes on while the background commits
         assert first.done()  # the second save waited for the first
         second.wait()
     time.sleep(took * 1.5 if rank == victim else 0)  # the victim dies in here at the latest
     return "survived"
-
-
-def _tensors(directory: Path) -> dict[str, torch.Tensor]:
-    from hf_fsdp2.checkpoint.safetensors_io import CheckpointFiles
-
-    with CheckpointFiles(directory) as files:
-        return {name: files.read(name) for name in files.names()}
 
 
 def _same(a: dict, b: dict) -> bool:
@@ -82,14 +68,14 @@ def run_trial(root: Path, seed: int, blocking: bool = True) -> dict:
     killed = any("exited with code -9" in e for e in errors.values())
     # With a rank killed, the survivor's collective fails (an error, expected); without one, none may.
     unexpected = [] if killed else list(errors.values())
-    refs = {step: _tensors(root / f"ref-{step}") for step in (1, 2)}
-    model_now = _tensors(root / "model")
+    refs = {step: saved_tensors(root / f"ref-{step}") for step in (1, 2)}
+    model_now = saved_tensors(root / "model")
     model_is = [step for step, ref in refs.items() if _same(model_now, ref)]
     assert len(model_is) == 1, f"seed {seed}: model/ is neither the old nor the new checkpoint"
     latest = latest_state(root / "states")
     assert latest is not None and latest.name in ("step-1", "step-2"), f"seed {seed}: latest_state {latest}"
     step = int(latest.name.split("-")[1])
-    assert _same(_tensors(latest), refs[step]), f"seed {seed}: {latest} does not hold its weights bit for bit"
+    assert _same(saved_tensors(latest), refs[step]), f"seed {seed}: {latest} does not hold its weights bit for bit"
     fresh = build_model(seed=9)
     assert load_state(latest, fresh, optimizer(fresh))[0] == step
     # The next saves into the same places repair what the kill left.

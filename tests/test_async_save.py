@@ -12,24 +12,10 @@ import torch
 from hf_fsdp2 import save_pretrained, shard_model
 from hf_fsdp2.checkpoint.state import latest_state, load_state, save_state
 
-from .common import batches, build_model, local_rows, optimizer
+from .common import build_model, optimizer, saved_tensors, train_step
 from .dist_harness import run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _step(model, opt, rank, world, seed):
-    ids = local_rows(batches(1, seed=seed)[0], rank, world)
-    model(input_ids=ids, labels=ids).loss.backward()
-    opt.step()
-    opt.zero_grad()
-
-
-def _tensors(directory: Path) -> dict[str, torch.Tensor]:
-    from hf_fsdp2.checkpoint.safetensors_io import CheckpointFiles
-
-    with CheckpointFiles(directory) as files:
-        return {name: files.read(name) for name in files.names()}
 
 
 def _async_worker(rank, world, root):
@@ -39,12 +25,12 @@ def _async_worker(rank, world, root):
     model = build_model()
     shard_model(model)
     opt = optimizer(model)
-    _step(model, opt, rank, world, seed=1)
+    train_step(model, opt, rank, world, seed=1)
     save_pretrained(model, root / "sync-model", durable=False)
     save_state(root / "sync-state", model, opt, step=1, durable=False)
     model_handle = save_pretrained(model, root / "async-model", blocking=False)
     state_handle = save_state(root / "states" / "step-1", model, opt, step=1, blocking=False)  # waits for the first
-    _step(model, opt, rank, world, seed=2)  # training goes on while the state is written
+    train_step(model, opt, rank, world, seed=2)  # training goes on while the state is written
     out = {"model_done": model_handle.done(), "state_path": str(state_handle.wait())}
     # The same weights restored from the asynchronous state as from the blocking one.
     fresh = build_model(seed=7)
@@ -79,15 +65,13 @@ def test_async_save_writes_the_state_at_the_call_and_surfaces_failures_everywher
     outs = run_ranks(_async_worker, 2, str(tmp_path))
     assert all(o["state_path"] == str(tmp_path / "states" / "step-1") for o in outs)
     assert all(o["model_done"] for o in outs)  # the second save waited for the first
-    sync_model, async_model = _tensors(tmp_path / "sync-model"), _tensors(tmp_path / "async-model")
+    sync_model, async_model = saved_tensors(tmp_path / "sync-model"), saved_tensors(tmp_path / "async-model")
     assert sync_model.keys() == async_model.keys() and all(torch.equal(sync_model[k], async_model[k]) for k in sync_model)
-    sync_state, async_state = _tensors(tmp_path / "sync-state"), _tensors(tmp_path / "states" / "step-1")
+    sync_state, async_state = saved_tensors(tmp_path / "sync-state"), saved_tensors(tmp_path / "states" / "step-1")
     assert all(torch.equal(sync_state[k], async_state[k]) for k in sync_state)
-    for name in ("optimizer.safetensors",):
-        from hf_fsdp2.checkpoint.safetensors_io import CheckpointFiles
-
-        with CheckpointFiles(tmp_path / "sync-state", name) as a, CheckpointFiles(tmp_path / "states" / "step-1", name) as b:
-            assert a.names() == b.names() and all(torch.equal(a.read(n), b.read(n)) for n in a.names())
+    sync_opt = saved_tensors(tmp_path / "sync-state", "optimizer.safetensors")
+    async_opt = saved_tensors(tmp_path / "states" / "step-1", "optimizer.safetensors")
+    assert sync_opt.keys() == async_opt.keys() and all(torch.equal(sync_opt[k], async_opt[k]) for k in sync_opt)
     assert [o["wait_error"] for o in outs][0] == "NotADirectoryError"
     assert all(o["wait_error"] for o in outs)  # the other rank learns of it too
     assert all(o["next_save_error"] for o in outs)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from .common import saved_tensors
 from .dist_harness import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -118,13 +119,6 @@ def test_trainer_fsdp_options_match_one_process(tmp_path, single, fsdp, edit, ex
     assert out["losses"] == pytest.approx(single["losses"], abs=1e-4)
 
 
-def _weights(directory: Path) -> dict:
-    from hf_fsdp2.checkpoint.safetensors_io import CheckpointFiles
-
-    with CheckpointFiles(directory) as files:
-        return {name: files.read(name) for name in files.names()}
-
-
 def test_evaluation_best_model_and_rotation(tmp_path):
     """Evaluation during training, checkpoints at evaluation steps, `load_best_model_at_end`,
     `save_total_limit` (from Transformers' FSDP tests: eval and checkpointing cases), against the
@@ -147,7 +141,7 @@ def test_evaluation_best_model_and_rotation(tmp_path):
     assert launched["async_save"] and launched["all_dtensor"] and launched["eval_losses"] == pytest.approx(one["eval_losses"], abs=1e-4)
     assert Path(launched["best_model_checkpoint"]).name == best.name
     assert len(list((tmp_path / "launched").glob("checkpoint-*"))) <= 2
-    final, saved = _weights(tmp_path / "final"), _weights(best)
+    final, saved = saved_tensors(tmp_path / "final"), saved_tensors(best)
     assert final.keys() == saved.keys() and all(torch.equal(final[k], saved[k]) for k in final)
     # A checkpoint of ours resumed by a Trainer that hf_fsdp2 does not shard: refused, not half-loaded.
     report = tmp_path / "nofsdp.json"
@@ -174,7 +168,7 @@ def test_save_only_model_checkpoints_hold_only_the_model(tmp_path):
     names = {p.name for p in saved.iterdir()}
     assert {"model.safetensors", "config.json", "trainer_state.json"} <= names
     assert not names & {"optimizer.safetensors", "rng", "hf_fsdp2_state.json"}
-    two, one = _weights(saved), _weights(tmp_path / "one" / "out" / "checkpoint-2")
+    two, one = saved_tensors(saved), saved_tensors(tmp_path / "one" / "out" / "checkpoint-2")
     assert two.keys() == one.keys()
     # Adam's normalised steps (lr 1e-2) turn reduction-order differences of the gradients into ~1e-5.
     assert all(torch.allclose(two[k].float(), one[k].float(), atol=1e-4, rtol=0) for k in one)
