@@ -24,6 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from .config import FSDP2Config
+from .quantization.bnb_4bit import prepare_4bit_modules
 from .runtime.distributed import build_mesh, default_device
 
 # Prefix torch's CheckpointWrapper inserts into parameter names (checkpoint_wrapper.py: _CHECKPOINT_PREFIX).
@@ -438,6 +439,9 @@ def shard_model(
     device = default_device()
     if not on_meta and device.type != "cpu":
         model.to(device)
+    # 4-bit base weights get a row layout FSDP2 can shard (before the frozen-dtype cast, which
+    # would reinterpret packed bytes stored as floats).
+    prepare_4bit_modules(model)
     plan = plan_groups(model, config)
     apply_frozen_dtype(model, config.frozen_dtype)
     if config.activation_checkpointing:

@@ -1,0 +1,239 @@
+"""bitsandbytes 4-bit (NF4/FP4, QLoRA) base weights that FSDP2 really shards.
+
+bitsandbytes keeps a `Linear4bit` weight as a `Params4bit`: the packed 4-bit values of the row-major
+[out, in] weight, flattened and viewed in `quant_storage`, with a `QuantState` (one absmax per
+`blocksize` values, 8-bit quantized again under double quantization) attached to the tensor object.
+FSDP2 shards parameters as plain data and keeps neither the subclass nor its state. So before
+`fully_shard`, `prepare_4bit_modules` gives each `Linear4bit` plain uint8 parameters laid out by
+output row:
+
+    weight         [out, in/2]                packed values, two per byte
+    weight_absmax  [out, 4 * in/blocksize]    each block's fp32 absmax, as bytes
+                   [out, in/blocksize]        its 8-bit codes under double quantization
+
+Why this layout:
+- FSDP2 chunks dim 0, so a rank's shard is whole output rows, and with `in % blocksize == 0` whole
+  quantization blocks (blocks are runs of `blocksize` consecutive values of the flattened weight).
+  Blocks are quantized independently, so a rank can quantize its own rows of a bf16 checkpoint
+  alone and get the bytes quantizing the whole weight gives (`quantize_rows`), and dequantize only
+  its own rows for a merged save (`dequantize_rows`).
+- uint8 parameters are outside FSDP2's mixed precision (`FSDPParam.init_dtype_attrs` leaves
+  non-floating parameters uncast), so LoRA may compute in bf16 or fp32 whatever `quant_storage`
+  was, and a group mixing uint8 and float parameters is all-gathered as bytes in one collective
+  (`foreach_all_gather`: mixed dtypes -> uint8 views). The layer's packed weights, their absmax
+  and its LoRA adapters are one group, one all-gather.
+- Double quantization's second level (one fp32 absmax per 256 first-level values, the offset, the
+  code books) is small (1/16384 of the values) and replicated as non-persistent buffers.
+
+The forward rebuilds a `QuantState` from the gathered tensors and calls `bnb.matmul_4bit` as
+`Linear4bit.forward` does, without that forward's in-place edits (a bias cast through `.data`, the
+CPU inference repacking of the weight), which would replace FSDP2's unsharded tensors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterator
+
+import torch
+import torch.nn as nn
+
+INSTALL_HINT = "pip install 'hf_fsdp2[qlora]' (bitsandbytes >= 0.50)"
+NESTED_BLOCKSIZE = 256  # bitsandbytes' double quantization: quantize_blockwise(absmax, blocksize=256)
+
+
+def import_bitsandbytes():
+    try:
+        import bitsandbytes
+    except ImportError as error:
+        raise ImportError(f"4-bit (QLoRA) models need bitsandbytes: {INSTALL_HINT}") from error
+    return bitsandbytes
+
+
+def is_linear_4bit(module: nn.Module) -> bool:
+    """A bitsandbytes `Linear4bit` (or subclass), found without importing bitsandbytes."""
+    return any(cls.__name__ == "Linear4bit" and cls.__module__.startswith("bitsandbytes")
+               for cls in type(module).__mro__)
+
+
+def is_sharded_4bit(module: nn.Module) -> bool:
+    return getattr(module, "_hf_fsdp2_4bit", None) is not None
+
+
+@dataclasses.dataclass(frozen=True)
+class Quant4bitSpec:
+    """Everything about one 4-bit weight except its tensors."""
+
+    out_features: int
+    in_features: int
+    blocksize: int
+    quant_type: str  # "nf4" or "fp4"
+    dtype: torch.dtype  # what dequantization returns: the weight's dtype when it was quantized
+    nested: bool  # double quantization (`bnb_4bit_use_double_quant`)
+
+    @property
+    def packed_shape(self) -> tuple[int, int]:
+        return self.out_features, self.in_features // 2
+
+    @property
+    def absmax_shape(self) -> tuple[int, int]:
+        blocks = self.in_features // self.blocksize
+        return self.out_features, blocks if self.nested else 4 * blocks
+
+    @property
+    def num_blocks(self) -> int:
+        return self.out_features * self.in_features // self.blocksize
+
+    def check(self, name: str) -> None:
+        if self.in_features % self.blocksize:
+            raise ValueError(
+                f"{name}: in_features={self.in_features} is not a multiple of the 4-bit blocksize "
+                f"{self.blocksize}, so its rows do not hold whole quantization blocks and cannot be sharded "
+                f"by row. Keep this module unquantized (BitsAndBytesConfig(llm_int8_skip_modules=[...])).")
+
+
+def named_4bit_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    return ((name, m) for name, m in model.named_modules() if is_linear_4bit(m))
+
+
+def prepare_4bit_modules(model: nn.Module, dtype: torch.dtype | None = None) -> list[str]:
+    """Give every `Linear4bit` of `model` the row layout above, in place; returns their names.
+
+    A quantized module keeps its exact bytes. A module on the meta device (a model built to be
+    filled by `quantize_rows`) gets meta tensors of the layout and `dtype` as its dequantized dtype.
+    Call before `fully_shard`."""
+    names = []
+    for name, module in named_4bit_modules(model):
+        if is_sharded_4bit(module):
+            continue
+        if module.weight.is_meta:
+            _convert_meta(module, name, dtype or torch.float32)
+        else:
+            _convert_quantized(module, name)
+        names.append(name)
+    return names
+
+
+def _convert_quantized(module: nn.Module, name: str) -> None:
+    bnb = import_bitsandbytes()
+    weight = module.weight
+    state = getattr(weight, "quant_state", None) or getattr(module, "quant_state", None)
+    if state is None:
+        raise ValueError(f"{name}: this Linear4bit holds unquantized weights (bitsandbytes quantizes on "
+                         "`.to(device)`); load the model with `quantization_config=BitsAndBytesConfig("
+                         "load_in_4bit=True, ...)` or move it to its device before sharding.")
+    if getattr(state, "packing_format_for_cpu", False):  # repacked by an inference forward on CPU: undo
+        data, state = bnb.nn.modules._convert_weight_packed_for_cpu_inverse(weight.data, state)
+    else:
+        data = weight.data
+    out_features, in_features = state.shape
+    spec = Quant4bitSpec(out_features, in_features, state.blocksize, state.quant_type, state.dtype, state.nested)
+    spec.check(name)
+    if state.state2 is not None and state.state2.blocksize != NESTED_BLOCKSIZE:
+        raise ValueError(f"{name}: double quantization with blocksize {state.state2.blocksize} (bitsandbytes "
+                         f"uses {NESTED_BLOCKSIZE}) is not supported.")
+    packed = data.contiguous().view(torch.uint8).reshape(spec.packed_shape)
+    if spec.nested:
+        absmax = state.absmax.reshape(spec.absmax_shape)
+    else:
+        absmax = state.absmax.float().contiguous().view(torch.uint8).reshape(spec.absmax_shape)
+    _install(module, spec, packed, absmax, state.code, state)
+
+
+def _convert_meta(module: nn.Module, name: str, dtype: torch.dtype) -> None:
+    bnb = import_bitsandbytes()
+    weight = module.weight
+    spec = Quant4bitSpec(module.out_features, module.in_features, weight.blocksize, weight.quant_type, dtype,
+                         bool(weight.compress_statistics))
+    spec.check(name)
+    packed = torch.empty(spec.packed_shape, dtype=torch.uint8, device="meta")
+    absmax = torch.empty(spec.absmax_shape, dtype=torch.uint8, device="meta")
+    _install(module, spec, packed, absmax, bnb.functional.get_4bit_type(spec.quant_type, device="cpu"), None)
+
+
+def _install(module: nn.Module, spec: Quant4bitSpec, packed: torch.Tensor, absmax: torch.Tensor,
+             code: torch.Tensor, state) -> None:
+    del module._parameters["weight"]
+    module.register_parameter("weight", nn.Parameter(packed, requires_grad=False))
+    module.register_parameter("weight_absmax", nn.Parameter(absmax, requires_grad=False))
+    # Not persistent: our checkpoints never hold the packed base (the adapter, or dequantized
+    # weights when merged); a loader fills these from the rows it quantizes.
+    module.register_buffer("weight_quant_map", code.to(packed.device if not packed.is_meta else "cpu"),
+                           persistent=False)
+    if spec.nested:
+        if state is not None:
+            nested_absmax, nested_code, offset = state.state2.absmax, state.state2.code, state.offset
+        else:
+            import bitsandbytes.functional as F
+
+            nested_absmax = torch.zeros(-(-spec.num_blocks // NESTED_BLOCKSIZE), dtype=torch.float32)
+            nested_code, offset = F.create_dynamic_map(), torch.zeros((), dtype=torch.float32)
+        module.register_buffer("weight_nested_absmax", nested_absmax, persistent=False)
+        module.register_buffer("weight_nested_quant_map", nested_code, persistent=False)
+        module.register_buffer("weight_offset", torch.as_tensor(offset, dtype=torch.float32), persistent=False)
+    module.quant_state = None  # the old state's tensors are now ours; drop bitsandbytes' reference
+    module._hf_fsdp2_4bit = spec
+    module.__class__ = _sharded_class(type(module))
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def _sharded_class(cls: type) -> type:
+    """`cls` with the forward below; same name, so class-name lookups and isinstance checks hold."""
+    if cls not in _CLASSES:
+        _CLASSES[cls] = type(cls.__name__, (cls,), {"forward": _forward, "__module__": cls.__module__})
+    return _CLASSES[cls]
+
+
+def quant_state(module: nn.Module, packed: torch.Tensor | None = None, absmax: torch.Tensor | None = None,
+                first_row: int = 0):
+    """A bitsandbytes `QuantState` for `module`'s weight, or for the rows `packed`/`absmax` starting at
+    `first_row` (whole blocks, so the nested absmax codes are decoded by their global block index)."""
+    import bitsandbytes.functional as F
+
+    spec: Quant4bitSpec = module._hf_fsdp2_4bit
+    packed = module.weight if packed is None else packed
+    absmax = module.weight_absmax if absmax is None else absmax
+    rows = packed.shape[0]
+    shape = torch.Size([rows, spec.in_features])
+    if not spec.nested:
+        return F.QuantState(absmax=absmax.view(torch.float32).reshape(-1), shape=shape, code=module.weight_quant_map,
+                            blocksize=spec.blocksize, quant_type=spec.quant_type, dtype=spec.dtype)
+    nested = F.QuantState(absmax=module.weight_nested_absmax, code=module.weight_nested_quant_map,
+                          blocksize=NESTED_BLOCKSIZE, dtype=torch.float32)
+    if first_row == 0 and rows == spec.out_features:
+        return F.QuantState(absmax=absmax.reshape(-1), shape=shape, code=module.weight_quant_map,
+                            blocksize=spec.blocksize, quant_type=spec.quant_type, dtype=spec.dtype,
+                            offset=module.weight_offset, state2=nested)
+    # A row range: decode its absmax codes as `dequantize_blockwise` does (code[q] * absmax2[block // 256],
+    # then + offset, dequantize_4bit's nested branch), then quantize the rows with a plain state.
+    first_block = first_row * spec.in_features // spec.blocksize
+    index = torch.arange(first_block, first_block + absmax.numel(), device=absmax.device) // NESTED_BLOCKSIZE
+    decoded = module.weight_nested_quant_map[absmax.reshape(-1).long()] * module.weight_nested_absmax[index]
+    decoded += module.weight_offset
+    return F.QuantState(absmax=decoded, shape=shape, code=module.weight_quant_map, blocksize=spec.blocksize,
+                        quant_type=spec.quant_type, dtype=spec.dtype)
+
+
+def _forward(self, x: torch.Tensor) -> torch.Tensor:
+    import bitsandbytes as bnb
+
+    state = quant_state(self)
+    if not self.compute_type_is_set:
+        self.set_compute_type(x)
+        self.compute_type_is_set = True
+    input_dtype = x.dtype
+    if self.compute_dtype is not None:
+        x = x.to(self.compute_dtype)
+    bias = None if self.bias is None else self.bias.to(x.dtype)
+    return bnb.matmul_4bit(x, self.weight, bias=bias, quant_state=state).to(input_dtype)
+
+
+def dequantize_rows(module: nn.Module, packed: torch.Tensor, absmax: torch.Tensor, first_row: int) -> torch.Tensor:
+    """The [rows, in] weight of the rows `packed`/`absmax` hold (a rank's shard), in the spec's dtype."""
+    import bitsandbytes.functional as F
+
+    if packed.shape[0] == 0:
+        return torch.empty(0, module._hf_fsdp2_4bit.in_features, dtype=module._hf_fsdp2_4bit.dtype)
+    return F.dequantize_4bit(packed.reshape(-1, 1), quant_state(module, packed, absmax, first_row))
