@@ -72,8 +72,9 @@ def _delta_of(module: nn.Module, adapter: str) -> tuple[torch.Tensor, RowsDelta]
                               "instead (merge_adapters=False).")
 
 
-def _hf_name_of_peft_key(name: str) -> str | None:
-    """A PeftModel parameter name -> the base model's name, or None for adapter-only tensors."""
+def base_model_name(name: str) -> str | None:
+    """A PeftModel (or its base model's) parameter name -> the name without PEFT's wrapping, or None
+    for adapter-only tensors."""
     name = name.removeprefix("base_model.model.")
     if ".lora_" in name or name.startswith("lora_") or ".original_module." in name:
         return None
@@ -95,7 +96,7 @@ def merged_tensors(model: nn.Module, dtype: torch.dtype | None) -> list[ExportTe
     cache: dict[str, object] = {}  # one merged block: a fused-experts tensor feeds 2E file tensors in a row
     items = []
     for name, tensor in model_tensors(model).items():
-        hf_name = _hf_name_of_peft_key(name)
+        hf_name = base_model_name(name)
         if hf_name is None:
             continue
         out_dtype = dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype

@@ -30,7 +30,8 @@ from .safetensors_io import (
     INDEX_SUFFIX, SINGLE_FILE, CheckpointError, CheckpointFiles, FileWriter, plan_checkpoint, write_json,
 )
 from ..sharding import shard_model
-from .lora_merge import merged_tensors
+from ..quantization import bnb_4bit
+from .lora_merge import base_model_name, merged_tensors
 from .tensor_export import (
     ExportTensor, adapter_tensors, is_peft_model, local_data, model_tensors, row_range, tied_aliases,
 )
@@ -299,14 +300,32 @@ class WeightsPlan:
             base = model.get_base_model() if is_peft_model(model) else model
             self.targets, self.files = model_tensors(base), CheckpointFiles(directory, SINGLE_FILE)
             aliases = tied_aliases(base)
+            if base is not model:  # the base model's own weights under its own names; adapters stay as they are
+                self.targets = {hf: t for n, t in self.targets.items() if (hf := base_model_name(n)) is not None}
+                aliases = {base_model_name(a): base_model_name(c) for a, c in aliases.items()}
         self.views = None
+        self.quantized: dict[str, nn.Module] = {}
         try:
             if base is not None:
+                self._quantize_4bit_targets(base)
                 self._use_disk_names(base)
             self.source_of = match_tensors(self.targets, self.files, aliases=aliases, strict=strict)
         except BaseException:
             self.close()
             raise
+
+    def _quantize_4bit_targets(self, model: nn.Module) -> None:
+        """A sharded 4-bit weight is read as the float [out, in] tensor a checkpoint holds (stock
+        `save_pretrained` of the unquantized model), and each rank quantizes its own rows."""
+        modules = bnb_4bit.sharded_4bit_weights(model)
+        for name, tensor in list(self.targets.items()):
+            module = modules.get(id(tensor))
+            if module is None:
+                continue
+            spec = module._hf_fsdp2_4bit
+            self.quantized[name] = module
+            self.targets[name] = torch.empty(spec.out_features, spec.in_features, dtype=spec.dtype, device="meta")
+            del self.targets[name + "_absmax"]
 
     def _use_disk_names(self, model: nn.Module) -> None:
         """Expect the names stock `save_pretrained` writes where transformers converts this model (MoE
@@ -321,7 +340,13 @@ class WeightsPlan:
 
     def read(self, progress: bool | None = None) -> None:
         try:
-            read_tensors(self.targets, self.files, self.source_of, progress=progress, views=self.views)
+            plain = {n: s for n, s in self.source_of.items() if n not in self.quantized}
+            read_tensors(self.targets, self.files, plain, progress=progress, views=self.views)
+            with torch.no_grad():
+                for name, module in self.quantized.items():  # the same order on every rank (collective)
+                    start, stop = row_range(module.weight)
+                    rows = self.files.read_rows(self.source_of[name], start, stop)
+                    bnb_4bit.finish_quantization(module, bnb_4bit.quantize_rows(module, rows))
         finally:
             self.close()
 
@@ -363,24 +388,69 @@ def parameters_on_meta() -> Iterator[None]:
 
 def from_pretrained(model_class, directory: str | os.PathLike, config: FSDP2Config | None = None, *,
                     mesh=None, torch_dtype: torch.dtype | str | None = None, progress: bool | None = None,
-                    **model_kwargs) -> nn.Module:
+                    quantization_config=None, peft_config=None, **model_kwargs) -> nn.Module:
     """Build `model_class` from `directory`'s config on the meta device, shard it, then load each
     rank's rows. The full model never exists on any rank.
 
+    `quantization_config`: a `BitsAndBytesConfig(load_in_4bit=True, ...)`; the linear layers
+    transformers would quantize become 4-bit, each rank quantizing only the rows it holds of the
+    float checkpoint (quantization/bnb_4bit.py). `peft_config`: a PEFT config applied before
+    sharding (a QLoRA model is built this way); its adapters are initialised by PEFT on rank 0 and
+    broadcast, so every rank starts from the same adapter. Returns the `PeftModel` then.
     Collective: call on every rank.
     """
     directory = _existing_dir(Path(directory))
-    hf_config = model_class.config_class.from_pretrained(str(directory), **model_kwargs)
     torch_dtype = parse_dtype(torch_dtype, "torch_dtype")
     with parameters_on_meta():
-        model = model_class(hf_config)
+        if hasattr(model_class, "config_class"):  # a model class
+            model = model_class(model_class.config_class.from_pretrained(str(directory), **model_kwargs))
+        else:  # an Auto class (AutoModelForCausalLM, ...)
+            from transformers import AutoConfig
+
+            model = model_class.from_config(AutoConfig.from_pretrained(str(directory), **model_kwargs))
     if torch_dtype is not None:
         model.to(torch_dtype)
+    if quantization_config is not None:
+        dtype = torch_dtype or next(p.dtype for p in model.parameters() if p.is_floating_point())
+        bnb_4bit.quantize_on_meta(model, quantization_config, dtype)
+    if peft_config is not None:
+        model = _with_adapters(model, peft_config)
+    if quantization_config is not None:  # after PEFT, which reads the `Params4bit` attributes
+        bnb_4bit.prepare_4bit_modules(model, dtype)
     mesh = mesh if mesh is not None else build_mesh(config)
     shard_model(model, config, mesh=mesh, init_weights=False)
     load_pretrained(model, directory, progress=progress)
-    if hasattr(model, "generation_config") and (directory / "generation_config.json").exists():
+    base = model.get_base_model() if peft_config is not None else model
+    if hasattr(base, "generation_config") and (directory / "generation_config.json").exists():
         from transformers import GenerationConfig
 
-        model.generation_config = GenerationConfig.from_pretrained(str(directory))
+        base.generation_config = GenerationConfig.from_pretrained(str(directory))
+    return model
+
+
+def _with_adapters(model: nn.Module, peft_config) -> nn.Module:
+    """`get_peft_model` on a meta model, then the adapters made real and initialised by PEFT's own
+    `reset_lora_parameters` (PEFT leaves adapters of a meta base layer on meta), identical on every rank."""
+    from peft import get_peft_model
+    from peft.tuners.lora import LoraLayer
+
+    if str(getattr(peft_config, "peft_type", "")) not in ("LORA", "PeftType.LORA"):
+        raise ValueError(f"`peft_config` must be a LoraConfig for hf_fsdp2.from_pretrained, got "
+                         f"{type(peft_config).__name__}; apply other adapters before `shard_model` instead.")
+    init = getattr(peft_config, "init_lora_weights", True)
+    if init not in (True, False, "gaussian"):
+        raise ValueError(f"`peft_config.init_lora_weights`={init!r} needs the base weights at initialisation; "
+                         "hf_fsdp2.from_pretrained supports True, False and 'gaussian'.")
+    model = get_peft_model(model, peft_config)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, LoraLayer):
+                for adapter in module.lora_A:
+                    module.lora_A[adapter].to_empty(device="cpu")
+                    module.lora_B[adapter].to_empty(device="cpu")
+                    module.reset_lora_parameters(adapter, init)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            for name, param in model.named_parameters():
+                if ".lora_" in name and not param.is_meta:
+                    dist.broadcast(param.data, src=0)
     return model

@@ -237,3 +237,92 @@ def dequantize_rows(module: nn.Module, packed: torch.Tensor, absmax: torch.Tenso
     if packed.shape[0] == 0:
         return torch.empty(0, module._hf_fsdp2_4bit.in_features, dtype=module._hf_fsdp2_4bit.dtype)
     return F.dequantize_4bit(packed.reshape(-1, 1), quant_state(module, packed, absmax, first_row))
+
+
+# ---------------------------------------------------------------------------------------------
+# Quantizing while loading: each rank quantizes only its own rows
+
+
+def sharded_4bit_weights(model: nn.Module) -> dict[int, nn.Module]:
+    """id(packed weight parameter) -> its module, for every prepared `Linear4bit` of `model`."""
+    return {id(m.weight): m for m in model.modules() if is_sharded_4bit(m)}
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def quantize_rows(module: nn.Module, rows: torch.Tensor) -> torch.Tensor:
+    """Quantize `rows` (this rank's [r, in] rows of the float weight) into the module's local packed
+    shard; returns their fp32 absmax (one per block), which `finish_quantization` stores.
+
+    The rows are cast to the spec's dtype first, as transformers casts a checkpoint tensor to the
+    model's dtype before `Params4bit` quantizes it; whole blocks make the bytes those of the whole
+    weight's quantization."""
+    import bitsandbytes.functional as F
+
+    spec: Quant4bitSpec = module._hf_fsdp2_4bit
+    packed = _local(module.weight)
+    if rows.shape[0] == 0:
+        return torch.empty(0, dtype=torch.float32)
+    quantized, state = F.quantize_4bit(rows.to(spec.dtype).contiguous(), blocksize=spec.blocksize,
+                                       compress_statistics=False, quant_type=spec.quant_type,
+                                       quant_storage=torch.uint8)
+    packed[:rows.shape[0]].copy_(quantized.view(rows.shape[0], -1))
+    return state.absmax.float()
+
+
+def finish_quantization(module: nn.Module, absmax: torch.Tensor) -> None:
+    """Store this rank's absmax; under double quantization first rebuild the whole weight's absmax
+    (an all-gather over the shard group: the offset is the mean of all of them and the second-level
+    blocks of 256 cross shard boundaries), quantize it as `quantize_4bit` does and keep own rows.
+    Collective under double quantization: call on every rank, in the same module order."""
+    import bitsandbytes.functional as F
+    import torch.distributed as dist
+
+    spec: Quant4bitSpec = module._hf_fsdp2_4bit
+    local = _local(module.weight_absmax)
+    rows = absmax.numel() // (spec.in_features // spec.blocksize)
+    if not spec.nested:
+        local[:rows].copy_(absmax.view(torch.uint8).view(rows, -1))
+        return
+    per_row = spec.in_features // spec.blocksize
+    full = absmax
+    weight = module.weight
+    if hasattr(weight, "device_mesh") and weight.device_mesh.size(weight.device_mesh.ndim - 1) > 1:
+        mesh = weight.device_mesh
+        group = mesh.get_group(mesh.ndim - 1)
+        size = mesh.size(mesh.ndim - 1)
+        chunk = -(-spec.out_features // size)
+        padded = torch.zeros(chunk * per_row, dtype=torch.float32)
+        padded[:absmax.numel()] = absmax
+        pieces = [torch.empty_like(padded) for _ in range(size)]
+        dist.all_gather(pieces, padded, group=group)
+        counts = [max(0, min(chunk, spec.out_features - i * chunk)) * per_row for i in range(size)]
+        full = torch.cat([piece[:n] for piece, n in zip(pieces, counts)])
+        first = mesh.get_local_rank(mesh.ndim - 1) * chunk * per_row
+    else:
+        first = 0
+    offset = full.mean()
+    codes, nested = F.quantize_blockwise(full - offset, blocksize=NESTED_BLOCKSIZE)
+    local[:rows].copy_(codes[first:first + rows * per_row].view(rows, per_row))
+    module.weight_nested_absmax = nested.absmax.float()
+    module.weight_nested_quant_map = nested.code
+    module.weight_offset = offset.float()
+
+
+def quantize_on_meta(model: nn.Module, quantization_config, dtype: torch.dtype) -> None:
+    """Turn a meta-device transformers model into the 4-bit model `from_pretrained(...,
+    quantization_config=...)` would build, without weights: transformers' own bitsandbytes quantizer
+    picks the modules (not the output embedding, `llm_int8_skip_modules`, `_keep_in_fp32_modules`)
+    and marks the model (`is_loaded_in_4bit`, which PEFT reads to pick its 4-bit LoRA layer)."""
+    import_bitsandbytes()
+    if not getattr(quantization_config, "load_in_4bit", False):
+        raise ValueError("`quantization_config` must be a BitsAndBytesConfig with load_in_4bit=True "
+                         "(8-bit models are not sharded by hf_fsdp2).")
+    from transformers.quantizers.auto import AutoHfQuantizer
+
+    quantizer = AutoHfQuantizer.from_config(quantization_config, pre_quantized=False)
+    quantizer.preprocess_model(model=model, dtype=dtype, device_map={"": "cpu"})
+    model.hf_quantizer = quantizer
+    quantizer.postprocess_model(model)
