@@ -22,6 +22,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from ..quantization import bnb_4bit
 from .tensor_export import ExportTensor, local_data, model_tensors, row_range
 
 RowsDelta = Callable[[int, int], torch.Tensor]  # (first row, stop row) -> float32 delta of those rows
@@ -50,7 +51,8 @@ def _delta_of(module: nn.Module, adapter: str) -> tuple[torch.Tensor, RowsDelta]
         # PEFT swaps in/out for [experts, out, in] parameters (`_did_swap_in_out_features`).
         equation = "o r e, e r i -> e o i" if module._did_swap_in_out_features else "o r e, e r i -> e i o"
         return module.get_param(), lambda lo, hi: torch.einsum(equation, b3[:, :, lo:hi], a3[lo:hi]) * scaling
-    if isinstance(module, Linear):
+    if isinstance(module, Linear) or bnb_4bit.is_sharded_4bit(module.get_base_layer()):
+        # PEFT's 4-bit LoRA layer (peft/tuners/lora/bnb.py: Linear4bit.get_delta_weight) is Linear's delta.
         a, b = _full(module.lora_A[adapter].weight), _full(module.lora_B[adapter].weight)
         if module.fan_in_fan_out:  # weight is [in, out]: its rows are A's columns
             return module.get_base_layer().weight, lambda lo, hi: (b @ a[:, lo:hi]).T * scaling
@@ -94,15 +96,35 @@ def merged_tensors(model: nn.Module, dtype: torch.dtype | None) -> list[ExportTe
             weight, delta = _delta_of(module, adapter)
             deltas[id(weight)] = delta
     cache: dict[str, object] = {}  # one merged block: a fused-experts tensor feeds 2E file tensors in a row
+    quantized = bnb_4bit.sharded_4bit_weights(model)
+    absmax = {id(module.weight_absmax) for module in quantized.values()}
     items = []
     for name, tensor in model_tensors(model).items():
         hf_name = base_model_name(name)
-        if hf_name is None:
+        if hf_name is None or id(tensor) in absmax:
+            continue
+        if id(tensor) in quantized:  # written dequantized: a plain model, as PEFT's merge gives before requantizing
+            module = quantized[id(tensor)]
+            spec = module._hf_fsdp2_4bit
+            out_dtype = dtype if dtype is not None else spec.dtype
+            items.append(ExportTensor(hf_name, tensor, out_dtype, _dequantized_rows(module, deltas.get(id(tensor))),
+                                      shape=(spec.out_features, spec.in_features)))
             continue
         out_dtype = dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
         rows = _merged_rows(tensor, deltas[id(tensor)], cache) if id(tensor) in deltas else None
         items.append(ExportTensor(hf_name, tensor, out_dtype, rows))
     return items
+
+
+def _dequantized_rows(module: nn.Module, delta: RowsDelta | None) -> Callable[[], torch.Tensor]:
+    """This rank's rows of a sharded 4-bit weight, dequantized from its own packed rows (whole
+    quantization blocks, see quantization/bnb_4bit.py), plus the adapter's delta of those rows."""
+    def compute() -> torch.Tensor:
+        start, stop = row_range(module.weight)
+        w = bnb_4bit.dequantize_rows(module, local_data(module.weight), local_data(module.weight_absmax), start)
+        return w if delta is None else (w.float() + delta(start, stop).to(w.device)).to(w.dtype)
+
+    return compute
 
 
 def _merged_rows(weight: torch.Tensor, delta: RowsDelta, cache: dict) -> Callable[[], torch.Tensor]:

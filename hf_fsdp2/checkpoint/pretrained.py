@@ -107,6 +107,11 @@ def export_items(model: nn.Module, dtype: torch.dtype | None, merge_adapters: bo
         return [_item(n, t, dtype) for n, t in tensors.items()], True
     if merge_adapters:
         raise ValueError("`merge_adapters=True` needs a PeftModel; this model has no adapters.")
+    quantized = [n for n, m in bnb_4bit.named_4bit_modules(model) if bnb_4bit.is_sharded_4bit(m)]
+    if quantized:
+        raise NotImplementedError(
+            f"saving the packed 4-bit base weights ({quantized[0]}, ...) is not supported: train a PEFT adapter "
+            "on the 4-bit model and save the adapter, or save it merged (merge_adapters=True) as a plain model.")
     return _as_on_disk(model, [_item(n, t, dtype) for n, t in model_tensors(model).items()]), False
 
 
@@ -135,6 +140,8 @@ def write_configs(model: nn.Module, directory: Path, is_adapter: bool, dtype: to
         # As stock save_pretrained sets them (modeling_utils.PreTrainedModel.save_pretrained): the class
         # (FSDP2's dynamic "FSDP<Class>" name removed) and the dtype of the weights on disk.
         config = copy.deepcopy(config)
+        if getattr(config, "quantization_config", None) is not None:  # 4-bit weights are written dequantized
+            del config.quantization_config
         config.architectures = [type(base).__name__.removeprefix("FSDP")]
         saved = dtype if dtype is not None else next(
             (p.dtype for p in base.parameters() if p.is_floating_point()), None)
@@ -446,8 +453,9 @@ def _with_adapters(model: nn.Module, peft_config) -> nn.Module:
         for module in model.modules():
             if isinstance(module, LoraLayer):
                 for adapter in module.lora_A:
-                    module.lora_A[adapter].to_empty(device="cpu")
-                    module.lora_B[adapter].to_empty(device="cpu")
+                    for factor in (module.lora_A[adapter], module.lora_B[adapter]):
+                        # `init_lora_weights=False` keeps the layers' own init, which meta skipped
+                        factor.to_empty(device="cpu").reset_parameters()
                     module.reset_lora_parameters(adapter, init)
         if dist.is_initialized() and dist.get_world_size() > 1:
             for name, param in model.named_parameters():

@@ -33,10 +33,14 @@ class ExportTensor:
     local_rows: Callable[[], torch.Tensor] | None = None
     # The file tensor is this slice of `tensor` (transformers' conversion mapping, e.g. one MoE expert).
     view: DiskView | None = None
+    # The file tensor's shape when `local_rows` computes rows of another shape than `tensor`'s (a
+    # 4-bit weight's packed rows written dequantized); the rows are `tensor`'s rows.
+    shape: tuple[int, ...] | None = None
 
     @property
     def spec(self) -> TensorSpec:
-        return TensorSpec(self.name, self.dtype, self.view.shape if self.view else tuple(self.tensor.shape))
+        shape = self.view.shape if self.view else self.shape if self.shape is not None else tuple(self.tensor.shape)
+        return TensorSpec(self.name, self.dtype, shape)
 
     def rows(self) -> tuple[int, int]:
         """The file tensor's rows [start, stop) this rank writes."""
