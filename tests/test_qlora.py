@@ -1,0 +1,261 @@
+"""QLoRA: a bitsandbytes 4-bit base really sharded by FSDP2 (quantization/bnb_4bit.py).
+
+Two launches share the work: 2 ranks on a model loaded by stock transformers (4-bit on every rank,
+sharded by `shard_model`), 4 ranks on `hf_fsdp2.from_pretrained(..., quantization_config=...)`
+(each rank quantizes its own rows of the bf16 checkpoint). Both are compared with single-process
+QLoRA on the same quantized weights, and the 2-rank launch resumes the 4-rank launch's state.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("bitsandbytes")
+
+import bitsandbytes.functional as F  # noqa: E402
+from bitsandbytes.nn import Linear4bit  # noqa: E402
+from peft import LoraConfig, PeftModel, get_peft_model  # noqa: E402
+from transformers import AutoModelForCausalLM, BitsAndBytesConfig, LlamaForCausalLM  # noqa: E402
+
+from hf_fsdp2.quantization.bnb_4bit import (  # noqa: E402
+    dequantize_rows, finish_quantization, prepare_4bit_modules, quant_state, quantize_rows)
+from tests.common import (  # noqa: E402
+    batches, count_collectives, full_params, local_rows, optimizer, plain_params, tiny_config)
+from tests.dist_harness import run_ranks  # noqa: E402
+
+STEPS = 4
+TARGETS = ["q_proj", "v_proj", "down_proj"]
+LOADED = dict(bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=False, bnb_4bit_quant_storage=torch.bfloat16)
+QUANTIZED_BY_RANKS = dict(bnb_4bit_quant_type="fp4", bnb_4bit_use_double_quant=True, bnb_4bit_quant_storage=torch.float32)
+
+
+def bnb_config(**kw) -> BitsAndBytesConfig:
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.float32, **kw)
+
+
+def stock_4bit(directory, **kw):
+    """The model as stock transformers loads it in 4-bit, on one process."""
+    return AutoModelForCausalLM.from_pretrained(directory, quantization_config=bnb_config(**kw), device_map="cpu",
+                                                dtype=torch.float32)
+
+
+def lora_config() -> LoraConfig:
+    return LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, lora_dropout=0.0, init_lora_weights=False)
+
+
+def train(model, data, rank: int = 0, world: int = 1, opt=None) -> list[float]:
+    import torch.distributed as dist
+
+    opt = opt if opt is not None else optimizer(model)
+    losses = []
+    for ids in data:
+        ids = local_rows(ids, rank, world)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        value = loss.detach().clone()
+        if world > 1:
+            dist.all_reduce(value)
+        losses.append(value.item() / world)
+    return losses
+
+
+def dequantized(module) -> torch.Tensor:
+    """The dequantized weight of a stock `Linear4bit` or of a sharded one (while its group is gathered)."""
+    base = getattr(module, "base_layer", module)
+    if hasattr(base, "_hf_fsdp2_4bit"):
+        return F.dequantize_4bit(base.weight.reshape(-1, 1), quant_state(base))
+    return F.dequantize_4bit(base.weight, base.weight.quant_state)
+
+
+@pytest.fixture(scope="module")
+def bf16_dir(tmp_path_factory):
+    """A tiny Llama saved in bf16 by stock save_pretrained (in_features multiples of the blocksize 64)."""
+    directory = tmp_path_factory.mktemp("qlora-base")
+    torch.manual_seed(0)
+    LlamaForCausalLM(tiny_config(hidden_size=128, intermediate_size=192, num_hidden_layers=2)).to(
+        torch.bfloat16).save_pretrained(directory)
+    return directory
+
+
+# ---------------------------------------------------------------------------------------------
+# One process: the layout and the row-wise quantization are exactly bitsandbytes'
+
+
+@pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
+@pytest.mark.parametrize("nested", [False, True])
+@pytest.mark.parametrize("storage", [torch.uint8, torch.bfloat16, torch.float16, torch.float32])
+def test_row_layout_and_row_quantization_are_bit_exact(quant_type, nested, storage):
+    torch.manual_seed(0)
+    weight = torch.randn(96, 128, dtype=torch.bfloat16)
+    stock = Linear4bit(128, 96, bias=False, compress_statistics=nested, quant_type=quant_type, quant_storage=storage)
+    stock.load_state_dict({"weight": weight})
+    stock = stock.to("cpu")  # bitsandbytes quantizes here
+    expected = dequantized(stock)
+    packed_bytes = stock.weight.data.view(torch.uint8).reshape(-1).clone()
+
+    converted = Linear4bit(128, 96, bias=False, compress_statistics=nested, quant_type=quant_type,
+                           quant_storage=storage)
+    converted.load_state_dict({"weight": weight})
+    converted = converted.to("cpu")
+    prepare_4bit_modules(converted)
+    assert converted.weight.dtype == torch.uint8 and converted.weight.shape == (96, 64)
+    assert torch.equal(converted.weight.reshape(-1), packed_bytes)
+    assert torch.equal(dequantized(converted), expected)
+    x = torch.randn(3, 128)
+    torch.testing.assert_close(converted(x), stock(x), rtol=0, atol=0)
+
+    # Quantizing rows alone (a rank's shard) gives the same bytes; so does dequantizing rows alone.
+    with torch.device("meta"):
+        empty = Linear4bit(128, 96, bias=False, compress_statistics=nested, quant_type=quant_type, quant_storage=storage)
+    prepare_4bit_modules(empty, torch.float32)  # stock quantized the fp32 copy of the bf16 weight
+    empty.to_empty(device="cpu")
+    empty.weight_quant_map = F.get_4bit_type(quant_type, device="cpu")
+    if nested:
+        empty.weight_nested_quant_map = F.create_dynamic_map()
+    absmax = torch.cat([quantize_rows_into(empty, weight, lo, hi) for lo, hi in [(0, 40), (40, 96)]])
+    finish_quantization(empty, absmax)
+    assert torch.equal(empty.weight.reshape(-1), packed_bytes)
+    assert torch.equal(dequantize_rows(empty, empty.weight[40:80], empty.weight_absmax[40:80], 40), expected[40:80])
+
+
+def quantize_rows_into(module, weight, lo, hi):
+    """`quantize_rows` for rows [lo, hi) written at their place (as a rank's shard would be)."""
+    shard = module.weight
+    module.weight = torch.nn.Parameter(shard[lo:hi], requires_grad=False)
+    try:
+        return quantize_rows(module, weight[lo:hi])
+    finally:
+        module.weight = shard
+
+
+def test_bad_inputs_are_named():
+    with torch.device("meta"):
+        odd = Linear4bit(96, 64, bias=False)  # 96 is not a multiple of the blocksize 64
+    with pytest.raises(ValueError, match=r"odd: in_features=96 is not a multiple of the 4-bit blocksize 64"):
+        prepare_4bit_modules(torch.nn.ModuleDict({"odd": odd}))
+    unquantized = Linear4bit(64, 64, bias=False)  # bitsandbytes quantizes on .to(device), never called
+    with pytest.raises(ValueError, match="lin: this Linear4bit holds unquantized weights"):
+        prepare_4bit_modules(torch.nn.ModuleDict({"lin": unquantized}))
+
+
+def test_without_bitsandbytes_the_error_says_how_to_install(monkeypatch):
+    from hf_fsdp2.quantization import bnb_4bit
+
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)
+    with pytest.raises(ImportError, match=r"pip install 'hf_fsdp2\[qlora\]'"):
+        bnb_4bit.quantize_on_meta(torch.nn.Linear(2, 2), bnb_config(), torch.float32)
+
+
+# ---------------------------------------------------------------------------------------------
+# 2 ranks: a stock-loaded 4-bit model sharded; 4 ranks: quantized by the ranks while loading
+
+
+def _stock_loaded_worker(rank, world, directory, resume):
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule
+
+    import hf_fsdp2
+
+    model = get_peft_model(stock_4bit(directory, **LOADED), lora_config())
+    torch.manual_seed(0)
+    reference_weights = {n: dequantized(m) for n, m in model.named_modules() if type(m).__name__ == "Linear4bit"
+                         and hasattr(m, "quant_state") and not hasattr(m, "base_layer")}
+    hf_fsdp2.shard_model(model, hf_fsdp2.FSDP2Config())
+    layers = model.base_model.model.model.layers
+    q_proj = layers[0].self_attn.q_proj.base_layer
+    report = {"local_rows": q_proj.weight.to_local().shape[0], "rows": q_proj.weight.shape[0],
+              "dtypes": sorted({str(p.dtype) for p in layers[0].parameters()})}
+    # One group per layer holds packed weights, absmax and adapters; gathered, they dequantize bit for bit.
+    for layer in layers:
+        layer.unshard()
+    report["bit_exact"] = all(torch.equal(dequantized(m), reference_weights[n]) for n, m in model.named_modules()
+                              if n in reference_weights)
+    for layer in layers:
+        layer.reshard()
+    groups = {id(g): g for m in model.modules() if isinstance(m, FSDPModule)
+              if (g := m._get_fsdp_state()._fsdp_param_group) is not None}
+    names = {id(p): n for n, p in layers[0].named_parameters()}
+    report["layer_group"] = sorted(names[id(p.sharded_param)] for p in
+                                   layers[0]._get_fsdp_state()._fsdp_param_group.fsdp_params)
+    opt = optimizer(model)  # before the forward below, which leaves the last layer gathered
+    ids = local_rows(batches(steps=1)[0], rank, world)
+    with count_collectives() as counts, torch.no_grad():
+        model(input_ids=ids)
+    report["all_gathers"], report["groups"] = counts["all_gather_single"], len(groups)
+    hf_fsdp2.load_state(resume, model, opt)  # saved by the 4-rank launch
+    ids = local_rows(batches(steps=STEPS + 1)[-1], rank, world)
+    loss = model(input_ids=ids, labels=ids).loss
+    value = loss.detach().clone()
+    dist.all_reduce(value)
+    report["resumed_loss"] = value.item() / world
+    return report
+
+
+def _quantized_by_ranks_worker(rank, world, directory, out):
+    import hf_fsdp2
+
+    model = hf_fsdp2.from_pretrained(AutoModelForCausalLM, directory, hf_fsdp2.FSDP2Config(), torch_dtype=torch.float32,
+                                     quantization_config=bnb_config(**QUANTIZED_BY_RANKS), peft_config=lora_config())
+    hf_fsdp2.save_pretrained(model, f"{out}/initial-adapter")
+    opt = optimizer(model)
+    losses = train(model, batches(steps=STEPS), rank, world, opt)
+    hf_fsdp2.save_state(f"{out}/state", model, opt, step=STEPS)
+    hf_fsdp2.save_pretrained(model, f"{out}/adapter")
+    hf_fsdp2.save_pretrained(model, f"{out}/merged", merge_adapters=True, dtype=torch.bfloat16)
+    return {"losses": losses, "adapter": {k: v for k, v in full_params(model).items() if "lora_" in k}}
+
+
+def test_qlora_sharded_equals_one_process(bf16_dir, tmp_path):
+    data = batches(steps=STEPS)
+    # 4 ranks, each quantizing its rows of the bf16 checkpoint while loading.
+    ranks4 = run_ranks(_quantized_by_ranks_worker, 4, str(bf16_dir), str(tmp_path))[0]
+    reference = PeftModel.from_pretrained(stock_4bit(bf16_dir, **QUANTIZED_BY_RANKS), tmp_path / "initial-adapter",
+                                          is_trainable=True)
+    reference_losses = train(reference, data)
+    torch.testing.assert_close(ranks4["losses"], reference_losses, atol=2e-5, rtol=0)
+    expected_adapter = {k: v for k, v in plain_params(reference).items() if "lora_" in k}
+    torch.testing.assert_close(ranks4["adapter"], expected_adapter, atol=5e-5, rtol=0)
+
+    # The adapter in PEFT's layout on a fresh 4-bit base gives the reference's outputs.
+    ids = batches(steps=1, seed=7)[0]
+    reloaded = PeftModel.from_pretrained(stock_4bit(bf16_dir, **QUANTIZED_BY_RANKS), tmp_path / "adapter")
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(input_ids=ids).logits, reference(input_ids=ids).logits, atol=2e-4, rtol=0)
+
+    # Merged: dequantized + delta, a plain bf16 model that stock from_pretrained loads, equal to
+    # PEFT's own dequantize + get_delta_weight of the reference to bf16 rounding.
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    assert "quantization_config" not in merged.config.to_dict()
+    assert isinstance(merged.model.layers[0].self_attn.q_proj, torch.nn.Linear) and merged.dtype == torch.bfloat16
+    state = merged.state_dict()
+    for name, module in reference.named_modules():
+        if hasattr(module, "get_delta_weight") and hasattr(module, "base_layer"):
+            expected = (dequantized(module).float() + module.get_delta_weight("default").float()).to(torch.bfloat16)
+            key = name.removeprefix("base_model.model.") + ".weight"
+            torch.testing.assert_close(state[key], expected, atol=1e-2, rtol=1e-2)
+    unadapted = "model.layers.0.self_attn.k_proj.weight"  # 4-bit without LoRA: dequantized alone
+    k_proj = reference.base_model.model.model.layers[0].self_attn.k_proj
+    assert torch.equal(state[unadapted], dequantized(k_proj).to(torch.bfloat16))
+
+    # 2 ranks on a stock-loaded 4-bit model: sharded for real, one all-gather per group, bit-exact
+    # weights; it resumes the 4-rank state (elastic) and continues like the reference.
+    report = run_ranks(_stock_loaded_worker, 2, str(bf16_dir), str(tmp_path / "state"))[0]
+    assert report["bit_exact"]
+    assert (report["local_rows"], report["rows"]) == (64, 128)
+    assert report["dtypes"] == ["torch.float32", "torch.uint8"]  # packed, absmax | LoRA, norms
+    assert report["all_gathers"] == report["groups"] == 4  # 2 layers, embedding, [norm, lm_head]: one each
+    adapted = [f"{m}.{p}" for m in ("self_attn.q_proj", "self_attn.v_proj", "mlp.down_proj")
+               for p in ("base_layer.weight", "base_layer.weight_absmax", "lora_A.default.weight", "lora_B.default.weight")]
+    plain = [f"{m}.{p}" for m in ("self_attn.k_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj")
+             for p in ("weight", "weight_absmax")]
+    assert report["layer_group"] == sorted(adapted + plain + ["input_layernorm.weight", "post_attention_layernorm.weight"])
+    ids = batches(steps=STEPS + 1)[-1]
+    resumed_reference = PeftModel.from_pretrained(stock_4bit(bf16_dir, **LOADED), tmp_path / "adapter")
+    with torch.no_grad():
+        expected_loss = resumed_reference(input_ids=ids, labels=ids).loss.item()
+    assert abs(report["resumed_loss"] - expected_loss) < 1e-4
