@@ -259,3 +259,37 @@ def test_qlora_sharded_equals_one_process(bf16_dir, tmp_path):
     with torch.no_grad():
         expected_loss = resumed_reference(input_ids=ids, labels=ids).loss.item()
     assert abs(report["resumed_loss"] - expected_loss) < 1e-4
+
+
+# ---------------------------------------------------------------------------------------------
+# Accelerate: the QLoRA yaml under a real `accelerate launch`
+
+
+def test_accelerate_qlora_yaml_shards_the_4bit_base(bf16_dir, tmp_path):
+    from tests.common import lora
+    from tests.test_accelerate import GLOBAL_BATCH, launch
+
+    # mixed_precision overridden to 'no' (the yaml says bf16) so losses compare with an fp32 reference.
+    out = launch("fsdp2_qlora.yaml", 2, tmp_path / "a.json", "--steps", "3", "--lora", "--from-pretrained",
+                 str(bf16_dir), "--load-in-4bit", "--save-model", str(tmp_path / "adapter"),
+                 launch_args=("--mixed_precision", "no"))
+    assert out["all_dtensor"] and out["packed_4bit_rows"]
+    assert all(local == rows // 2 for local, rows in out["packed_4bit_rows"])  # each rank holds half of them
+    quantized = dict(bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True, bnb_4bit_quant_storage=torch.bfloat16)
+    model = lora(stock_4bit(bf16_dir, **quantized))
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    losses = []
+    for ids in batches(steps=3, batch=GLOBAL_BATCH):  # tests/scripts/accel_train.py's loop on one process
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    assert out["losses"] == pytest.approx(losses, abs=1e-4)
+    reloaded = PeftModel.from_pretrained(stock_4bit(bf16_dir, **quantized), tmp_path / "adapter")
+    ids = batches(steps=1, seed=3)[0]
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(input_ids=ids).logits, model(input_ids=ids).logits, atol=2e-4, rtol=0)

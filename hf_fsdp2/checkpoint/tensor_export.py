@@ -140,4 +140,10 @@ def adapter_tensors(model: nn.Module, adapter_name: str = "default") -> dict[str
     """
     from peft import get_peft_model_state_dict
 
-    return get_peft_model_state_dict(model, state_dict=model_tensors(model), adapter_name=adapter_name)
+    reshard(model)
+    # PEFT >= 0.21 selects the entries by the names of its tuner layers in `model.named_modules()`,
+    # which keep activation checkpointing's wrapper prefix: give it those names, return ours.
+    wrapped = dict(model.named_parameters())
+    wrapped.update(persistent_buffers(model))
+    selected = get_peft_model_state_dict(model, state_dict=wrapped, adapter_name=adapter_name)
+    return {canonical_name(name): tensor for name, tensor in selected.items()}

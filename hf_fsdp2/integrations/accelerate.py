@@ -27,6 +27,7 @@ import torch.nn as nn
 from ..config import FSDP2Config
 from ..runtime.distributed import build_mesh
 from ..checkpoint.pretrained import save_pretrained
+from ..quantization.bnb_4bit import is_linear_4bit
 from ..sharding import shard_model, unwrap_peft
 from ..checkpoint.errors import CheckpointError
 from ..runtime import versions
@@ -321,6 +322,10 @@ def _shard_from_rank0(model: nn.Module, config: FSDP2Config, mesh) -> nn.Module:
     from ..runtime.distributed import default_device
     from ..checkpoint.tensor_export import local_data, model_tensors, row_range
 
+    if any(is_linear_4bit(m) for m in model.modules()):
+        raise ValueError("`fsdp_cpu_ram_efficient_loading` with a 4-bit (bitsandbytes) model is not supported: "
+                         "load it with hf_fsdp2.from_pretrained(..., quantization_config=..., peft_config=...), "
+                         "where each rank quantizes only its own rows, and set the option to false.")
     device = default_device()  # NCCL broadcasts device tensors
     is_source = dist.get_rank() == 0
     sources = {name: t for name, t in model_tensors(model).items()} if is_source else {}

@@ -25,6 +25,7 @@ parser.add_argument("--save-state")
 parser.add_argument("--load-state")
 parser.add_argument("--seed", type=int, default=0)
 parser.add_argument("--from-pretrained", help="load the base model with transformers' from_pretrained")
+parser.add_argument("--load-in-4bit", action="store_true", help="with --from-pretrained: stock bitsandbytes 4-bit load")
 args = parser.parse_args()
 
 import hf_fsdp2  # noqa: E402
@@ -38,7 +39,15 @@ accelerator = Accelerator(gradient_accumulation_steps=args.accum, step_scheduler
 if args.from_pretrained:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(args.from_pretrained)
+    quantized = {}
+    if args.load_in_4bit:  # QLoRA as users load it: the whole 4-bit model on every rank until prepare()
+        from transformers import BitsAndBytesConfig
+
+        quantized = dict(quantization_config=BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+            bnb_4bit_quant_storage=torch.bfloat16, bnb_4bit_compute_dtype=torch.float32),
+            device_map="cpu", dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(args.from_pretrained, **quantized)
 else:
     model = build_model(seed=args.seed)
 if args.lora:
@@ -76,6 +85,7 @@ report = {
     <= {id(p) for p in model.parameters()},
     "world": accelerator.num_processes,
     "async_save": getattr(getattr(model, "_hf_fsdp2_config", None), "async_save", None),  # None: not ours
+    "packed_4bit_rows": [[p.to_local().shape[0], p.shape[0]] for p in model.parameters() if p.dtype == torch.uint8],
     "mesh": list(getattr(next(iter(model.parameters())), "device_mesh", torch.zeros(0)).shape),
 }
 from tests.common import count_collectives  # noqa: E402
