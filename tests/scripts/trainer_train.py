@@ -22,12 +22,20 @@ class ScriptArguments:
     resume: str | None = None
     final_dir: str | None = None
     eval: bool = False
+    load_in_4bit: str | None = None  # a float model directory, loaded by stock transformers in 4-bit (QLoRA)
 
 
 def main():
     hf_fsdp2.register()  # before TrainingArguments: on a CPU-only machine it makes --fsdp start gloo
     args, script = HfArgumentParser((TrainingArguments, ScriptArguments)).parse_args_into_dataclasses()
-    model = build_model()
+    if script.load_in_4bit:
+        from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+        model = AutoModelForCausalLM.from_pretrained(script.load_in_4bit, device_map="cpu", dtype=torch.float32,
+                                                     quantization_config=BitsAndBytesConfig(
+                                                         load_in_4bit=True, bnb_4bit_compute_dtype=torch.float32))
+    else:
+        model = build_model()
     if script.lora:
         model = lora(model)
     rows = torch.cat(batches(steps=12, batch=8))
@@ -45,7 +53,9 @@ def main():
         losses = {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
         Path(script.report).write_text(json.dumps({
             "losses": losses, "all_dtensor": all(isinstance(p, DTensor) for p in model.parameters()),
-            "world": trainer.args.world_size, "offload": all(isinstance(g.offload_policy, CPUOffloadPolicy) for g in groups),
+            "world": trainer.args.world_size,
+            "packed_4bit_rows": [[p.to_local().shape[0], p.shape[0]] for p in model.parameters()
+                                 if p.dtype == torch.uint8 and isinstance(p, DTensor)], "offload": all(isinstance(g.offload_policy, CPUOffloadPolicy) for g in groups),
             "async_save": getattr(getattr(model, "_hf_fsdp2_config", None), "async_save", None),
             "reshard_after_forward": any(g.post_forward_mesh_info is not None for g in groups), "best_model_checkpoint": trainer.state.best_model_checkpoint,
             "eval_losses": {h["step"]: h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h}}))
