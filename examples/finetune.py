@@ -13,6 +13,8 @@ gather), reloads the directory on rank 0 with plain `transformers`/`peft` and pr
 
 Common variations:
     ... examples/finetune.py --lora                               # LoRA adapter instead of all weights
+    accelerate launch --config_file accelerate_configs/fsdp2_qlora.yaml examples/finetune.py --load-in-4bit
+                                                                  # QLoRA: LoRA on a 4-bit base, sharded
     ... examples/finetune.py --model DIR --dataset FILES --lr 2e-5 # a real model and data
     ... examples/finetune.py --save-every 50 --resume auto        # checkpoints; continue after a crash
     accelerate launch --config_file accelerate_configs/fsdp2.yaml --num_processes 1 examples/finetune.py
@@ -63,6 +65,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=128, help="tokens per sequence (documents are packed)")
     p.add_argument("--lora", action="store_true",
                    help="train a LoRA adapter on all linear layers (and `lm_head` of the embedded model)")
+    p.add_argument("--load-in-4bit", action="store_true",
+                   help="QLoRA (implies --lora): the base loaded by transformers in bitsandbytes NF4 with double "
+                        "quantization; prepare() shards the 4-bit weights (needs `pip install 'hf_fsdp2[qlora]'`)")
     p.add_argument("--lora-r", type=int, default=16)
     p.add_argument("--lora-alpha", type=int, help="default: 2 * r")
     p.add_argument("--save-every", type=int, default=0,
@@ -85,6 +90,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--max-steps must be at least 1, got {args.max_steps}")
     if args.save_every < 0:
         p.error(f"--save-every must be >= 0, got {args.save_every}")
+    args.lora = args.lora or args.load_in_4bit
     if args.lr is None:  # what suits the embedded model from scratch, or a pretrained one
         args.lr = (5e-3 if args.lora else 1e-2) if args.model is None else (2e-4 if args.lora else 2e-5)
     if args.lora_alpha is None:
@@ -167,6 +173,24 @@ def build_model(args):
         return AutoModelForCausalLM.from_pretrained(args.model, dtype="auto" if args.lora else torch.float32)
     torch.manual_seed(args.seed)  # the same weights on every rank
     return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(TINY_LLAMA))
+
+
+def quantization_config(compute_dtype: torch.dtype):
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                              bnb_4bit_compute_dtype=compute_dtype)
+
+
+def load_4bit(directory, compute_dtype: torch.dtype):
+    """The base as transformers loads it in 4-bit on every rank; `accelerator.prepare` then keeps 1/N of
+    the packed weights per rank. (To never hold the whole 4-bit model: hf_fsdp2.from_pretrained with
+    `quantization_config` and `peft_config`, each rank quantizing only its own rows.)"""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(directory, quantization_config=quantization_config(compute_dtype),
+                                                device_map="cpu" if not torch.cuda.is_available() else None,
+                                                dtype="auto")
 
 
 def add_lora(model, args):
@@ -274,6 +298,13 @@ def main(argv: list[str] | None = None) -> None:
                 model.save_pretrained(base_dir)
                 tokenizer.save_pretrained(base_dir)
             model.name_or_path = str(base_dir)
+        if args.load_in_4bit:
+            accelerator.wait_for_everyone()  # rank 0 has written base-model/
+            compute = torch.bfloat16 if accelerator.mixed_precision == "bf16" else torch.float32
+            if torch.cuda.is_available():  # bitsandbytes quantizes on the device it loads to
+                model = load_4bit(base_dir or args.model, compute).to(accelerator.device)
+            else:
+                model = load_4bit(base_dir or args.model, compute)
         model = add_lora(model, args)
     trainable = [p for p in model.parameters() if p.requires_grad]
     # fused: one kernel per step for all parameters (the Trainer's default, adamw_torch_fused). The
@@ -384,7 +415,8 @@ def sample(args, output_dir: Path, base_dir: Path | None, tokenizer, device: tor
     if args.lora:
         from peft import PeftModel
 
-        base = AutoModelForCausalLM.from_pretrained(base_dir or args.model)
+        base = (load_4bit(base_dir or args.model, torch.float32) if args.load_in_4bit
+                else AutoModelForCausalLM.from_pretrained(base_dir or args.model))
         model = PeftModel.from_pretrained(base, output_dir)
     else:
         model = AutoModelForCausalLM.from_pretrained(output_dir)

@@ -118,6 +118,24 @@ def test_lora_adapter_loads_with_peft(tmp_path):
     assert greedy(AutoPeftModelForCausalLM.from_pretrained(out), tokenizer) == greedy(model, tokenizer)
 
 
+def test_qlora_example_trains_on_a_sharded_4bit_base(tmp_path):
+    """The README's QLoRA command: 4-bit base loaded by transformers, sharded by prepare(), adapter saved."""
+    pytest.importorskip("bitsandbytes")
+    from peft import PeftModel
+    from transformers import AutoTokenizer
+
+    sys.path.insert(0, str(ROOT / "examples"))
+    from finetune import load_4bit
+
+    out = tmp_path / "out"
+    proc = finetune("--load-in-4bit", "--output-dir", str(out), "--max-steps", "4", config="fsdp2_qlora.yaml")
+    before, after, _ = losses(proc.stdout)
+    assert after < before
+    assert (out / "adapter_model.safetensors").exists() and not (out / "model.safetensors").exists()
+    model = PeftModel.from_pretrained(load_4bit(out / "base-model", torch.float32), out)
+    assert one_line(proc.stdout, "sample: ") == f"sample: {greedy(model, AutoTokenizer.from_pretrained(out))}"
+
+
 def test_resume_auto_continues_from_latest_complete_checkpoint(tmp_path):
     """2 processes save every 2 steps (asynchronously) and "crash" while saving step 6; `--resume auto` on 1 process
     (same global batch) picks step 4, skips the batches it consumed and ends exactly where the
