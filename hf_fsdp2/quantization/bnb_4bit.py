@@ -200,9 +200,9 @@ def quant_state(module: nn.Module, packed: torch.Tensor | None = None, absmax: t
     if not spec.nested:
         return F.QuantState(absmax=absmax.view(torch.float32).reshape(-1), shape=shape, code=module.weight_quant_map,
                             blocksize=spec.blocksize, quant_type=spec.quant_type, dtype=spec.dtype)
-    nested = F.QuantState(absmax=module.weight_nested_absmax, code=module.weight_nested_quant_map,
-                          blocksize=NESTED_BLOCKSIZE, dtype=torch.float32)
     if first_row == 0 and rows == spec.out_features:
+        nested = F.QuantState(absmax=module.weight_nested_absmax, code=module.weight_nested_quant_map,
+                              blocksize=NESTED_BLOCKSIZE, dtype=torch.float32)
         return F.QuantState(absmax=absmax.reshape(-1), shape=shape, code=module.weight_quant_map,
                             blocksize=spec.blocksize, quant_type=spec.quant_type, dtype=spec.dtype,
                             offset=module.weight_offset, state2=nested)
