@@ -150,6 +150,11 @@ def _add_estimate_memory(commands: argparse._SubParsersAction) -> None:
                    help="add peft LoRA of rank R: only the adapters are trainable")
     p.add_argument("--lora-targets", default="q_proj,v_proj", metavar="NAMES",
                    help="comma-separated module names LoRA adapts (default q_proj,v_proj)")
+    p.add_argument("--load-in-4bit", action="store_true",
+                   help="QLoRA: a bitsandbytes 4-bit (NF4) base, quantized from --dtype, as hf_fsdp2.from_pretrained("
+                        "quantization_config=BitsAndBytesConfig(load_in_4bit=True)) shards it; needs --lora-r")
+    p.add_argument("--double-quant", action="store_true",
+                   help="with --load-in-4bit: bnb_4bit_use_double_quant (8-bit absmax codes)")
     p.add_argument("--offload", action="store_true",
                    help="CPUOffloadPolicy: sharded params, grads and optimizer states in CPU memory")
     p.add_argument("--activation-checkpointing", action="store_true", help="recompute each decoder layer in backward")
@@ -176,16 +181,30 @@ def _run_estimate_memory(args: argparse.Namespace) -> int:
     targets = [t.strip() for t in args.lora_targets.split(",") if t.strip()]
     if args.lora_r is not None and not targets:
         raise ValueError("`--lora-targets` is empty; name the modules to adapt, e.g. q_proj,v_proj.")
+    if args.double_quant and not args.load_in_4bit:
+        raise ValueError("`--double-quant` applies to 4-bit weights: add `--load-in-4bit`.")
+    if args.load_in_4bit:
+        if args.lora_r is None:
+            raise ValueError("`--load-in-4bit` freezes the quantized base weights, so there is nothing to train "
+                             "without LoRA: add `--lora-r R` (and `--lora-targets`).")
+        from .quantization.bnb_4bit import import_bitsandbytes
+
+        try:
+            import_bitsandbytes()
+        except ImportError as e:
+            raise ValueError(f"`--load-in-4bit`: {e}") from None
     config = FSDP2Config(param_dtype=dtypes["param_dtype"], reduce_dtype=dtypes["reduce_dtype"],
                          frozen_dtype=dtypes["frozen_dtype"], cpu_offload=args.offload,
                          activation_checkpointing=args.activation_checkpointing,
                          replicate_size=replicate, shard_size=shard)
     try:
         estimate = estimate_memory(args.model, args.world_size, config, dtype=dtypes["dtype"], lora_r=args.lora_r,
-                                   lora_targets=targets, batch_size=args.batch_size, seq_len=args.seq_len)
+                                   lora_targets=targets, batch_size=args.batch_size, seq_len=args.seq_len,
+                                   load_in_4bit=args.load_in_4bit, bnb_4bit_use_double_quant=args.double_quant)
     except ValueError as e:  # the library names its arguments; say which flag they came from
         message = str(e)
-        for name, flag in (("model", "--model"), ("lora_targets", "--lora-targets")):
+        for name, flag in (("model", "--model"), ("lora_targets", "--lora-targets"), ("lora_r", "--lora-r"),
+                           ("load_in_4bit", "--load-in-4bit"), ("bnb_4bit_use_double_quant", "--double-quant")):
             message = message.replace(f"`{name}`", f"`{flag}`")
         raise ValueError(message) from None
     print(estimate.to_json(indent=2) if args.json else estimate.format_table())

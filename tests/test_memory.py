@@ -268,6 +268,58 @@ def test_bad_input_names_the_argument(tmp_path):
         estimate_memory(tmp_path / "x.json", 2)
 
 
+@pytest.mark.skipif(not HAVE_BNB, reason="bitsandbytes is not installed")
+@pytest.mark.parametrize("double_quant", [False, True])
+def test_4bit_weights_take_about_an_eighth_of_fp32(double_quant):
+    """Each quantized weight: 0.5 byte packed + its block's absmax (4 bytes per 64, or 1 with double
+    quantization), uint8, sharded by row like any parameter; never cast by param_dtype, no grads or
+    optimizer states; code books (and the second level) replicated as buffers."""
+    config, world = _sevenb(num_hidden_layers=2), 8
+    fsdp = FSDP2Config(param_dtype="bf16")
+    plain = estimate_memory(config, world, fsdp, lora_r=16, batch_size=None)
+    q = estimate_memory(config, world, fsdp, lora_r=16, batch_size=None, load_in_4bit=True,
+                        bnb_4bit_use_double_quant=double_quant)
+    shapes = [(4096, 4096)] * 4 + [(11008, 4096)] * 2 + [(4096, 11008)]  # q, k, v, o, gate, up, down
+    weights = 2 * sum(o * i for o, i in shapes)  # lm_head stays unquantized
+    absmax_bytes = weights // 64 * (1 if double_quant else 4)
+    assert q.storage_dtypes["nf4"] == weights and q.num_params == plain.num_params  # out x in, not bytes
+    fp32_bytes = 4 * weights // world  # the quantized linears' share of the fp32 estimate
+    quantized_bytes = q.param_bytes - (plain.param_bytes - fp32_bytes)
+    assert quantized_bytes == (weights // 2 + absmax_bytes) // world
+    assert quantized_bytes / fp32_bytes == (0.515625 if double_quant else 0.5625) / 4  # about 1/8
+    assert (q.grad_bytes, q.optimizer_bytes) == (plain.grad_bytes, plain.optimizer_bytes)
+    assert q.num_trainable_params == plain.num_trainable_params
+
+    # Buffers: a 16-entry code book per linear; double quantization adds one fp32 absmax per 256
+    # blocks, its 256-entry code book and the offset.
+    nested = sum(4 * -(-o * i // 64 // 256) + 4 * 256 + 4 for o, i in shapes) if double_quant else 0
+    assert q.buffer_bytes - plain.buffer_bytes == 2 * (len(shapes) * 4 * 16 + nested)
+
+    # Gathered: the uint8 rows as their bytes, the rest (norms, LoRA) in bf16.
+    layer, plain_layer = q.groups[1], plain.groups[1]
+    assert layer.name == "base_model.model.model.layers.0" and layer.numel == plain_layer.numel
+    quantized_layer = weights // 2
+    assert layer.gathered_bytes == (plain_layer.gathered_bytes - 2 * quantized_layer
+                                    + quantized_layer // 2 + quantized_layer // 64 * (1 if double_quant else 4))
+    # The largest transient of a 4-bit matmul: gate/up/down dequantized (fp32, then bf16 for the grad).
+    assert q.dequantized_peak_bytes == 11008 * 4096 * (4 + 2) + (4 * 11008 * 4096 // 64 if double_quant else 0)
+    assert q.device_bytes == (q.state_bytes + q.gathered_peak_bytes + q.reduce_scatter_peak_bytes
+                              + q.dequantized_peak_bytes)
+
+
+@pytest.mark.skipif(not HAVE_BNB, reason="bitsandbytes is not installed")
+def test_4bit_needs_lora_and_bitsandbytes(monkeypatch):
+    with pytest.raises(ValueError, match="`load_in_4bit`.*set `lora_r`"):
+        estimate_memory(tiny_config(), 2, load_in_4bit=True)
+    with pytest.raises(ValueError, match="`bnb_4bit_use_double_quant`.*without `load_in_4bit`"):
+        estimate_memory(tiny_config(), 2, lora_r=2, bnb_4bit_use_double_quant=True)
+    with pytest.raises(ValueError, match=r"down_proj: in_features=90 is not a multiple of the 4-bit blocksize 64"):
+        estimate_memory(tiny_config(intermediate_size=90), 2, lora_r=2, load_in_4bit=True)
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)
+    with pytest.raises(ImportError, match=r"pip install 'hf_fsdp2\[qlora\]'"):
+        estimate_memory(tiny_config(), 2, lora_r=2, load_in_4bit=True)
+
+
 # ---------------------------------------------------------------------------------------------
 # Activations
 
@@ -357,6 +409,43 @@ def test_cli_json_matches_the_library(config_dir, capsys):
     assert got["shard_size"] == 4 and got["lora_targets"] == ["q_proj", "k_proj"]
     assert got["per_rank_max"]["host_bytes"] == got["per_rank_max"]["state_bytes"] > 0
     assert got["activations"]["checkpointing"] is True
+
+
+@pytest.mark.skipif(not HAVE_BNB, reason="bitsandbytes is not installed")
+def test_cli_4bit_matches_the_library(tmp_path, capsys):
+    tiny_config(**{**MODEL, **QLORA_MODEL}).save_pretrained(tmp_path)
+    args = ["estimate-memory", "--model", str(tmp_path), "--world-size", "4", "--dtype", "bf16", "--param-dtype",
+            "bf16", "--lora-r", "2", "--load-in-4bit", "--double-quant", "--batch-size", "2", "--seq-len", "16"]
+    assert main(args) == 0
+    table = capsys.readouterr().out
+    for text in ("over a 4-bit base (double quantization)", "parameters, sharded 1/4 (bf16/nf4/fp32)",
+                 "4-bit: largest weight dequantized for its matmul", "bf16 + 4-bit uint8", "note: 4-bit (nf4)"):
+        assert text in table, text
+    assert main([*args, "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    expected = estimate_memory(tmp_path, 4, FSDP2Config(param_dtype="bf16"), dtype="bf16", lora_r=2, batch_size=2,
+                               seq_len=16, load_in_4bit=True, bnb_4bit_use_double_quant=True)
+    assert got == json.loads(expected.to_json())
+    assert got["load_in_4bit"] and got["double_quant"] and got["per_rank_max"]["dequantized_peak_bytes"] > 0
+    assert got["activations"] is not None  # the meta forward runs through the 4-bit matmuls
+
+
+@pytest.mark.skipif(not HAVE_BNB, reason="bitsandbytes is not installed")
+@pytest.mark.parametrize("args, text", [
+    (["--load-in-4bit"], "`--load-in-4bit` freezes the quantized base weights, so there is nothing to train "
+                         "without LoRA: add `--lora-r R`"),
+    (["--lora-r", "2", "--double-quant"], "`--double-quant` applies to 4-bit weights: add `--load-in-4bit`"),
+    (["--lora-r", "2", "--load-in-4bit"], "down_proj: in_features=90 is not a multiple of the 4-bit blocksize 64"),
+    (["--lora-r", "2", "--load-in-4bit", "<no bitsandbytes>"], "`--load-in-4bit`: 4-bit (QLoRA) models need "
+                                                                 "bitsandbytes: pip install 'hf_fsdp2[qlora]'"),
+])
+def test_cli_4bit_errors(config_dir, capsys, monkeypatch, args, text):
+    if "<no bitsandbytes>" in args:
+        args = [a for a in args if a != "<no bitsandbytes>"]
+        monkeypatch.setitem(sys.modules, "bitsandbytes", None)
+    assert main(["estimate-memory", "--model", str(config_dir), "--world-size", "2", *args]) == 1
+    err = capsys.readouterr().err
+    assert text in err and "Traceback" not in err
 
 
 @pytest.mark.parametrize("args, flag", [

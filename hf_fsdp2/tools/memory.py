@@ -42,6 +42,20 @@ Transient, on the accelerator:
   outside the layers, each layer's inputs, and, during backward, one layer's recomputed activations
   (the largest). Activation gradients and kernels' workspaces are not counted.
 
+4-bit base weights (QLoRA, `load_in_4bit=True`): the meta model gets the layout
+`from_pretrained(..., quantization_config=BitsAndBytesConfig(load_in_4bit=True))` builds
+(quantization/bnb_4bit.py: transformers' quantizer picks the linears, LoRA is added, then each
+`Linear4bit` gets its row layout), so the per-parameter rules above apply unchanged. Each quantized
+[out, in] weight is two frozen uint8 parameters sharded by row: the packed values (in/2 bytes a row)
+and the absmax (4 bytes per 64-value block, 1 byte with double quantization): 0.5625, or 0.515625,
+bytes per weight / S. They have no gradients or optimizer states, `frozen_dtype` does not touch
+them, and `param_dtype` does not cast them: they are gathered as their own bytes. The code books
+and double quantization's second level (fp32, 1/16384 of the weights) are non-persistent buffers,
+replicated like any buffer. Parameter counts report quantized weights as out x in. One more
+transient: bitsandbytes dequantizes a weight before its matmul (and again for the input gradient),
+so the largest quantized weight in its dequantized dtype (plus its fp32 absmax when double
+quantized) is added as its own row.
+
 The estimated peak adds the persistent state and all transient parts: an upper bound of what is
 alive at once (the all-gather, reduce-scatter and activation peaks need not coincide), not counting
 the CUDA caching allocator's fragmentation, the CUDA context or NCCL buffers.
@@ -64,6 +78,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
 from ..config import FSDP2Config, parse_dtype
+from ..quantization import bnb_4bit
 from ..sharding import ShardPlan, apply_frozen_dtype, plan_groups, unwrap_peft
 
 ADAM_STATES = ("exp_avg", "exp_avg_sq")
@@ -132,6 +147,9 @@ class MemoryEstimate:
     activations: ActivationMemory | None
     activations_error: str | None = None
     notes: tuple[str, ...] = field(default=())
+    load_in_4bit: bool = False
+    double_quant: bool = False
+    dequantized_peak_bytes: int = 0  # 4-bit: the largest weight bitsandbytes dequantizes for a matmul
 
     # ---- max over ranks
     @property
@@ -163,7 +181,8 @@ class MemoryEstimate:
     def device_bytes(self) -> int:
         """Estimated accelerator peak (an upper bound of the concurrent parts)."""
         state = 0 if self.cpu_offload else self.state_bytes
-        return state + self.gathered_peak_bytes + self.reduce_scatter_peak_bytes + self.activation_bytes
+        return (state + self.gathered_peak_bytes + self.reduce_scatter_peak_bytes + self.activation_bytes
+                + self.dequantized_peak_bytes)
 
     @property
     def host_bytes(self) -> int:
@@ -195,10 +214,13 @@ class MemoryEstimate:
             ("buffers (replicated)", *place(self.buffer_bytes)),
         ]
         largest = self.largest_group
+        compute += " + 4-bit uint8" if self.load_in_4bit else ""
         rows.append((f"all-gather: {self.gather_window} groups in flight ({compute}; largest "
                      f"{largest.name} {format_bytes(largest.gathered_bytes)})", self.gathered_peak_bytes, 0))
         rows.append((f"reduce-scatter: unsharded grads + {self.reduce_dtype or compute} buffer",
                      self.reduce_scatter_peak_bytes, 0))
+        if self.load_in_4bit:
+            rows.append(("4-bit: largest weight dequantized for its matmul", self.dequantized_peak_bytes, 0))
         a = self.activations
         if a is not None:
             ac = "with activation checkpointing" if a.checkpointing else "no checkpointing"
@@ -211,6 +233,8 @@ class MemoryEstimate:
         mesh = (f"{self.world_size} ranks = {self.replicate_size} replicas x {self.shard_size} shards (HSDP)"
                 if self.replicate_size > 1 else f"{self.world_size} ranks")
         lora = f", LoRA r={self.lora_r} on {','.join(self.lora_targets or ())}" if self.lora_r else ""
+        if self.load_in_4bit:
+            lora += f" over a 4-bit base{' (double quantization)' if self.double_quant else ''}"
         lines = [
             f"{self.model_type}: {self.num_params / 1e9:.3f} B parameters, {self.num_trainable_params / 1e9:.3f} B "
             f"trainable{lora}; {mesh}; memory per rank (max over ranks)",
@@ -238,7 +262,8 @@ class MemoryEstimate:
             "buffer_bytes": self.buffer_bytes, "state_bytes": self.state_bytes,
             "gathered_peak_bytes": self.gathered_peak_bytes,
             "reduce_scatter_peak_bytes": self.reduce_scatter_peak_bytes,
-            "activation_bytes": self.activation_bytes, "device_bytes": self.device_bytes,
+            "activation_bytes": self.activation_bytes, "dequantized_peak_bytes": self.dequantized_peak_bytes,
+            "device_bytes": self.device_bytes,
             "host_bytes": self.host_bytes,
         }
         return out
@@ -395,13 +420,18 @@ def estimate_memory(
     lora_targets: Sequence[str] | str = DEFAULT_LORA_TARGETS,
     batch_size: int | None = 1,
     seq_len: int | None = 2048,
+    load_in_4bit: bool = False,
+    bnb_4bit_use_double_quant: bool = False,
 ) -> MemoryEstimate:
     """Per-rank memory of training `model_or_config` with `shard_model(model, fsdp_config)` and AdamW
     on `world_size` ranks. Pure: no process group, no real tensor is allocated.
 
     `dtype`: storage dtype of the parameters before sharding (see `build_meta_model`); `lora_r`: wrap
     the model with peft LoRA on `lora_targets` first; `batch_size` x `seq_len` tokens per rank for the
-    activation estimate (`batch_size=None` skips it). See the module docstring for the accounting.
+    activation estimate (`batch_size=None` skips it). `load_in_4bit`: QLoRA, the linears transformers
+    quantizes become bitsandbytes 4-bit (NF4) weights as `from_pretrained(..., quantization_config=
+    BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_use_double_quant=...))` shards them, quantized from
+    `dtype`; needs `lora_r` and bitsandbytes. See the module docstring for the accounting.
     """
     config = fsdp_config if fsdp_config is not None else FSDP2Config()
     if not isinstance(config, FSDP2Config):
@@ -416,14 +446,37 @@ def estimate_memory(
                                  f"to skip the activation estimate).")
     if isinstance(lora_targets, str):
         lora_targets = [t for t in lora_targets.split(",")]
+    if bnb_4bit_use_double_quant and not load_in_4bit:
+        raise ValueError("`bnb_4bit_use_double_quant` is set without `load_in_4bit`; double quantization "
+                         "applies to 4-bit weights only.")
+    if load_in_4bit:
+        if lora_r is None:
+            raise ValueError("`load_in_4bit` freezes the quantized base weights, so there is nothing to train "
+                             "without LoRA: set `lora_r` (QLoRA).")
+        bnb_4bit.import_bitsandbytes()  # the ImportError says how to install it
+        if isinstance(model_or_config, nn.Module) and any(bnb_4bit.is_linear_4bit(m)
+                                                          for m in model_or_config.modules()):
+            raise ValueError("`model` is already quantized; pass its config (or the unquantized model) with "
+                             "`load_in_4bit=True`.")
 
     model = build_meta_model(model_or_config, dtype=dtype)
+    quantized_from = None
+    if load_in_4bit:  # as hf_fsdp2.from_pretrained(..., quantization_config=...) builds it
+        from transformers import BitsAndBytesConfig
+
+        quantized_from = next(p.dtype for p in model.parameters() if p.is_floating_point())
+        bnb_4bit.quantize_on_meta(model, BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=bnb_4bit_use_double_quant,
+            bnb_4bit_compute_dtype=config.param_dtype or quantized_from), quantized_from)
     if lora_r is not None:
         if hasattr(model, "peft_config"):
             raise ValueError("`lora_r` is set but the model is already a PeftModel; pass the base model.")
         model = add_lora(model, lora_r, lora_targets)
-    apply_frozen_dtype(model, config.frozen_dtype)  # as shard_model does, before sharding
+    if load_in_4bit:  # after PEFT, which reads the `Params4bit` attributes to pick its 4-bit LoRA layer
+        bnb_4bit.prepare_4bit_modules(model, quantized_from)
+    apply_frozen_dtype(model, config.frozen_dtype)  # as shard_model does, before sharding (floating only)
     plan = plan_groups(model, config)
+    quantized = _quantized_params(model)
 
     params = list(model.parameters())  # deduplicated: a tied weight counts once
     storage_dtypes: dict[str, int] = {}
@@ -434,7 +487,8 @@ def estimate_memory(
     for p in params:
         rows, row_numel = _rows_and_row_numel(p.shape)
         size = p.element_size()
-        storage_dtypes[_dtype_name(p.dtype)] = storage_dtypes.get(_dtype_name(p.dtype), 0) + p.numel()
+        kind = quantized[id(p)][0] if id(p) in quantized else _dtype_name(p.dtype)
+        storage_dtypes[kind] = storage_dtypes.get(kind, 0) + _numel(p, quantized)
         if p.requires_grad:
             trainable_dtypes[_dtype_name(p.dtype)] = trainable_dtypes.get(_dtype_name(p.dtype), 0) + p.numel()
         for r in range(shard):
@@ -445,7 +499,8 @@ def estimate_memory(
                 opt_rank[r] += len(ADAM_STATES) * local + STEP_BYTES
     buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
 
-    groups = _group_memory(model, plan, config, shard)
+    groups = _group_memory(model, plan, config, shard, quantized)
+    dequantized = _dequantized_peak(model, config.param_dtype)
     window = 1 + max(1, config.forward_prefetch or 0, config.backward_prefetch)
     gathered_peak, peak_names = _gathered_peak(groups, plan, config, window)
     reduce_scatter_peak = max((g.reduce_scatter_bytes for g in groups), default=0)
@@ -471,10 +526,17 @@ def estimate_memory(
                      "the CPU; the GPU holds only gathered groups, unsharded grads and activations.")
     if replicate > 1:
         notes.append(f"HSDP: shards over {shard} ranks; the {replicate} replicas each hold the same shards.")
+    if load_in_4bit:
+        per_weight = "0.515625 (0.5 packed + 1/64 absmax code)" if bnb_4bit_use_double_quant else \
+            "0.5625 (0.5 packed + 4/64 fp32 absmax)"
+        notes.append(f"4-bit (nf4): {per_weight} bytes per quantized weight / shard size, uint8 rows, frozen, "
+                     "gathered as their own bytes whatever param_dtype; code books"
+                     + (" and the second-level absmax" if bnb_4bit_use_double_quant else "")
+                     + " are replicated buffers.")
     return MemoryEstimate(
         model_type=getattr(getattr(unwrap_peft(model), "config", None), "model_type", type(model).__name__),
         world_size=world_size, replicate_size=replicate, shard_size=shard,
-        num_params=sum(p.numel() for p in params),
+        num_params=sum(_numel(p, quantized) for p in params),
         num_trainable_params=sum(p.numel() for p in trainable), num_trainable_tensors=len(trainable),
         storage_dtypes=storage_dtypes, trainable_dtypes=trainable_dtypes,
         param_dtype=_dtype_name(config.param_dtype) if config.param_dtype else None,
@@ -486,10 +548,45 @@ def estimate_memory(
         groups=tuple(groups), gather_window=window, gathered_peak_bytes=gathered_peak,
         gathered_peak_groups=tuple(peak_names), reduce_scatter_peak_bytes=reduce_scatter_peak,
         activations=activations, activations_error=act_error, notes=tuple(notes),
+        load_in_4bit=load_in_4bit, double_quant=bnb_4bit_use_double_quant, dequantized_peak_bytes=dequantized,
     )
 
 
-def _group_memory(model: nn.Module, plan: ShardPlan, config: FSDP2Config, shard: int) -> list[GroupMemory]:
+def _quantized_params(model: nn.Module) -> dict[int, tuple[str, int]]:
+    """id(param) -> (quant type, weights it stands for) for the uint8 parameters of 4-bit linears:
+    the packed weight stands for out x in weights, its absmax for none."""
+    out = {}
+    for module in model.modules():
+        if bnb_4bit.is_sharded_4bit(module):
+            spec = module._hf_fsdp2_4bit
+            out[id(module.weight)] = (spec.quant_type, spec.out_features * spec.in_features)
+            out[id(module.weight_absmax)] = (spec.quant_type, 0)
+    return out
+
+
+def _numel(p: torch.Tensor, quantized: dict[int, tuple[str, int]]) -> int:
+    """Parameters `p` holds: a 4-bit weight counts its out x in weights, its absmax none."""
+    return quantized[id(p)][1] if id(p) in quantized else p.numel()
+
+
+def _dequantized_peak(model: nn.Module, param_dtype: torch.dtype | None) -> int:
+    """The largest transient of a 4-bit matmul: bitsandbytes dequantizes the [out, in] weight into
+    the input's dtype for the forward (`gemm_4bit`), and for the input gradient into the weight's
+    original dtype, cast to the gradient's dtype; with double quantization the absmax is decoded to fp32."""
+    peak = 0
+    for module in model.modules():
+        if not bnb_4bit.is_sharded_4bit(module):
+            continue
+        spec = module._hf_fsdp2_4bit
+        compute = module.compute_dtype or param_dtype or spec.dtype
+        numel = spec.out_features * spec.in_features
+        weight = numel * (_itemsize(spec.dtype) + (_itemsize(compute) if compute != spec.dtype else 0))
+        peak = max(peak, weight + (4 * spec.num_blocks if spec.nested else 0))
+    return peak
+
+
+def _group_memory(model: nn.Module, plan: ShardPlan, config: FSDP2Config, shard: int,
+                  quantized: dict[int, tuple[str, int]] | None = None) -> list[GroupMemory]:
     """Unsharded sizes of each `fully_shard` group, in forward order: [embedding], layers, head, root."""
     names = {id(m): n or "<root>" for n, m in model.named_modules()}
     members: list[tuple[str, list[nn.Module]]] = []
@@ -506,22 +603,24 @@ def _group_memory(model: nn.Module, plan: ShardPlan, config: FSDP2Config, shard:
             if id(p) not in seen:  # a tied weight is one parameter, in one group, once
                 seen.add(id(p))
                 ps.append(p)
-        groups.append(_one_group(name, ps, config, shard))
+        groups.append(_one_group(name, ps, config, shard, quantized or {}))
     rest = [p for p in model.parameters() if id(p) not in seen]
     if rest:
-        groups.append(_one_group("<root>", rest, config, shard))
+        groups.append(_one_group("<root>", rest, config, shard, quantized or {}))
     return groups
 
 
-def _one_group(name: str, params: Iterable[nn.Parameter], config: FSDP2Config, shard: int) -> GroupMemory:
+def _one_group(name: str, params: Iterable[nn.Parameter], config: FSDP2Config, shard: int,
+               quantized: dict[int, tuple[str, int]]) -> GroupMemory:
     numel = trainable = gathered = grads = rs_input = 0
     for p in params:
         rows, row_numel = _rows_and_row_numel(p.shape)
         padded = -(-rows // shard) * shard * row_numel
-        # FSDP2 (_fsdp_param.init_dtype_attrs): param_dtype applies to floating params of another dtype.
+        # FSDP2 (_fsdp_param.init_dtype_attrs): param_dtype applies to floating params of another dtype;
+        # 4-bit weights (uint8 packed values and absmax) are gathered as their own bytes.
         compute = config.param_dtype if (config.param_dtype is not None and p.is_floating_point()) else p.dtype
         gathered += padded * _itemsize(compute)
-        numel += p.numel()
+        numel += _numel(p, quantized)
         if p.requires_grad:
             trainable += p.numel()
             grads += p.numel() * _itemsize(compute)
