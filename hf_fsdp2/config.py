@@ -133,6 +133,10 @@ class FSDP2Config:
         async_save: the integrations' checkpoints (Accelerate's `save_state`, the Trainer's) return once
             each rank's rows are copied to host memory and commit in the background
             (checkpoint/async_save.py); `register(async_save=True)` or HF_FSDP2_ASYNC_SAVE=1.
+        fp8: FP8 training with FP8 all-gather (torchao float8, quantization/fp8.py): the decoder layers'
+            linears compute in float8 and their weights are all-gathered in float8 (1 byte a value);
+            weights stay in their dtype, checkpoints are unchanged. `register(fp8=True)`,
+            HF_FSDP2_FP8=1, or Accelerate's `mixed_precision: fp8` with the AO backend.
     """
 
     wrap_policy: str = "transformer"
@@ -151,6 +155,7 @@ class FSDP2Config:
     shard_size: int | None = None
     frozen_dtype: torch.dtype | str | None = None
     async_save: bool = False
+    fp8: bool = False
 
     def __post_init__(self) -> None:
         self.wrap_policy = _parse_wrap_policy(self.wrap_policy)
@@ -174,6 +179,10 @@ class FSDP2Config:
         self.activation_checkpointing = parse_bool(self.activation_checkpointing, "activation_checkpointing")
         self.cpu_offload = parse_bool(self.cpu_offload, "cpu_offload")
         self.async_save = parse_bool(self.async_save, "async_save")
+        self.fp8 = parse_bool(self.fp8, "fp8")
+        if self.fp8 and self.wrap_policy != "transformer":
+            raise ValueError(f"`fp8` converts the decoder layers' linears: it needs `wrap_policy`='transformer', "
+                             f"not {self.wrap_policy!r}.")
         if self.activation_checkpointing and self.wrap_policy != "transformer":
             raise ValueError(f"`activation_checkpointing` recomputes each decoder layer: it needs "
                              f"`wrap_policy`='transformer', not {self.wrap_policy!r}.")

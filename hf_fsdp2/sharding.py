@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import re
 from dataclasses import dataclass
 from typing import Iterator
@@ -24,6 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from .config import FSDP2Config
+from .quantization import fp8
 from .quantization.bnb_4bit import prepare_4bit_modules
 from .runtime.distributed import build_mesh, default_device
 
@@ -275,6 +277,16 @@ def apply_frozen_dtype(model: nn.Module, dtype: torch.dtype | None) -> None:
             param.data = param.data.to(dtype)
 
 
+def apply_fp8(model: nn.Module, plan: ShardPlan) -> fp8.Fp8Conversion:
+    """The decoder layers' linears to torchao Float8Linear with FP8 all-gather; what was kept and why
+    is logged on rank 0 and kept on the model (`_hf_fsdp2_fp8`)."""
+    conversion = fp8.convert(model, plan.layers)
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        logging.getLogger("hf_fsdp2").warning(conversion.summary())
+    model._hf_fsdp2_fp8 = conversion
+    return conversion
+
+
 def apply_activation_checkpointing(model: nn.Module, layers: list[nn.Module]) -> list[nn.Module]:
     """Wrap each layer in torch's non-reentrant `CheckpointWrapper`, in place; returns the wrappers.
 
@@ -443,12 +455,16 @@ def shard_model(
     # would reinterpret packed bytes stored as floats).
     prepare_4bit_modules(model)
     plan = plan_groups(model, config)
+    if config.fp8:
+        apply_fp8(model, plan)
     apply_frozen_dtype(model, config.frozen_dtype)
     if config.activation_checkpointing:
         plan.layers = apply_activation_checkpointing(model, plan.layers)
     apply_fsdp(model, plan, config, mesh)
     if on_meta:
         materialize(model, torch.device("cpu") if config.cpu_offload else device, init_weights=init_weights)
+    if config.fp8 and (init_weights or not on_meta):  # else the loader's weights come later: the
+        fp8.precompute_scales(model)  # first all-gather then computes its scales itself
     model._hf_fsdp2_config = config  # read by the checkpoint code: mesh, dtypes
     model._hf_fsdp2_mesh = mesh
     return model

@@ -151,13 +151,16 @@ def count_collectives() -> Iterator[dict[str, int]]:
              "reduce_scatter_tensor", "all_gather", "broadcast", "barrier", "all_to_all_single"]
     counts = {n: 0 for n in names}
     counts["elements"] = 0  # tensor elements sent, summed over the calls
+    counts["bytes"] = 0  # and their bytes
     originals = {n: getattr(dist, n) for n in names}
 
     def wrap(name):
         def counted(*args, **kwargs):
             counts[name] += 1
             if args and isinstance(args[-1 if name == "all_gather_single" else 0], torch.Tensor):
-                counts["elements"] += args[-1 if name == "all_gather_single" else 0].numel()
+                sent = args[-1 if name == "all_gather_single" else 0]
+                counts["elements"] += sent.numel()
+                counts["bytes"] += sent.numel() * sent.element_size()
             return originals[name](*args, **kwargs)
         return counted
 

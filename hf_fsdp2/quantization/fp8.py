@@ -1,0 +1,107 @@
+"""FP8 training with FP8 all-gather (torchao float8, tensorwise dynamic scaling).
+
+The decoder layers' `nn.Linear`s become torchao `Float8Linear`s with
+`Float8LinearConfig(enable_fsdp_float8_all_gather=True)`: their weights stay in the training dtype
+(fp32 masters: checkpoints are ordinary safetensors) wrapped in `WeightWithDynamicFloat8CastTensor`,
+whose FSDP2 hooks (`fsdp_pre_all_gather`) cast each rank's shard to float8 before the all-gather.
+A layer group then gathers float8 weights and fp32/bf16 norms together: FSDP2's `foreach_all_gather`
+sees mixed dtypes and all-gathers their bytes as uint8 in one collective, which is also why it runs
+on gloo, which has no float8 type. Linear weights move 1 byte per value instead of 2 (bf16) or 4.
+
+The cast needs one scale per weight from the amax of the whole (sharded) weight. Without a
+precomputed scale torchao all-reduces each weight's amax inside the all-gather hook (one extra
+collective per linear); `precompute_scales` does all of them in one all-reduce. It runs after
+sharding and after every optimizer step (`attach_to_optimizer`; the Accelerate backend hooks the
+prepared optimizer, so a plain loop needs no extra line).
+
+Not converted (reported by `convert`): modules outside the decoder layers (embeddings, the output
+head: their precision matters most and they are not gathered per layer), LoRA's own adapter
+layers (they train in bf16/fp32), 4-bit layers, and linears whose dimensions are not multiples of
+16 (`torch._scaled_mm` needs them). LoRA base layers are converted: frozen base weights gather in
+float8 with their scales in the same group as the adapters.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn as nn
+
+INSTALL_HINT = "pip install 'hf_fsdp2[fp8]' (torchao >= 0.18)"
+DIM_MULTIPLE = 16  # torch._scaled_mm: both dimensions of an FP8 matmul operand divisible by 16
+
+
+def import_torchao():
+    try:
+        import torchao.float8
+    except ImportError as error:
+        raise ImportError(f"`fp8=True` needs torchao: {INSTALL_HINT}") from error
+    return torchao.float8
+
+
+@dataclasses.dataclass
+class Fp8Conversion:
+    converted: list[str]
+    skipped: dict[str, str]  # module name -> why it stays in the training dtype
+
+    def summary(self) -> str:
+        lines = [f"FP8: {len(self.converted)} linear layers converted (FP8 all-gather)"]
+        reasons: dict[str, list[str]] = {}
+        for name, why in self.skipped.items():
+            reasons.setdefault(why, []).append(name)
+        for why, names in reasons.items():
+            shown = ", ".join(names[:4]) + (f", ... ({len(names)} in all)" if len(names) > 4 else "")
+            lines.append(f"  kept in the training dtype ({why}): {shown}")
+        return "\n".join(lines)
+
+
+def _skip_reason(name: str, module: nn.Module, in_layer: bool) -> str | None:
+    if type(module) is not nn.Linear:  # Float8Linear already, 4-bit (a Linear subclass), other subclasses
+        return f"not a plain nn.Linear ({type(module).__name__})"
+    if ".lora_" in f".{name}":
+        return "LoRA adapter"
+    if not in_layer:
+        return "outside the decoder layers"
+    if module.in_features % DIM_MULTIPLE or module.out_features % DIM_MULTIPLE:
+        return f"dimensions not multiples of {DIM_MULTIPLE}"
+    return None
+
+
+def convert(model: nn.Module, layers: list[nn.Module]) -> Fp8Conversion:
+    """Convert the eligible linears of `layers` (modules of `model`) in place; before `fully_shard`."""
+    float8 = import_torchao()
+    inside = {id(m) for layer in layers for m in layer.modules()}
+    converted, skipped = [], {}
+
+    def keep(module: nn.Module, fqn: str) -> bool:
+        why = _skip_reason(fqn, module, id(module) in inside)
+        if why is None:
+            converted.append(fqn)
+        else:
+            skipped[fqn] = why
+        return why is None
+
+    config = float8.Float8LinearConfig(enable_fsdp_float8_all_gather=True)
+    float8.convert_to_float8_training(model, config=config, module_filter_fn=keep)
+    return Fp8Conversion(converted, skipped)
+
+
+def has_fp8(model: nn.Module) -> bool:
+    return any(type(m).__name__ == "Float8Linear" for m in model.modules())
+
+
+@torch.no_grad()
+def precompute_scales(model: nn.Module) -> None:
+    """One all-reduce for the scales of every FP8 weight of `model`. Collective: call on every rank."""
+    if has_fp8(model):
+        import_torchao().precompute_float8_dynamic_scale_for_fsdp(model)
+
+
+def attach_to_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Precompute the FP8 scales after every `optimizer.step()` (once per optimizer)."""
+    inner = getattr(optimizer, "optimizer", optimizer)  # Accelerate's AcceleratedOptimizer wraps one
+    if not has_fp8(model) or getattr(inner, "_hf_fsdp2_fp8_hook", False):
+        return
+    inner.register_step_post_hook(lambda *args, **kwargs: precompute_scales(model))
+    inner._hf_fsdp2_fp8_hook = True

@@ -1,0 +1,134 @@
+"""FP8 training with FP8 all-gather (quantization/fp8.py) on 2 real gloo ranks: what is converted,
+one all-gather per group moving float8 bytes, losses tracking bf16, ordinary checkpoints."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("torchao.float8")
+
+from tests.common import (  # noqa: E402
+    batches, build_model, count_collectives, full_params, local_rows, lora, optimizer, saved_tensors)
+from tests.dist_harness import run_ranks  # noqa: E402
+
+STEPS = 6
+# intermediate 120: gate/up/down are not multiples of 16 and stay in the training dtype
+MODEL = dict(hidden_size=64, intermediate_size=120)
+
+
+def _train(rank, world, model, opt):
+    import torch.distributed as dist
+
+    losses = []
+    for ids in batches(steps=STEPS):
+        ids = local_rows(ids, rank, world)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        value = loss.detach().clone()
+        dist.all_reduce(value)
+        losses.append(value.item() / world)
+    return losses
+
+
+def _gathered_bytes(model, rank, world):
+    """Bytes each rank puts into all-gathers during one forward, and the number of all-gathers."""
+    ids = local_rows(batches(steps=1)[0], rank, world)
+    with count_collectives() as counts, torch.no_grad():
+        model(input_ids=ids)
+    from hf_fsdp2.checkpoint.tensor_export import reshard
+
+    reshard(model)
+    return counts["all_gather_single"], counts["bytes"]
+
+
+def _worker(rank, world, out):
+    import hf_fsdp2
+    from hf_fsdp2.quantization import fp8
+
+    report = {}
+    for name, fp8_on in (("bf16", False), ("fp8", True)):
+        model = build_model(**MODEL)
+        hf_fsdp2.shard_model(model, hf_fsdp2.FSDP2Config(param_dtype="bf16", fp8=fp8_on))
+        opt = optimizer(model)
+        fp8.attach_to_optimizer(model, opt)
+        report[name] = {"gathers": _gathered_bytes(model, rank, world), "losses": _train(rank, world, model, opt)}
+        if fp8_on:
+            report["conversion"] = (model._hf_fsdp2_fp8.converted, model._hf_fsdp2_fp8.skipped)
+            layer = model.model.layers[0]
+            report["types"] = [type(layer.self_attn.q_proj).__name__, type(layer.mlp.up_proj).__name__]
+            report["scale_precomputed"] = layer.self_attn.q_proj.weight._local_tensor._precomputed_scale is not None
+            hf_fsdp2.save_pretrained(model, f"{out}/model")
+            hf_fsdp2.save_state(f"{out}/state", model, opt, step=STEPS)
+            report["params"] = full_params(model)
+            resumed = build_model(seed=1, **MODEL)
+            hf_fsdp2.shard_model(resumed, hf_fsdp2.FSDP2Config(param_dtype="bf16", fp8=True))
+            resumed_opt = optimizer(resumed)
+            hf_fsdp2.load_state(f"{out}/state", resumed, resumed_opt)
+            report["resumed_params"] = full_params(resumed)
+    # LoRA: the frozen base layers compute and gather in float8, the adapters stay fp32, one group.
+    model = lora(build_model(**MODEL))
+    hf_fsdp2.shard_model(model, hf_fsdp2.FSDP2Config(param_dtype="bf16", fp8=True))
+    opt = optimizer(model)
+    fp8.attach_to_optimizer(model, opt)
+    q_proj = model.base_model.model.model.layers[0].self_attn.q_proj
+    report["lora_types"] = [type(q_proj.base_layer).__name__, type(q_proj.lora_A["default"]).__name__]
+    report["lora_losses"] = _train(rank, world, model, opt)
+    hf_fsdp2.save_pretrained(model, f"{out}/adapter")
+    return report
+
+
+def test_fp8_all_gather_trains_like_bf16_with_ordinary_checkpoints(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    report = run_ranks(_worker, 2, str(tmp_path))[0]
+    converted, skipped = report["conversion"]
+    assert len(converted) == 3 * 4 and all(n.split(".")[-1] in ("q_proj", "k_proj", "v_proj", "o_proj")
+                                           for n in converted)
+    assert skipped["lm_head"] == "outside the decoder layers"
+    assert skipped["model.layers.0.mlp.up_proj"] == "dimensions not multiples of 16"
+    assert report["types"] == ["Float8Linear", "Linear"]
+    assert report["scale_precomputed"]  # by the optimizer hook: one all-reduce for all scales
+    # One all-gather per group either way; the converted weights move 1 byte a value instead of 2.
+    (bf16_calls, bf16_bytes), (fp8_calls, fp8_bytes) = report["bf16"]["gathers"], report["fp8"]["gathers"]
+    assert bf16_calls == fp8_calls == 5  # embedding, 3 layers, [norm, lm_head]
+    attention_values = 3 * (64 * 64 + 2 * 32 * 64 + 64 * 64) // 2  # q, k, v, o of 3 layers, per rank
+    assert bf16_bytes - fp8_bytes == attention_values  # 2 bytes -> 1 byte for exactly those
+    # Losses track the bf16 run (FP8 casts are lossy: close, not equal).
+    assert report["fp8"]["losses"] == pytest.approx(report["bf16"]["losses"], rel=0.05)
+    assert report["fp8"]["losses"][-1] < report["fp8"]["losses"][0]
+    # The checkpoint is the fp32 training weights under the usual names; from_pretrained reads it.
+    saved = {k: v.float() for k, v in saved_tensors(tmp_path / "model").items()}
+    params = report["params"]
+    assert {k: v.dtype for k, v in saved_tensors(tmp_path / "model").items()} == {k: torch.float32 for k in params}
+    for name, value in params.items():
+        assert torch.equal(saved[name], value), name
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "model")
+    assert type(loaded.model.layers[0].self_attn.q_proj) is torch.nn.Linear
+    for name, value in report["resumed_params"].items():
+        assert torch.equal(value, params[name]), name
+    # LoRA over FP8 base layers.
+    assert report["lora_types"] == ["Float8Linear", "Linear"]
+    assert report["lora_losses"][-1] < report["lora_losses"][0]
+    assert (tmp_path / "adapter" / "adapter_model.safetensors").exists()
+
+
+def test_fp8_without_torchao_says_how_to_install(monkeypatch):
+    from hf_fsdp2.quantization import fp8
+
+    monkeypatch.setitem(sys.modules, "torchao", None)
+    monkeypatch.setitem(sys.modules, "torchao.float8", None)
+    with pytest.raises(ImportError, match=r"pip install 'hf_fsdp2\[fp8\]'"):
+        fp8.convert(build_model(**MODEL), [])
+
+
+def test_fp8_config_field():
+    import hf_fsdp2
+
+    assert hf_fsdp2.FSDP2Config(fp8="true").fp8 is True
+    with pytest.raises(ValueError, match="`fp8` converts the decoder layers"):
+        hf_fsdp2.FSDP2Config(fp8=True, wrap_policy="size")
