@@ -27,6 +27,7 @@ import torch.nn as nn
 from ..config import FSDP2Config
 from ..runtime.distributed import build_mesh
 from ..checkpoint.pretrained import save_pretrained
+from ..quantization import fp8
 from ..quantization.bnb_4bit import is_linear_4bit
 from ..sharding import shard_model, unwrap_peft
 from ..checkpoint.errors import CheckpointError
@@ -75,7 +76,8 @@ def register(**overrides: Any) -> None:
     from accelerate import Accelerator
 
     _patch(acc_module, "fsdp2_prepare_model", _fsdp2_prepare_model)
-    for name, wrapper in (("__init__", _init), ("_prepare_fsdp2", _prepare_fsdp2), ("save_model", _save_model),
+    for name, wrapper in (("__init__", _init), ("_prepare_fsdp2", _prepare_fsdp2), ("_prepare_ao", _prepare_ao),
+                          ("save_model", _save_model),
                           ("save_state", _save_state), ("load_state", _load_state)):
         _patch(Accelerator, name, functools.wraps(getattr(Accelerator, name))(wrapper))
 
@@ -170,8 +172,15 @@ def config_from_accelerator(accelerator) -> FSDP2Config:
         # Accelerate already wrapped the layers (fsdp2_apply_ac) when its yaml asked for it.
         "activation_checkpointing": False,
         # Gradients are reduced in fp32 whatever the compute dtype (Accelerate would reduce in bf16).
-        "param_dtype": {"bf16": "bf16", "fp16": "fp16"}.get(str(accelerator.mixed_precision)),
+        "param_dtype": {"bf16": "bf16", "fp16": "fp16", "fp8": "bf16"}.get(str(accelerator.mixed_precision)),
     }
+    if str(accelerator.mixed_precision) == "fp8":
+        # Accelerate's FP8 with the torchao backend is ours: the layers' linears in FP8, FP8 all-gather.
+        backend = str(getattr(accelerator, "fp8_backend", ""))
+        if not backend.endswith("AO"):
+            raise ValueError(f"`mixed_precision: fp8` with the {backend or 'default'} backend: hf_fsdp2 runs FP8 "
+                             "through torchao only; set `fp8_config: backend: AO` (or AORecipeKwargs).")
+        values["fp8"] = True
     policy = getattr(plugin, _USER_POLICY, None)
     if policy is not None:
         values.update(_policy_dtypes(policy))
@@ -287,7 +296,21 @@ def _prepare_fsdp2(self, *args):
     if names is None and model is not None:
         names = list(getattr(unwrap_peft(model), "_no_split_modules", None) or []) or None
     plugin.transformer_cls_names_to_wrap = names
-    return _original("Accelerator", "_prepare_fsdp2")(self, *args)
+    result = _original("Accelerator", "_prepare_fsdp2")(self, *args)
+    prepared = next((r for r in result if isinstance(r, nn.Module)), None)
+    if prepared is not None and fp8.has_fp8(prepared):  # FP8 scales after every step of the prepared optimizers
+        for optimizer in (r for r in result if isinstance(r, torch.optim.Optimizer)):
+            fp8.attach_to_optimizer(prepared, optimizer)
+    return result
+
+
+def _prepare_ao(self, *args):
+    """Accelerate's torchao FP8 step runs before FSDP2's: under FSDP2, shard_model converts the
+    layers itself (config `fp8`, which `mixed_precision: fp8` sets) and `_prepare_fsdp2` hooks the
+    optimizer, so Accelerate's conversion (every linear but the first and last) is skipped."""
+    if getattr(self, "is_fsdp2", False):
+        return args
+    return _original("Accelerator", "_prepare_ao")(self, *args)
 
 
 def _fsdp2_prepare_model(accelerator, model: nn.Module) -> nn.Module:

@@ -85,6 +85,9 @@ report = {
     <= {id(p) for p in model.parameters()},
     "world": accelerator.num_processes,
     "async_save": getattr(getattr(model, "_hf_fsdp2_config", None), "async_save", None),  # None: not ours
+    "fp8_linears": sum(type(m).__name__ == "Float8Linear" for m in model.modules()),
+    "fp8_scales_precomputed": all(getattr(m.weight._local_tensor, "_precomputed_scale", None) is not None
+                                  for m in model.modules() if type(m).__name__ == "Float8Linear"),
     "packed_4bit_rows": [[p.to_local().shape[0], p.shape[0]] for p in model.parameters() if p.dtype == torch.uint8],
     "mesh": list(getattr(next(iter(model.parameters())), "device_mesh", torch.zeros(0)).shape),
 }
