@@ -155,6 +155,8 @@ def _add_estimate_memory(commands: argparse._SubParsersAction) -> None:
                         "quantization_config=BitsAndBytesConfig(load_in_4bit=True)) shards it; needs --lora-r")
     p.add_argument("--double-quant", action="store_true",
                    help="with --load-in-4bit: bnb_4bit_use_double_quant (8-bit absmax codes)")
+    p.add_argument("--fp8", action="store_true",
+                   help="FP8 training with FP8 all-gather (FSDP2Config.fp8): decoder-layer linears gathered in float8")
     p.add_argument("--offload", action="store_true",
                    help="CPUOffloadPolicy: sharded params, grads and optimizer states in CPU memory")
     p.add_argument("--activation-checkpointing", action="store_true", help="recompute each decoder layer in backward")
@@ -194,7 +196,7 @@ def _run_estimate_memory(args: argparse.Namespace) -> int:
         except ImportError as e:
             raise ValueError(f"`--load-in-4bit`: {e}") from None
     config = FSDP2Config(param_dtype=dtypes["param_dtype"], reduce_dtype=dtypes["reduce_dtype"],
-                         frozen_dtype=dtypes["frozen_dtype"], cpu_offload=args.offload,
+                         frozen_dtype=dtypes["frozen_dtype"], cpu_offload=args.offload, fp8=args.fp8,
                          activation_checkpointing=args.activation_checkpointing,
                          replicate_size=replicate, shard_size=shard)
     try:

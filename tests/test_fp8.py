@@ -98,6 +98,13 @@ def test_fp8_all_gather_trains_like_bf16_with_ordinary_checkpoints(tmp_path):
     assert bf16_calls == fp8_calls == 5  # embedding, 3 layers, [norm, lm_head]
     attention_values = 3 * (64 * 64 + 2 * 32 * 64 + 64 * 64) // 2  # q, k, v, o of 3 layers, per rank
     assert bf16_bytes - fp8_bytes == attention_values  # 2 bytes -> 1 byte for exactly those
+    # estimate-memory --fp8 predicts those bytes: each group's all-gather output is S x the input.
+    from hf_fsdp2 import FSDP2Config
+    from hf_fsdp2.tools.memory import estimate_memory
+
+    for fp8_on, measured in ((False, bf16_bytes), (True, fp8_bytes)):
+        estimate = estimate_memory(build_model(**MODEL), 2, FSDP2Config(param_dtype="bf16", fp8=fp8_on), batch_size=None)
+        assert sum(g.gathered_bytes for g in estimate.groups) == 2 * measured
     # Losses track the bf16 run (FP8 casts are lossy: close, not equal).
     assert report["fp8"]["losses"] == pytest.approx(report["bf16"]["losses"], rel=0.05)
     assert report["fp8"]["losses"][-1] < report["fp8"]["losses"][0]

@@ -68,23 +68,29 @@ def _skip_reason(name: str, module: nn.Module, in_layer: bool) -> str | None:
     return None
 
 
+def plan(model: nn.Module, layers: list[nn.Module]) -> tuple[dict[str, nn.Module], dict[str, str]]:
+    """(linears to convert by name, kept linears -> why) of `model`, whose decoder layers are `layers`.
+    Pure: the memory estimator uses it without torchao."""
+    inside = {id(m) for layer in layers for m in layer.modules()}
+    chosen, skipped = {}, {}
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear):  # torchao's swap considers every nn.Linear (subclasses too)
+            why = _skip_reason(name, module, id(module) in inside)
+            if why is None:
+                chosen[name] = module
+            else:
+                skipped[name] = why
+    return chosen, skipped
+
+
 def convert(model: nn.Module, layers: list[nn.Module]) -> Fp8Conversion:
     """Convert the eligible linears of `layers` (modules of `model`) in place; before `fully_shard`."""
     float8 = import_torchao()
-    inside = {id(m) for layer in layers for m in layer.modules()}
-    converted, skipped = [], {}
-
-    def keep(module: nn.Module, fqn: str) -> bool:
-        why = _skip_reason(fqn, module, id(module) in inside)
-        if why is None:
-            converted.append(fqn)
-        else:
-            skipped[fqn] = why
-        return why is None
-
+    chosen, skipped = plan(model, layers)
+    wanted = {id(m) for m in chosen.values()}
     config = float8.Float8LinearConfig(enable_fsdp_float8_all_gather=True)
-    float8.convert_to_float8_training(model, config=config, module_filter_fn=keep)
-    return Fp8Conversion(converted, skipped)
+    float8.convert_to_float8_training(model, config=config, module_filter_fn=lambda m, fqn: id(m) in wanted)
+    return Fp8Conversion(list(chosen), skipped)
 
 
 def has_fp8(model: nn.Module) -> bool:

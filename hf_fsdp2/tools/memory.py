@@ -78,7 +78,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
 from ..config import FSDP2Config, parse_dtype
-from ..quantization import bnb_4bit
+from ..quantization import bnb_4bit, fp8
 from ..sharding import ShardPlan, apply_frozen_dtype, plan_groups, unwrap_peft
 
 ADAM_STATES = ("exp_avg", "exp_avg_sq")
@@ -499,7 +499,10 @@ def estimate_memory(
                 opt_rank[r] += len(ADAM_STATES) * local + STEP_BYTES
     buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
 
-    groups = _group_memory(model, plan, config, shard, quantized)
+    fp8_weights: set[int] = set()
+    if config.fp8:  # the weights shard_model converts are all-gathered in float8 (quantization/fp8.py)
+        fp8_weights = {id(m.weight) for m in fp8.plan(model, plan.layers)[0].values()}
+    groups = _group_memory(model, plan, config, shard, quantized, fp8_weights)
     dequantized = _dequantized_peak(model, config.param_dtype)
     window = 1 + max(1, config.forward_prefetch or 0, config.backward_prefetch)
     gathered_peak, peak_names = _gathered_peak(groups, plan, config, window)
@@ -526,6 +529,9 @@ def estimate_memory(
                      "the CPU; the GPU holds only gathered groups, unsharded grads and activations.")
     if replicate > 1:
         notes.append(f"HSDP: shards over {shard} ranks; the {replicate} replicas each hold the same shards.")
+    if config.fp8:
+        notes.append(f"FP8: {len(fp8_weights)} decoder-layer linear weights are all-gathered in float8 (1 byte a "
+                     "value); they stay stored, and their gradients and AdamW states kept, in the storage dtype.")
     if load_in_4bit:
         per_weight = "0.515625 (0.5 packed + 1/64 absmax code)" if bnb_4bit_use_double_quant else \
             "0.5625 (0.5 packed + 4/64 fp32 absmax)"
@@ -586,7 +592,8 @@ def _dequantized_peak(model: nn.Module, param_dtype: torch.dtype | None) -> int:
 
 
 def _group_memory(model: nn.Module, plan: ShardPlan, config: FSDP2Config, shard: int,
-                  quantized: dict[int, tuple[str, int]] | None = None) -> list[GroupMemory]:
+                  quantized: dict[int, tuple[str, int]] | None = None,
+                  fp8_weights: set[int] = frozenset()) -> list[GroupMemory]:
     """Unsharded sizes of each `fully_shard` group, in forward order: [embedding], layers, head, root."""
     names = {id(m): n or "<root>" for n, m in model.named_modules()}
     members: list[tuple[str, list[nn.Module]]] = []
@@ -603,15 +610,15 @@ def _group_memory(model: nn.Module, plan: ShardPlan, config: FSDP2Config, shard:
             if id(p) not in seen:  # a tied weight is one parameter, in one group, once
                 seen.add(id(p))
                 ps.append(p)
-        groups.append(_one_group(name, ps, config, shard, quantized or {}))
+        groups.append(_one_group(name, ps, config, shard, quantized or {}, fp8_weights))
     rest = [p for p in model.parameters() if id(p) not in seen]
     if rest:
-        groups.append(_one_group("<root>", rest, config, shard, quantized or {}))
+        groups.append(_one_group("<root>", rest, config, shard, quantized or {}, fp8_weights))
     return groups
 
 
 def _one_group(name: str, params: Iterable[nn.Parameter], config: FSDP2Config, shard: int,
-               quantized: dict[int, tuple[str, int]]) -> GroupMemory:
+               quantized: dict[int, tuple[str, int]], fp8_weights: set[int] = frozenset()) -> GroupMemory:
     numel = trainable = gathered = grads = rs_input = 0
     for p in params:
         rows, row_numel = _rows_and_row_numel(p.shape)
@@ -619,7 +626,8 @@ def _one_group(name: str, params: Iterable[nn.Parameter], config: FSDP2Config, s
         # FSDP2 (_fsdp_param.init_dtype_attrs): param_dtype applies to floating params of another dtype;
         # 4-bit weights (uint8 packed values and absmax) are gathered as their own bytes.
         compute = config.param_dtype if (config.param_dtype is not None and p.is_floating_point()) else p.dtype
-        gathered += padded * _itemsize(compute)
+        # FP8 all-gather: torchao's pre-all-gather hook casts the shard to float8, 1 byte a value.
+        gathered += padded * (1 if id(p) in fp8_weights else _itemsize(compute))
         numel += _numel(p, quantized)
         if p.requires_grad:
             trainable += p.numel()
