@@ -23,6 +23,10 @@ CONTESTANTS
               This is what `Accelerator._prepare_fsdp2` runs for the model, minus the optimizer
               parameter swap (we build the optimizer after wrapping instead) and minus compile/AC.
   ours_zero2  opt-in (`--contestants ... ours_zero2`), not a peer: ours with reshard_after_forward=False.
+  ours_bf16   opt-in: ours with param_dtype=bf16 (bf16 all-gather and compute, fp32 masters and reduce).
+  ours_fp8    opt-in: ours_bf16 plus FSDP2Config(fp8=True): the decoder layers' linears in torchao float8
+              with FP8 all-gather, scales precomputed after each optimizer step (compare its payload
+              bytes per step with ours_bf16: the converted weights move 1 byte a value instead of 2).
   ours_plain  opt-in ablation: ours without its CPU schedule (sync all-gathers, no forward prefetch,
               embedding re-gathered in backward).
   fsdp1       `torch.distributed.fsdp.FullyShardedDataParallel(model, use_orig_params=True,
@@ -100,7 +104,7 @@ REPO = Path(__file__).resolve().parent.parent
 RESULTS_DIR = REPO / "benchmarks" / "results"
 MiB = 1 << 20
 CONTESTANTS = ("ours", "accelerate", "fsdp1", "ddp")
-EXTRA = ("ours_zero2", "ours_plain")  # opt-in settings of ours: not peers, not in the targets
+EXTRA = ("ours_zero2", "ours_plain", "ours_bf16", "ours_fp8")  # opt-in settings of ours: not peers, not in the targets
 PEERS = ("accelerate", "fsdp1", "ddp")
 OPTIMIZERS = {"fused": {"fused": True}, "foreach": {"foreach": True}, "loop": {"foreach": False}}
 MODES = ("lora", "full")
@@ -370,15 +374,32 @@ def wrap_ours_plain(model, ctx):
     return model
 
 
+def wrap_ours_bf16(model, ctx):
+    from hf_fsdp2 import FSDP2Config, shard_model
+
+    return shard_model(model, FSDP2Config(param_dtype="bf16"))
+
+
+def wrap_ours_fp8(model, ctx):
+    from hf_fsdp2 import FSDP2Config, shard_model
+
+    return shard_model(model, FSDP2Config(param_dtype="bf16", fp8=True))
+
+
 WRAPPERS = {"ours": wrap_ours, "accelerate": wrap_accelerate, "fsdp1": wrap_fsdp1, "ddp": wrap_ddp,
-            "ours_zero2": wrap_ours_zero2, "ours_plain": wrap_ours_plain}
+            "ours_zero2": wrap_ours_zero2, "ours_plain": wrap_ours_plain, "ours_bf16": wrap_ours_bf16,
+            "ours_fp8": wrap_ours_fp8}
 
 
 def make_optimizer(model, lr: float, kind: str):
     import torch
 
+    from hf_fsdp2.quantization import fp8
+
     params = [p for p in model.parameters() if p.requires_grad]
-    return torch.optim.AdamW(params, lr=lr, weight_decay=0.0, **OPTIMIZERS[kind])
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, **OPTIMIZERS[kind])
+    fp8.attach_to_optimizer(model, optimizer)  # ours_fp8: the FP8 scales after every step (no-op otherwise)
+    return optimizer
 
 
 def _local(t):
