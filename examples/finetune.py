@@ -23,6 +23,7 @@ Common variations:
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import resource
 import time
@@ -68,6 +69,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--load-in-4bit", action="store_true",
                    help="QLoRA (implies --lora): the base loaded by transformers in bitsandbytes NF4 with double "
                         "quantization; prepare() shards the 4-bit weights (needs `pip install 'hf_fsdp2[qlora]'`)")
+    p.add_argument("--fp8", action="store_true",
+                   help="FP8 training with FP8 all-gather (torchao float8 on the decoder layers' linears; "
+                        "needs `pip install 'hf_fsdp2[fp8]'`); same as `mixed_precision: fp8` in the yaml")
     p.add_argument("--lora-r", type=int, default=16)
     p.add_argument("--lora-alpha", type=int, help="default: 2 * r")
     p.add_argument("--save-every", type=int, default=0,
@@ -79,6 +83,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                     "OUTPUT_DIR/checkpoints (start fresh if none); or a checkpoint directory")
     p.add_argument("--report-to", default="none",
                    help="Accelerate trackers for per-step loss, tokens/s and memory (e.g. tensorboard, wandb, all)")
+    p.add_argument("--loss-log", help="a JSON-lines file rank 0 appends {step, loss, lr} to after every step")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--prompt", default="the capital of france is")
     p.add_argument("--max-new-tokens", type=int, default=24)
@@ -261,7 +266,7 @@ def main(argv: list[str] | None = None) -> None:
                          "or choose another `--output-dir`.")
 
     # Accelerate's FSDP2 paths now shard, save and resume with hf_fsdp2.
-    hf_fsdp2.register(**({"async_save": True} if args.save_async else {}))
+    hf_fsdp2.register(**({"async_save": True} if args.save_async else {}), **({"fp8": True} if args.fp8 else {}))
     accelerator = Accelerator(
         gradient_accumulation_steps=args.gradient_accumulation_steps,
         log_with=None if args.report_to == "none" else args.report_to.split(","),
@@ -377,6 +382,9 @@ def main(argv: list[str] | None = None) -> None:
             train_seconds, steps_timed, tic = train_seconds + toc - tic, steps_timed + 1, toc
             bar.update(1)  # the bar shows the average rate so far (checkpoint saves excluded)
             bar.set_postfix(loss=f"{loss:.4f}", tokens_per_s=f"{tokens_per_step * steps_timed / train_seconds:,.0f}")
+            if args.loss_log and accelerator.is_main_process:
+                with open(args.loss_log, "a") as log:
+                    log.write(json.dumps({"step": step, "loss": loss, "lr": lr}) + "\n")
             accelerator.log({"train/loss": loss, "train/lr": lr,
                              "train/tokens_per_s": tokens_per_s, "train/memory_gb": memory_gb(accelerator.device),
                              "train/epoch": epoch}, step=step)
