@@ -461,6 +461,8 @@ def shard_model(
     if config.activation_checkpointing:
         plan.layers = apply_activation_checkpointing(model, plan.layers)
     apply_fsdp(model, plan, config, mesh)
+    if config.fp8 and mesh.device_type == "cpu":
+        fp8.gather_float8_as_bytes(model)
     if on_meta:
         materialize(model, torch.device("cpu") if config.cpu_offload else device, init_weights=init_weights)
     if config.fp8 and (init_weights or not on_meta):  # else the loader's weights come later: the

@@ -46,11 +46,41 @@ def _gathered_bytes(model, rank, world):
     return counts["all_gather_single"], counts["bytes"]
 
 
+class Block(torch.nn.Module):
+    """A layer whose only parameter is one linear weight: its group's all-gather is all float8."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(32, 32, bias=False)
+
+    def forward(self, x):
+        return torch.relu(self.proj(x))
+
+
+class Stack(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(Block() for _ in range(2))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def _stack_input() -> torch.Tensor:
+    return torch.randn(16, 32, generator=torch.Generator().manual_seed(1))
+
+
 def _worker(rank, world, out):
     import hf_fsdp2
     from hf_fsdp2.quantization import fp8
 
     report = {}
+    # gloo cannot all-gather float8 ("Invalid scalar type"): an all-float8 group goes as bytes.
+    torch.manual_seed(0)
+    stack = hf_fsdp2.shard_model(Stack(), hf_fsdp2.FSDP2Config(layer_cls_names=["Block"], fp8=True))
+    report["stack"] = stack(_stack_input()).detach()
     for name, fp8_on in (("bf16", False), ("fp8", True)):
         model = build_model(**MODEL)
         hf_fsdp2.shard_model(model, hf_fsdp2.FSDP2Config(param_dtype="bf16", fp8=fp8_on))
@@ -86,6 +116,12 @@ def test_fp8_all_gather_trains_like_bf16_with_ordinary_checkpoints(tmp_path):
     from transformers import AutoModelForCausalLM
 
     report = run_ranks(_worker, 2, str(tmp_path))[0]
+    from hf_fsdp2.quantization import fp8
+
+    torch.manual_seed(0)
+    reference = Stack()
+    fp8.convert(reference, list(reference.layers))
+    assert torch.equal(report["stack"], reference(_stack_input()).detach())
     converted, skipped = report["conversion"]
     assert len(converted) == 3 * 4 and all(n.split(".")[-1] in ("q_proj", "k_proj", "v_proj", "o_proj")
                                            for n in converted)

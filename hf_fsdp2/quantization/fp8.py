@@ -111,3 +111,34 @@ def attach_to_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> N
         return
     inner.register_step_post_hook(lambda *args, **kwargs: precompute_scales(model))
     inner._hf_fsdp2_fp8_hook = True
+
+
+FLOAT8_DTYPES = {torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz}
+
+
+def _byte_view_all_gather():
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather
+
+    class ByteViewAllGather(DefaultAllGather):
+        """gloo has no float8 type: its dtype dispatch (ProcessGroupGloo) raises "Invalid scalar type".
+        FSDP2 all-gathers a group in one dtype, its inputs' own when they share one
+        (`_get_all_gather_input_metadatas`), so a group whose inputs are all float8 weights (a layer
+        without norms or biases) reaches gloo as float8. Its bytes are gathered instead; groups that
+        mix dtypes are already gathered as uint8 by FSDP2 itself."""
+
+        def __call__(self, output_tensor, input_tensor, group, async_op=False):
+            if input_tensor.dtype in FLOAT8_DTYPES:
+                output_tensor, input_tensor = output_tensor.view(torch.uint8), input_tensor.view(torch.uint8)
+            return super().__call__(output_tensor, input_tensor, group, async_op)
+
+    return ByteViewAllGather()
+
+
+def gather_float8_as_bytes(model: nn.Module) -> None:
+    """On gloo (CPU meshes): every FSDP group of `model` all-gathers float8 inputs as bytes."""
+    from torch.distributed.fsdp import FSDPModule
+
+    comm = _byte_view_all_gather()
+    for module in model.modules():
+        if isinstance(module, FSDPModule) and module._get_fsdp_state()._fsdp_param_group is not None:
+            module.set_custom_all_gather(comm)
