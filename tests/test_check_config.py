@@ -9,6 +9,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 import torch.nn as nn
 import yaml
 
@@ -236,7 +237,8 @@ CASES = {
     "FSDP1": (fsdp(fsdp_version=1), "error", "fsdp_config.fsdp_version", "2"),
     "no fsdp_version": (drop("fsdp_version"), "error", "fsdp_config.fsdp_version", "FSDP1"),
     "use_cpu": (top(use_cpu=True), "error", "use_cpu", "gloo"),
-    "fp8": (top(mixed_precision="fp8"), "error", "mixed_precision", "fp8"),
+    "fp8 with Transformer Engine": (lambda c: (top(mixed_precision="fp8")(c), c.update(fp8_config={"backend": "TE"}))
+                                    , "error", "fp8_config.backend", "torchao"),
     "bad precision": (top(mixed_precision="int8"), "error", "mixed_precision", "precision"),
     "reshard to a group size": (fsdp(fsdp_reshard_after_forward=2),
                                 "error", "fsdp_config.fsdp_reshard_after_forward", "register(reshard_after_forward=2)"),
@@ -429,14 +431,20 @@ def test_accelerate_checkpointing_needs_a_wrap_policy(tmp_path, monkeypatch):
         fsdp2_apply_ac(SimpleNamespace(state=SimpleNamespace(fsdp_plugin=plugin)), nn.Sequential(nn.Linear(2, 2)))
 
 
-def test_fp8_would_silently_train_in_fp32():
+def test_fp8_is_ours_with_torchao_and_refused_with_other_backends():
     from hf_fsdp2.integrations.accelerate import config_from_accelerator
 
+    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+
     plugin = SimpleNamespace(transformer_cls_names_to_wrap=None, reshard_after_forward=True, cpu_offload=False,
-                             auto_wrap_policy=None, min_num_params=0, ignored_modules=None)
+                             auto_wrap_policy=transformer_auto_wrap_policy, min_num_params=0, ignored_modules=None)
     accelerator = SimpleNamespace(state=SimpleNamespace(fsdp_plugin=plugin), mixed_precision="fp8",
-                                  parallelism_config=None)
-    assert config_from_accelerator(accelerator).param_dtype is None
+                                  parallelism_config=None, fp8_backend="FP8BackendType.AO")
+    config = config_from_accelerator(accelerator)
+    assert config.fp8 and config.param_dtype == torch.bfloat16
+    accelerator.fp8_backend = "FP8BackendType.TE"
+    with pytest.raises(ValueError, match="torchao only"):
+        config_from_accelerator(accelerator)
 
 
 @pytest.mark.parametrize("name, processes", [

@@ -246,8 +246,17 @@ def _check_mixed_precision(cfg: Mapping[str, Any], out: list[Finding]) -> None:
         return
     mp = str(value).lower()
     if mp == "fp8":
-        _error(out, "mixed_precision", "'fp8' is not supported by hf_fsdp2 (it would silently train in fp32); "
-                                       "use 'bf16', 'fp16' or 'no'.")
+        # hf_fsdp2 runs FP8 through torchao only (FSDP2Config.fp8: FP8 all-gather); Accelerate picks AO
+        # when no backend is named and torchao is installed (Accelerator.fp8_backend).
+        backend = str((cfg.get("fp8_config") or {}).get("backend") or "").upper()
+        if backend not in ("", "AO"):
+            _error(out, "fp8_config.backend", f"{backend!r}: hf_fsdp2 runs FP8 through torchao only; "
+                                              "use backend: AO.")
+        else:
+            try:
+                import torchao.float8  # noqa: F401
+            except ImportError:
+                _error(out, "mixed_precision", "'fp8' needs torchao: pip install 'hf_fsdp2[fp8]'.")
     elif mp not in _PRECISIONS:
         _error(out, "mixed_precision", f"{value!r} is not a precision; use 'no', 'bf16' or 'fp16'.")
 
@@ -549,7 +558,8 @@ def fsdp2_values(cfg: Mapping[str, Any]) -> dict[str, Any]:
         "reshard_after_forward": _launcher_bool(fsdp.raw("fsdp_reshard_after_forward")),
         "cpu_offload": bool(_launcher_bool(fsdp.raw("fsdp_offload_params"))),
         "activation_checkpointing": False,  # Accelerate applies its own before hf_fsdp2 shards
-        "param_dtype": {"bf16": "bf16", "fp16": "fp16"}.get(str(mp).lower()),
+        "param_dtype": {"bf16": "bf16", "fp16": "fp16", "fp8": "bf16"}.get(str(mp).lower()),
+        "fp8": str(mp).lower() == "fp8",
     }
     if policy == "SIZE_BASED_WRAP":
         values["min_num_params"] = _int(fsdp.raw("fsdp_min_num_params")) or 0
