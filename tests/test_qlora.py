@@ -299,19 +299,16 @@ def test_accelerate_qlora_yaml_shards_the_4bit_base(bf16_dir, tmp_path):
 # Transformers Trainer: the flag (--fsdp full_shard --fsdp_config ...) with a 4-bit PEFT model
 
 
-def test_trainer_flag_trains_qlora_sharded_and_resumes_on_one_process(bf16_dir, tmp_path):
-    """Equality with one process is the Accelerate test's (the same engine); here: the Trainer's own
-    flag shards the 4-bit base, checkpoints an adapter + optimizer, and a 1-process resume continues
-    the 2-process run exactly."""
+def test_trainer_flag_trains_qlora_with_a_sharded_4bit_base(bf16_dir, tmp_path):
+    """The Trainer's own flag shards the 4-bit base and checkpoints adapter + optimizer. (Equality
+    with one process is the Accelerate test's, the same engine; elastic resume of a QLoRA state is
+    the 4-rank/2-rank test's; the Trainer's resume path is tests/test_trainer.py's.)"""
     from tests.test_trainer import train
 
     flags = ("--lora", "true", "--load_in_4bit", str(bf16_dir))
-    sharded = train(tmp_path, "sharded", 2, 4, "--save_strategy", "steps", "--save_steps", "2", *flags)
+    sharded = train(tmp_path, "sharded", 2, 3, "--save_strategy", "steps", "--save_steps", "3", *flags)
     assert sharded["all_dtensor"] and sharded["world"] == 2
     assert sharded["packed_4bit_rows"] and all(local == rows // 2 for local, rows in sharded["packed_4bit_rows"])
     assert sharded["losses"][-1] < sharded["losses"][0]
-    checkpoint = tmp_path / "out" / "checkpoint-2"
+    checkpoint = tmp_path / "out" / "checkpoint-3"
     assert (checkpoint / "adapter_model.safetensors").exists() and (checkpoint / "optimizer.safetensors").exists()
-    resumed = train(tmp_path, "resumed", 1, 4, "--save_strategy", "no", "--resume", str(checkpoint), *flags)
-    assert resumed["world"] == 1
-    assert resumed["losses"][2:] == pytest.approx(sharded["losses"][2:], abs=1e-4)
