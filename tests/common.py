@@ -109,11 +109,12 @@ def global_mean(value: torch.Tensor) -> float:
 
 
 def sharded_train(model, data: list[torch.Tensor], rank: int, world: int, dp_rank: int | None = None,
-                  dp_world: int | None = None) -> list[float]:
-    """Each rank trains on its rows of the global batch; FSDP averages the gradients."""
+                  dp_world: int | None = None, opt: torch.optim.Optimizer | None = None) -> list[float]:
+    """Each rank trains on its rows of the global batch; FSDP averages the gradients. `opt`: the
+    optimizer to step (one for the model's trainable parameters by default)."""
     dp_rank = rank if dp_rank is None else dp_rank
     dp_world = world if dp_world is None else dp_world
-    opt = optimizer(model)
+    opt = opt if opt is not None else optimizer(model)
     losses = []
     for ids in data:
         ids = local_rows(ids, dp_rank, dp_world)

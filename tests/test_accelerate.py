@@ -31,10 +31,10 @@ def launch(config: str, processes: int, out: Path, *script_args: str, launch_arg
     return json.loads(out.read_text())
 
 
-def reference_losses(steps: int = 5, use_lora: bool = False) -> list[float]:
-    model = build_model()
-    if use_lora:
-        model = lora(model)
+def reference_losses(steps: int = 5, use_lora: bool = False, model=None) -> list[float]:
+    """tests/scripts/accel_train.py's loop on one process, on `model` (trained in place) or a new one."""
+    if model is None:
+        model = lora(build_model()) if use_lora else build_model()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
     losses = []

@@ -11,28 +11,12 @@ import torch
 pytest.importorskip("torchao.float8")
 
 from tests.common import (  # noqa: E402
-    batches, build_model, count_collectives, full_params, local_rows, lora, optimizer, saved_tensors)
+    batches, build_model, count_collectives, full_params, local_rows, lora, optimizer, saved_tensors, sharded_train)
 from tests.dist_harness import run_ranks  # noqa: E402
 
 STEPS = 6
 # intermediate 120: gate/up/down are not multiples of 16 and stay in the training dtype
 MODEL = dict(hidden_size=64, intermediate_size=120)
-
-
-def _train(rank, world, model, opt):
-    import torch.distributed as dist
-
-    losses = []
-    for ids in batches(steps=STEPS):
-        ids = local_rows(ids, rank, world)
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        value = loss.detach().clone()
-        dist.all_reduce(value)
-        losses.append(value.item() / world)
-    return losses
 
 
 def _gathered_bytes(model, rank, world):
@@ -86,7 +70,8 @@ def _worker(rank, world, out):
         hf_fsdp2.shard_model(model, hf_fsdp2.FSDP2Config(param_dtype="bf16", fp8=fp8_on))
         opt = optimizer(model)
         fp8.attach_to_optimizer(model, opt)
-        report[name] = {"gathers": _gathered_bytes(model, rank, world), "losses": _train(rank, world, model, opt)}
+        report[name] = {"gathers": _gathered_bytes(model, rank, world),
+                        "losses": sharded_train(model, batches(steps=STEPS), rank, world, opt=opt)}
         if fp8_on:
             report["conversion"] = (model._hf_fsdp2_fp8.converted, model._hf_fsdp2_fp8.skipped)
             layer = model.model.layers[0]
@@ -107,7 +92,7 @@ def _worker(rank, world, out):
     fp8.attach_to_optimizer(model, opt)
     q_proj = model.base_model.model.model.layers[0].self_attn.q_proj
     report["lora_types"] = [type(q_proj.base_layer).__name__, type(q_proj.lora_A["default"]).__name__]
-    report["lora_losses"] = _train(rank, world, model, opt)
+    report["lora_losses"] = sharded_train(model, batches(steps=STEPS), rank, world, opt=opt)
     hf_fsdp2.save_pretrained(model, f"{out}/adapter")
     return report
 

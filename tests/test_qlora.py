@@ -24,7 +24,8 @@ from transformers import AutoModelForCausalLM, BitsAndBytesConfig, LlamaForCausa
 from hf_fsdp2.quantization.bnb_4bit import (  # noqa: E402
     dequantize_rows, finish_quantization, prepare_4bit_modules, quant_state, quantize_rows)
 from tests.common import (  # noqa: E402
-    batches, count_collectives, full_params, local_rows, optimizer, plain_params, tiny_config)
+    batches, count_collectives, full_params, local_rows, optimizer, plain_params, reference_train, sharded_train,
+    tiny_config)
 from tests.dist_harness import run_ranks  # noqa: E402
 
 STEPS = 4
@@ -45,24 +46,6 @@ def stock_4bit(directory, **kw):
 
 def lora_config() -> LoraConfig:
     return LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, lora_dropout=0.0, init_lora_weights=False)
-
-
-def train(model, data, rank: int = 0, world: int = 1, opt=None) -> list[float]:
-    import torch.distributed as dist
-
-    opt = opt if opt is not None else optimizer(model)
-    losses = []
-    for ids in data:
-        ids = local_rows(ids, rank, world)
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        value = loss.detach().clone()
-        if world > 1:
-            dist.all_reduce(value)
-        losses.append(value.item() / world)
-    return losses
 
 
 def dequantized(module) -> torch.Tensor:
@@ -204,7 +187,7 @@ def _quantized_by_ranks_worker(rank, world, directory, out):
                                      quantization_config=bnb_config(**QUANTIZED_BY_RANKS), peft_config=lora_config())
     hf_fsdp2.save_pretrained(model, f"{out}/initial-adapter")
     opt = optimizer(model)
-    losses = train(model, batches(steps=STEPS), rank, world, opt)
+    losses = sharded_train(model, batches(steps=STEPS), rank, world, opt=opt)
     hf_fsdp2.save_state(f"{out}/state", model, opt, step=STEPS)
     hf_fsdp2.save_pretrained(model, f"{out}/adapter")
     hf_fsdp2.save_pretrained(model, f"{out}/merged", merge_adapters=True, dtype=torch.bfloat16)
@@ -217,7 +200,7 @@ def test_qlora_sharded_equals_one_process(bf16_dir, tmp_path):
     ranks4 = run_ranks(_quantized_by_ranks_worker, 4, str(bf16_dir), str(tmp_path))[0]
     reference = PeftModel.from_pretrained(stock_4bit(bf16_dir, **QUANTIZED_BY_RANKS), tmp_path / "initial-adapter",
                                           is_trainable=True)
-    reference_losses = train(reference, data)
+    reference_losses = reference_train(reference, data)
     torch.testing.assert_close(ranks4["losses"], reference_losses, atol=2e-5, rtol=0)
     expected_adapter = {k: v for k, v in plain_params(reference).items() if "lora_" in k}
     torch.testing.assert_close(ranks4["adapter"], expected_adapter, atol=5e-5, rtol=0)
@@ -268,7 +251,7 @@ def test_qlora_sharded_equals_one_process(bf16_dir, tmp_path):
 
 def test_accelerate_qlora_yaml_shards_the_4bit_base(bf16_dir, tmp_path):
     from tests.common import lora
-    from tests.test_accelerate import GLOBAL_BATCH, launch
+    from tests.test_accelerate import launch, reference_losses
 
     # mixed_precision overridden to 'no' (the yaml says bf16) so losses compare with an fp32 reference.
     out = launch("fsdp2_qlora.yaml", 2, tmp_path / "a.json", "--steps", "3", "--lora", "--from-pretrained",
@@ -278,17 +261,7 @@ def test_accelerate_qlora_yaml_shards_the_4bit_base(bf16_dir, tmp_path):
     assert all(local == rows // 2 for local, rows in out["packed_4bit_rows"])  # each rank holds half of them
     quantized = dict(bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True, bnb_4bit_quant_storage=torch.bfloat16)
     model = lora(stock_4bit(bf16_dir, **quantized))
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.01)
-    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
-    losses = []
-    for ids in batches(steps=3, batch=GLOBAL_BATCH):  # tests/scripts/accel_train.py's loop on one process
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    losses = reference_losses(3, model=model)  # tests/scripts/accel_train.py's loop on one process
     assert out["losses"] == pytest.approx(losses, abs=1e-4)
     reloaded = PeftModel.from_pretrained(stock_4bit(bf16_dir, **quantized), tmp_path / "adapter")
     ids = batches(steps=1, seed=3)[0]
