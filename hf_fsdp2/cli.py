@@ -16,6 +16,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_convert(commands)
     _add_check_config(commands)
     _add_estimate_memory(commands)
+    _add_plan(commands)
     return parser
 
 
@@ -122,22 +123,11 @@ def _hsdp_shape(text: str) -> tuple[int, int]:
     return int(parts[0]), int(parts[1])
 
 
-def _add_estimate_memory(commands: argparse._SubParsersAction) -> None:
-    p = commands.add_parser(
-        "estimate-memory",
-        help="Per-rank memory of training a model with hf_fsdp2 (FSDP2 + AdamW), from its config alone.",
-        description="Build the model on the meta device from its config, shard it on paper exactly as shard_model "
-                    "would (torch.chunk rows per rank), and report per-rank bytes for parameters, gradients, AdamW "
-                    "states, the all-gather and reduce-scatter transients and activations. Sharded parameters, "
-                    "gradients and AdamW moments are in the storage dtype (--dtype, fp32 master weights by "
-                    "default); --param-dtype is the dtype groups are all-gathered and computed in. The accounting "
-                    "is described in hf_fsdp2/tools/memory.py.",
-    )
+def _add_model_setup(p: argparse.ArgumentParser) -> None:
+    """The model and training setup `estimate-memory` and `plan` both cost."""
     p.add_argument("--model", required=True, metavar="CONFIG_OR_DIR",
                    help="a model directory with config.json, or a config.json file")
     p.add_argument("--world-size", required=True, type=_positive_int, metavar="N", help="number of ranks")
-    p.add_argument("--hsdp", type=_hsdp_shape, default=None, metavar="RxS",
-                   help="HSDP: R replicas, each sharding over S ranks (R*S must equal --world-size)")
     p.add_argument("--dtype", default="fp32", metavar="{fp32,bf16,fp16}",
                    help="dtype the parameters are stored (sharded) in; default fp32, the config's dtype is ignored")
     p.add_argument("--param-dtype", default=None, metavar="{bf16,fp16,fp32}",
@@ -157,23 +147,15 @@ def _add_estimate_memory(commands: argparse._SubParsersAction) -> None:
                    help="with --load-in-4bit: bnb_4bit_use_double_quant (8-bit absmax codes)")
     p.add_argument("--fp8", action="store_true",
                    help="FP8 training with FP8 all-gather (FSDP2Config.fp8): decoder-layer linears gathered in float8")
-    p.add_argument("--offload", action="store_true",
-                   help="CPUOffloadPolicy: sharded params, grads and optimizer states in CPU memory")
-    p.add_argument("--activation-checkpointing", action="store_true", help="recompute each decoder layer in backward")
     p.add_argument("--batch-size", type=_positive_int, default=1, help="sequences per rank per step (default 1)")
     p.add_argument("--seq-len", type=_positive_int, default=2048, help="tokens per sequence (default 2048)")
-    p.add_argument("--json", action="store_true", help="print the estimate as JSON (bytes) instead of a table")
-    p.set_defaults(handler=_run_estimate_memory)
+    p.add_argument("--json", action="store_true", help="print the result as JSON (bytes) instead of a table")
 
 
-def _run_estimate_memory(args: argparse.Namespace) -> int:
+def _model_setup(args: argparse.Namespace, **layout) -> tuple[object, dict]:
+    """(FSDP2Config, estimate_memory keyword arguments) from `_add_model_setup`'s flags."""
     from .config import FSDP2Config, parse_dtype
-    from .tools.memory import estimate_memory
 
-    replicate, shard = args.hsdp or (1, None)
-    if args.hsdp and replicate * shard != args.world_size:
-        raise ValueError(f"`--hsdp` {replicate}x{shard} covers {replicate * shard} ranks but `--world-size` is "
-                         f"{args.world_size}; R*S must equal the world size.")
     dtypes = {}
     for flag in ("dtype", "param_dtype", "reduce_dtype", "frozen_dtype"):
         try:
@@ -196,21 +178,112 @@ def _run_estimate_memory(args: argparse.Namespace) -> int:
         except ImportError as e:
             raise ValueError(f"`--load-in-4bit`: {e}") from None
     config = FSDP2Config(param_dtype=dtypes["param_dtype"], reduce_dtype=dtypes["reduce_dtype"],
-                         frozen_dtype=dtypes["frozen_dtype"], cpu_offload=args.offload, fp8=args.fp8,
-                         activation_checkpointing=args.activation_checkpointing,
-                         replicate_size=replicate, shard_size=shard)
+                         frozen_dtype=dtypes["frozen_dtype"], fp8=args.fp8, **layout)
+    return config, dict(dtype=dtypes["dtype"], lora_r=args.lora_r, lora_targets=targets,
+                        load_in_4bit=args.load_in_4bit, bnb_4bit_use_double_quant=args.double_quant)
+
+
+def _flag_names(e: ValueError) -> ValueError:
+    """The library names its arguments; say which flag they came from."""
+    message = str(e)
+    for name, flag in (("model", "--model"), ("lora_targets", "--lora-targets"), ("lora_r", "--lora-r"),
+                       ("load_in_4bit", "--load-in-4bit"), ("bnb_4bit_use_double_quant", "--double-quant")):
+        message = message.replace(f"`{name}`", f"`{flag}`")
+    return ValueError(message)
+
+
+def _add_estimate_memory(commands: argparse._SubParsersAction) -> None:
+    p = commands.add_parser(
+        "estimate-memory",
+        help="Per-rank memory of training a model with hf_fsdp2 (FSDP2 + AdamW), from its config alone.",
+        description="Build the model on the meta device from its config, shard it on paper exactly as shard_model "
+                    "would (torch.chunk rows per rank), and report per-rank bytes for parameters, gradients, AdamW "
+                    "states, the all-gather and reduce-scatter transients and activations. Sharded parameters, "
+                    "gradients and AdamW moments are in the storage dtype (--dtype, fp32 master weights by "
+                    "default); --param-dtype is the dtype groups are all-gathered and computed in. The accounting "
+                    "is described in hf_fsdp2/sharding/memory.py.",
+    )
+    _add_model_setup(p)
+    p.add_argument("--hsdp", type=_hsdp_shape, default=None, metavar="RxS",
+                   help="HSDP: R replicas, each sharding over S ranks (R*S must equal --world-size)")
+    p.add_argument("--offload", action="store_true",
+                   help="CPUOffloadPolicy: sharded params, grads and optimizer states in CPU memory")
+    p.add_argument("--activation-checkpointing", action="store_true", help="recompute each decoder layer in backward")
+    p.set_defaults(handler=_run_estimate_memory)
+
+
+def _run_estimate_memory(args: argparse.Namespace) -> int:
+    from .sharding.memory import estimate_memory
+
+    replicate, shard = args.hsdp or (1, None)
+    if args.hsdp and replicate * shard != args.world_size:
+        raise ValueError(f"`--hsdp` {replicate}x{shard} covers {replicate * shard} ranks but `--world-size` is "
+                         f"{args.world_size}; R*S must equal the world size.")
+    config, setup = _model_setup(args, cpu_offload=args.offload, activation_checkpointing=args.activation_checkpointing,
+                                 replicate_size=replicate, shard_size=shard)
     try:
-        estimate = estimate_memory(args.model, args.world_size, config, dtype=dtypes["dtype"], lora_r=args.lora_r,
-                                   lora_targets=targets, batch_size=args.batch_size, seq_len=args.seq_len,
-                                   load_in_4bit=args.load_in_4bit, bnb_4bit_use_double_quant=args.double_quant)
-    except ValueError as e:  # the library names its arguments; say which flag they came from
-        message = str(e)
-        for name, flag in (("model", "--model"), ("lora_targets", "--lora-targets"), ("lora_r", "--lora-r"),
-                           ("load_in_4bit", "--load-in-4bit"), ("bnb_4bit_use_double_quant", "--double-quant")):
-            message = message.replace(f"`{name}`", f"`{flag}`")
-        raise ValueError(message) from None
+        estimate = estimate_memory(args.model, args.world_size, config, batch_size=args.batch_size,
+                                   seq_len=args.seq_len, **setup)
+    except ValueError as e:
+        raise _flag_names(e) from None
     print(estimate.to_json(indent=2) if args.json else estimate.format_table())
     return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# plan
+
+
+def _add_plan(commands: argparse._SubParsersAction) -> None:
+    p = commands.add_parser(
+        "plan",
+        help="The layout shard_size='auto' picks: the cheapest that fits a memory budget per rank.",
+        description="Cost every layout (shard size S dividing the world size, reshard_after_forward, activation "
+                    "checkpointing, CPU offload) with the estimate-memory accounting and pick the first that fits "
+                    "--memory per rank, in cost order: wider sharding first, then resharding, then checkpointing, "
+                    "then offload. The same decision FSDP2Config(shard_size='auto', memory_budget=...) makes "
+                    "(hf_fsdp2/sharding/layout.py). Exits with 1 when nothing fits, naming the smallest budget "
+                    "that would.",
+    )
+    _add_model_setup(p)
+    p.add_argument("--memory", required=True, metavar="SIZE",
+                   help="budget per rank, e.g. 80GB, 24GiB (what must hold the estimated peak)")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                   help="cuda (default): offload is a candidate; cpu: one RAM, offload gains nothing")
+    p.set_defaults(handler=_run_plan)
+
+
+def _run_plan(args: argparse.Namespace) -> int:
+    import json
+
+    from .config import parse_bytes
+    from .sharding.layout import plan_layout
+    from .sharding.memory import prepare_meta_model
+
+    try:
+        budget = parse_bytes(args.memory, "--memory")
+    except (TypeError, ValueError) as e:
+        raise ValueError(str(e)) from None
+    config, setup = _model_setup(args)
+    try:
+        prepared = prepare_meta_model(args.model, config, **setup)
+        plan = plan_layout(prepared, args.world_size, config, budget_bytes=budget, budget_source="--memory",
+                           device_type=args.device, batch_size=args.batch_size, seq_len=args.seq_len)
+    except ValueError as e:
+        raise _flag_names(e) from None
+    if args.json:
+        def row(c):
+            return {"shard_size": c.shard_size, "replicate_size": c.replicate_size,
+                    "reshard_after_forward": c.reshard_after_forward,
+                    "activation_checkpointing": c.activation_checkpointing, "cpu_offload": c.cpu_offload,
+                    "needed_bytes": c.needed_bytes, "host_bytes": c.host_bytes, "fits": c.fits}
+        print(json.dumps({"budget_bytes": budget, "world_size": args.world_size, "device": args.device,
+                          "chosen": row(plan.chosen) if plan.chosen else None,
+                          "smallest_workable_budget": plan.smallest_workable_budget,
+                          "candidates": [row(c) for c in plan.candidates]}, indent=2))
+    else:
+        print(plan.format_table())
+    return 0 if plan.chosen else 1
 
 
 if __name__ == "__main__":

@@ -86,6 +86,27 @@ def _parse_wrap_policy(value: Any) -> str:
     return _WRAP_POLICIES[key]
 
 
+_BYTE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(value: Any, field_name: str) -> int:
+    """An integer of bytes or a size such as "80GB", "12.5GiB", "512MiB" (GB = 10^9, GiB = 2^30)."""
+    if isinstance(value, str):
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)
+        unit = match.group(2).lower() if match else None
+        if unit not in _BYTE_UNITS:
+            raise ValueError(f"`{field_name}`={value!r} is not a size; use bytes or e.g. \"80GB\", \"12GiB\", \"512MiB\".")
+        number = int(float(match.group(1)) * _BYTE_UNITS[unit])
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        number = int(value)
+    else:
+        raise TypeError(f"`{field_name}` must be a number of bytes or a size string such as \"80GB\", got {value!r}.")
+    if number <= 0:
+        raise ValueError(f"`{field_name}`={value!r} must be positive.")
+    return number
+
+
 def _parse_int(value: Any, field_name: str, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, str)):
         raise TypeError(f"`{field_name}` must be an integer, got {value!r}.")
@@ -127,7 +148,17 @@ class FSDP2Config:
         activation_checkpointing: recompute each decoder layer's activations in backward.
         cpu_offload: keep sharded params, grads and optimizer states in CPU memory.
         replicate_size: HSDP replicas (1 = plain FSDP).
-        shard_size: ranks each replica shards over; None: world_size // replicate_size.
+        shard_size: ranks each replica shards over; None: world_size // replicate_size. "auto": the layout
+            planner (sharding/layout.py) picks, before anything is allocated, the cheapest layout whose
+            estimated peak fits `memory_budget` per rank: the smallest shard group S (HSDP with world/S
+            replicas; S=1 is DDP-like replication), then `reshard_after_forward`, then
+            `activation_checkpointing`, then `cpu_offload`. With "auto" those four are the planner's
+            (a True `activation_checkpointing` or `cpu_offload` you set is kept); `replicate_size` must stay 1.
+        memory_budget: bytes per rank the auto layout must fit (an int or "80GB", "12GiB"); None: the
+            device's memory x 0.85 (CUDA), or the machine's RAM x 0.75 / local ranks (CPU). Needs
+            shard_size="auto".
+        plan_batch_size, plan_seq_len: the micro-batch per rank the auto layout is planned for
+            (activations); plan_seq_len None: the model's max_position_embeddings, at most 2048.
         frozen_dtype: dtype frozen (requires_grad=False) parameters are stored in, e.g. bf16 base weights
             under fp32 LoRA adapters; None leaves them as they are.
         async_save: the integrations' checkpoints (Accelerate's `save_state`, the Trainer's) return once
@@ -137,6 +168,10 @@ class FSDP2Config:
             linears compute in float8 and their weights are all-gathered in float8 (1 byte a value);
             weights stay in their dtype, checkpoints are unchanged. `register(fp8=True)`,
             HF_FSDP2_FP8=1, or Accelerate's `mixed_precision: fp8` with the AO backend.
+        compile: regional compilation (sharding/compile.py): each decoder layer is compiled with
+            torch.compile before `fully_shard`, so FSDP2's hooks stay outside the graphs and layers of one
+            class share the compiled code. `register(compile=True)`, HF_FSDP2_COMPILE=1, or Accelerate's
+            `dynamo_config` with `dynamo_use_regional_compilation: true`.
     """
 
     wrap_policy: str = "transformer"
@@ -152,10 +187,14 @@ class FSDP2Config:
     activation_checkpointing: bool = False
     cpu_offload: bool = False
     replicate_size: int = 1
-    shard_size: int | None = None
+    shard_size: int | str | None = None
     frozen_dtype: torch.dtype | str | None = None
     async_save: bool = False
     fp8: bool = False
+    memory_budget: int | str | None = None
+    plan_batch_size: int = 1
+    plan_seq_len: int | None = None
+    compile: bool = False
 
     def __post_init__(self) -> None:
         self.wrap_policy = _parse_wrap_policy(self.wrap_policy)
@@ -187,8 +226,22 @@ class FSDP2Config:
             raise ValueError(f"`activation_checkpointing` recomputes each decoder layer: it needs "
                              f"`wrap_policy`='transformer', not {self.wrap_policy!r}.")
         self.replicate_size = _parse_int(self.replicate_size, "replicate_size", 1)
-        if self.shard_size is not None:
+        self.compile = parse_bool(self.compile, "compile")
+        if isinstance(self.shard_size, str) and self.shard_size.strip().lower() == "auto":
+            self.shard_size = "auto"
+            if self.replicate_size != 1:
+                raise ValueError(f"`shard_size`='auto' picks the replicas too; leave `replicate_size` at 1 "
+                                 f"(got {self.replicate_size}).")
+        elif self.shard_size is not None:
             self.shard_size = _parse_int(self.shard_size, "shard_size", 1)
+        if self.memory_budget is not None:
+            self.memory_budget = parse_bytes(self.memory_budget, "memory_budget")
+            if self.shard_size != "auto":
+                raise ValueError("`memory_budget` is what the auto layout must fit; set `shard_size`='auto' "
+                                 "with it, or remove it.")
+        self.plan_batch_size = _parse_int(self.plan_batch_size, "plan_batch_size", 1)
+        if self.plan_seq_len is not None:
+            self.plan_seq_len = _parse_int(self.plan_seq_len, "plan_seq_len", 1)
 
     @staticmethod
     def _parse_reshard(value: Any) -> bool | int:
@@ -207,8 +260,15 @@ class FSDP2Config:
     def is_hsdp(self) -> bool:
         return self.replicate_size > 1
 
+    @property
+    def is_auto_layout(self) -> bool:
+        return self.shard_size == "auto"
+
     def mesh_shape(self, world_size: int) -> tuple[int, int]:
         """(replicate, shard) for `world_size` ranks; raises if the HSDP shape does not fit."""
+        if self.is_auto_layout:
+            raise ValueError("`shard_size`='auto' is resolved by the layout planner (hf_fsdp2.sharding.layout."
+                             "resolve_auto_layout, which shard_model calls) before a mesh is built.")
         if world_size % self.replicate_size:
             raise ValueError(
                 f"`replicate_size`={self.replicate_size} does not divide the world size {world_size}; "
@@ -259,4 +319,4 @@ class FSDP2Config:
         return out
 
 
-__all__ = ["FSDP2Config", "parse_dtype", "parse_bool"]
+__all__ = ["FSDP2Config", "parse_bool", "parse_bytes", "parse_dtype"]

@@ -13,7 +13,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from hf_fsdp2 import FSDP2Config, from_pretrained, shard_model
 from hf_fsdp2.cli import main
-from hf_fsdp2.tools.memory import build_meta_model, estimate_memory, shard_rows, trace_activations
+from hf_fsdp2.sharding.memory import build_meta_model, estimate_memory, shard_rows, trace_activations
 from hf_fsdp2.sharding import apply_activation_checkpointing, find_layers, plan_groups
 
 from .common import batches, build_model, local_rows, lora, optimizer, tiny_config

@@ -1,2 +1,2 @@
-"""Command-line tools behind `hf-fsdp2`: `check_config` (an Accelerate config, checked for hf_fsdp2)
-and `memory` (per-rank memory estimate)."""
+"""Command-line tools behind `hf-fsdp2`: `check_config` (an Accelerate config, checked for hf_fsdp2).
+The memory estimate and the layout planner live in `hf_fsdp2.sharding` (the engine uses them)."""

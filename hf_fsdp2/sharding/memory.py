@@ -64,6 +64,7 @@ the CUDA caching allocator's fragmentation, the CUDA context or NCCL buffers.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 import warnings
@@ -79,7 +80,7 @@ from torch.utils._pytree import tree_leaves
 
 from ..config import FSDP2Config, parse_dtype
 from ..quantization import bnb_4bit, fp8
-from ..sharding import ShardPlan, apply_frozen_dtype, plan_groups, unwrap_peft
+from .groups import ShardPlan, apply_frozen_dtype, plan_groups, unwrap_peft
 
 ADAM_STATES = ("exp_avg", "exp_avg_sq")
 STEP_BYTES = 4  # AdamW's `step`: a 0-dim fp32 tensor per trainable parameter
@@ -438,7 +439,7 @@ def estimate_memory(
         raise TypeError(f"`fsdp_config` must be an FSDP2Config, got {type(config).__name__}.")
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"`world_size`={world_size!r} must be a positive integer.")
-    replicate, shard = config.mesh_shape(world_size)
+    config.mesh_shape(world_size)  # the HSDP shape fits, or a clear error
     if batch_size is not None:
         for name, value in (("batch_size", batch_size), ("seq_len", seq_len)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -459,6 +460,60 @@ def estimate_memory(
             raise ValueError("`model` is already quantized; pass its config (or the unquantized model) with "
                              "`load_in_4bit=True`.")
 
+    prepared = prepare_meta_model(model_or_config, config, dtype=dtype, lora_r=lora_r, lora_targets=lora_targets,
+                                  load_in_4bit=load_in_4bit, bnb_4bit_use_double_quant=bnb_4bit_use_double_quant)
+    return prepared.estimate(world_size, config, batch_size=batch_size, seq_len=seq_len)
+
+
+@dataclass
+class MetaTrainingModel:
+    """The model as `shard_model` would see it, on the meta device (4-bit layout, LoRA, frozen dtype
+    applied, groups planned), built once so several layouts can be costed without rebuilding it
+    (the layout planner costs up to 4 x the divisors of the world size). Layouts may differ in
+    shard/replicate size, `reshard_after_forward`, `activation_checkpointing`, `cpu_offload` and the
+    prefetch depths; dtypes, wrapping and FP8 are fixed by the config it was prepared with."""
+
+    model: nn.Module
+    plan: ShardPlan
+    quantized: dict[int, tuple[str, int]]
+    fp8_weights: set[int]
+    lora_r: int | None
+    lora_targets: tuple[str, ...] | None
+    load_in_4bit: bool
+    double_quant: bool
+    _activations: dict = field(default_factory=dict)
+
+    def activations(self, batch_size: int, seq_len: int, compute_dtype: torch.dtype | None,
+                    checkpointing: bool) -> tuple[ActivationMemory | None, str | None]:
+        """One meta trace per (batch, seq, dtype) on a copy (the trace casts the model); both the
+        plain and the checkpointed peak follow from it."""
+        key = (batch_size, seq_len, compute_dtype)
+        if key not in self._activations:
+            names = {id(m): n for n, m in self.model.named_modules()}
+            copy_ = meta_copy(self.model)
+            layers = [copy_.get_submodule(names[id(layer)]) for layer in self.plan.layers]
+            try:
+                self._activations[key] = (trace_activations(copy_, layers, batch_size, seq_len,
+                                                            compute_dtype=compute_dtype), None)
+            except Exception as e:  # noqa: BLE001 - an architecture the meta trace cannot run; report why
+                self._activations[key] = (None, f"{type(e).__name__}: {e}")
+        traced, error = self._activations[key]
+        if traced is None:
+            return None, error
+        peak = (traced.outside_layers_bytes + traced.layer_inputs_bytes + traced.largest_layer_bytes
+                if checkpointing else traced.saved_bytes)
+        return dataclasses.replace(traced, checkpointing=checkpointing, peak_bytes=peak), None
+
+    def estimate(self, world_size: int, config: FSDP2Config, *, batch_size: int | None = 1,
+                 seq_len: int | None = 2048) -> MemoryEstimate:
+        """Per-rank memory of this model sharded with `config` on `world_size` ranks."""
+        return _estimate(self, world_size, config, batch_size, seq_len)
+
+
+def prepare_meta_model(model_or_config: Any, config: FSDP2Config, *, dtype: torch.dtype | str | None = None,
+                       lora_r: int | None = None, lora_targets: Sequence[str] = DEFAULT_LORA_TARGETS,
+                       load_in_4bit: bool = False, bnb_4bit_use_double_quant: bool = False) -> MetaTrainingModel:
+    """Build the meta model `estimate_memory` costs (arguments as there, already validated)."""
     model = build_meta_model(model_or_config, dtype=dtype)
     quantized_from = None
     if load_in_4bit:  # as hf_fsdp2.from_pretrained(..., quantization_config=...) builds it
@@ -476,8 +531,19 @@ def estimate_memory(
         bnb_4bit.prepare_4bit_modules(model, quantized_from)
     apply_frozen_dtype(model, config.frozen_dtype)  # as shard_model does, before sharding (floating only)
     plan = plan_groups(model, config)
-    quantized = _quantized_params(model)
+    fp8_weights: set[int] = set()
+    if config.fp8:  # the weights shard_model converts are all-gathered in float8 (quantization/fp8.py)
+        fp8_weights = {id(m.weight) for m in fp8.plan(model, plan.layers)[0].values()}
+    return MetaTrainingModel(
+        model=model, plan=plan, quantized=_quantized_params(model), fp8_weights=fp8_weights, lora_r=lora_r,
+        lora_targets=tuple(t.strip() for t in lora_targets if t.strip()) if lora_r else None,
+        load_in_4bit=load_in_4bit, double_quant=bnb_4bit_use_double_quant)
 
+
+def _estimate(prepared: MetaTrainingModel, world_size: int, config: FSDP2Config, batch_size: int | None,
+              seq_len: int | None) -> MemoryEstimate:
+    model, plan, quantized, fp8_weights = prepared.model, prepared.plan, prepared.quantized, prepared.fp8_weights
+    replicate, shard = config.mesh_shape(world_size)
     params = list(model.parameters())  # deduplicated: a tied weight counts once
     storage_dtypes: dict[str, int] = {}
     trainable_dtypes: dict[str, int] = {}
@@ -499,9 +565,6 @@ def estimate_memory(
                 opt_rank[r] += len(ADAM_STATES) * local + STEP_BYTES
     buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
 
-    fp8_weights: set[int] = set()
-    if config.fp8:  # the weights shard_model converts are all-gathered in float8 (quantization/fp8.py)
-        fp8_weights = {id(m.weight) for m in fp8.plan(model, plan.layers)[0].values()}
     groups = _group_memory(model, plan, config, shard, quantized, fp8_weights)
     dequantized = _dequantized_peak(model, config.param_dtype)
     window = 1 + max(1, config.forward_prefetch or 0, config.backward_prefetch)
@@ -510,12 +573,8 @@ def estimate_memory(
 
     activations, act_error = None, None
     if batch_size is not None:
-        try:
-            activations = trace_activations(model, plan.layers, batch_size, seq_len,
-                                            compute_dtype=config.param_dtype,
-                                            checkpointing=config.activation_checkpointing)
-        except Exception as e:  # noqa: BLE001 - an architecture the meta trace cannot run; report why
-            act_error = f"{type(e).__name__}: {e}"
+        activations, act_error = prepared.activations(batch_size, seq_len, config.param_dtype,
+                                                      config.activation_checkpointing)
 
     trainable = [p for p in params if p.requires_grad]
     notes = [
@@ -532,12 +591,12 @@ def estimate_memory(
     if config.fp8:
         notes.append(f"FP8: {len(fp8_weights)} decoder-layer linear weights are all-gathered in float8 (1 byte a "
                      "value); they stay stored, and their gradients and AdamW states kept, in the storage dtype.")
-    if load_in_4bit:
-        per_weight = "0.515625 (0.5 packed + 1/64 absmax code)" if bnb_4bit_use_double_quant else \
+    if prepared.load_in_4bit:
+        per_weight = "0.515625 (0.5 packed + 1/64 absmax code)" if prepared.double_quant else \
             "0.5625 (0.5 packed + 4/64 fp32 absmax)"
         notes.append(f"4-bit (nf4): {per_weight} bytes per quantized weight / shard size, uint8 rows, frozen, "
                      "gathered as their own bytes whatever param_dtype; code books"
-                     + (" and the second-level absmax" if bnb_4bit_use_double_quant else "")
+                     + (" and the second-level absmax" if prepared.double_quant else "")
                      + " are replicated buffers.")
     return MemoryEstimate(
         model_type=getattr(getattr(unwrap_peft(model), "config", None), "model_type", type(model).__name__),
@@ -547,14 +606,13 @@ def estimate_memory(
         storage_dtypes=storage_dtypes, trainable_dtypes=trainable_dtypes,
         param_dtype=_dtype_name(config.param_dtype) if config.param_dtype else None,
         reduce_dtype=_dtype_name(config.reduce_dtype) if config.reduce_dtype else None,
-        cpu_offload=config.cpu_offload, lora_r=lora_r,
-        lora_targets=tuple(t.strip() for t in lora_targets if t.strip()) if lora_r else None,
+        cpu_offload=config.cpu_offload, lora_r=prepared.lora_r, lora_targets=prepared.lora_targets,
         param_bytes_per_rank=tuple(param_rank), grad_bytes_per_rank=tuple(grad_rank),
         optimizer_bytes_per_rank=tuple(opt_rank), buffer_bytes=buffer_bytes,
         groups=tuple(groups), gather_window=window, gathered_peak_bytes=gathered_peak,
         gathered_peak_groups=tuple(peak_names), reduce_scatter_peak_bytes=reduce_scatter_peak,
         activations=activations, activations_error=act_error, notes=tuple(notes),
-        load_in_4bit=load_in_4bit, double_quant=bnb_4bit_use_double_quant, dequantized_peak_bytes=dequantized,
+        load_in_4bit=prepared.load_in_4bit, double_quant=prepared.double_quant, dequantized_peak_bytes=dequantized,
     )
 
 

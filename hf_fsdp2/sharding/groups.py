@@ -1,33 +1,21 @@
-"""The sharding engine: activation checkpointing, then one `fully_shard` group per decoder layer,
-an embedding group, a [final norm, lm_head] group and the root.
+"""Which modules become which `fully_shard` group, decided before anything is wrapped: each decoder
+layer, the input embedding, [final norm, lm_head] and the root; shared weights never in two groups.
 
-One small function per technique (torchtitan's `parallelize.py` is the model), called in order by
-`shard_model`.
+Pure: no process group, no allocation; the engine, the memory estimate and the layout planner all
+read the same `ShardPlan`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import logging
 import re
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
 import torch.nn as nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-    CheckpointImpl,
-    CheckpointWrapper,
-    checkpoint_wrapper,
-)
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
-from .config import FSDP2Config
-from .quantization import fp8
-from .quantization.bnb_4bit import prepare_4bit_modules
-from .runtime.distributed import build_mesh, default_device
+from ..config import FSDP2Config
 
 # Prefix torch's CheckpointWrapper inserts into parameter names (checkpoint_wrapper.py: _CHECKPOINT_PREFIX).
 _CHECKPOINT_PREFIX = "_checkpoint_wrapped_module."
@@ -264,9 +252,6 @@ def _has_params(module: nn.Module) -> bool:
     return any(True for _ in module.parameters())
 
 
-# ---------------------------------------------------------------------------------------------
-# Techniques, applied in order
-
 
 def apply_frozen_dtype(model: nn.Module, dtype: torch.dtype | None) -> None:
     """Store frozen parameters in `dtype` (e.g. bf16 base weights under fp32 LoRA)."""
@@ -276,212 +261,3 @@ def apply_frozen_dtype(model: nn.Module, dtype: torch.dtype | None) -> None:
         if not param.requires_grad and param.is_floating_point() and param.dtype != dtype:
             param.data = param.data.to(dtype)
 
-
-def apply_fp8(model: nn.Module, plan: ShardPlan) -> fp8.Fp8Conversion:
-    """The decoder layers' linears to torchao Float8Linear with FP8 all-gather; what was kept and why
-    is logged on rank 0 and kept on the model (`_hf_fsdp2_fp8`)."""
-    conversion = fp8.convert(model, plan.layers)
-    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
-        logging.getLogger("hf_fsdp2").warning(conversion.summary())
-    model._hf_fsdp2_fp8 = conversion
-    return conversion
-
-
-def apply_activation_checkpointing(model: nn.Module, layers: list[nn.Module]) -> list[nn.Module]:
-    """Wrap each layer in torch's non-reentrant `CheckpointWrapper`, in place; returns the wrappers.
-
-    Applied before `fully_shard` so each wrapper becomes the group: FSDP's unshard happens outside
-    the checkpointed region and again, through its pre-backward hook, for the recomputation.
-    """
-    # A KV cache filled in the forward is filled again by the recomputation (transformers 5.0 then fails
-    # torch's metadata check); transformers' own gradient checkpointing turns the cache off the same way.
-    config = getattr(unwrap_peft(model), "config", None)
-    for cfg in (config, getattr(config, "get_text_config", lambda: None)()):  # a multimodal model's text config too
-        if getattr(cfg, "use_cache", False):
-            cfg.use_cache = False
-    wrapped: list[nn.Module] = []
-    for layer in layers:
-        if isinstance(layer, CheckpointWrapper):
-            wrapped.append(layer)
-            continue
-        parent, name = _parent_of(model, layer)
-        wrapper = checkpoint_wrapper(layer, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
-        parent.register_module(name, wrapper)
-        wrapped.append(wrapper)
-    return wrapped
-
-
-def _parent_of(root: nn.Module, target: nn.Module) -> tuple[nn.Module, str]:
-    for module in root.modules():
-        for name, child in module.named_children():
-            if child is target:
-                return module, name
-    raise AssertionError("layer not found under the model")
-
-
-def _fsdp_kwargs(config: FSDP2Config, mesh: DeviceMesh) -> dict:
-    offload: OffloadPolicy = (
-        CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if config.cpu_offload else OffloadPolicy()
-    )
-    return {
-        "mesh": mesh,
-        "mp_policy": MixedPrecisionPolicy(
-            param_dtype=config.param_dtype,
-            reduce_dtype=config.reduce_dtype,
-            output_dtype=config.output_dtype,
-        ),
-        "offload_policy": offload,
-    }
-
-
-def apply_fsdp(model: nn.Module, plan: ShardPlan, config: FSDP2Config, mesh: DeviceMesh) -> None:
-    """`fully_shard` bottom-up: each layer, the embedding, [norm, head], then the root."""
-    kwargs = _fsdp_kwargs(config, mesh)
-    if plan.ignored_params:
-        kwargs["ignored_params"] = plan.ignored_params
-    reshard = config.reshard_after_forward
-    for index, layer in enumerate(plan.layers):
-        # The last layer's backward runs right after forward: resharding it would only re-gather it.
-        last = index == len(plan.layers) - 1 and plan.in_forward_order
-        fully_shard(layer, reshard_after_forward=False if (last and reshard is True) else reshard, **kwargs)
-    if plan.embedding:
-        embedding = plan.embedding[0] if len(plan.embedding) == 1 else None
-        fully_shard(embedding if embedding is not None else plan.embedding, reshard_after_forward=reshard, **kwargs)
-        if embedding is not None and _backward_reads_no_weight(embedding):
-            # An embedding's weight gradient is built from the indices and the output gradient
-            # alone (`embedding_dense_backward`), so its all-gather in backward is wasted: this
-            # is the case `FSDPModule.set_unshard_in_backward` documents. Its gradient is still
-            # reduce-scattered as usual.
-            embedding.set_unshard_in_backward(False)
-    if plan.head:
-        # With tied weights the group is used first and last, so it must be freed after forward.
-        head_reshard = reshard if plan.tied else (False if reshard is True else reshard)
-        fully_shard(plan.head if len(plan.head) > 1 else plan.head[0], reshard_after_forward=head_reshard, **kwargs)
-    fully_shard(model, reshard_after_forward=reshard, **kwargs)
-    on_cpu = mesh.device_type == "cpu"
-    if on_cpu:
-        # Without CUDA streams FSDP2 all-gathers synchronously (`FSDPParamGroup.unshard_async_op`
-        # is False), so a prefetch would only run earlier, not alongside compute. Issued
-        # asynchronously, gloo moves the next layer's shards on its own thread while this layer
-        # computes (torch 2.13 keeps the switch private: `FSDPModule._set_unshard_async_op`).
-        set_async = getattr(model, "_set_unshard_async_op", None)
-        if set_async is not None:
-            set_async(True)
-    _set_prefetch(plan, config, on_cpu)
-
-
-def _backward_reads_no_weight(module: nn.Module) -> bool:
-    """A plain `nn.Embedding` (its own forward, no adapter or wrapper inside) owning only its weight."""
-    return (isinstance(module, nn.Embedding) and type(module).forward is nn.Embedding.forward
-            and [name for name, _ in module.named_parameters()] == ["weight"])
-
-
-def _set_prefetch(plan: ShardPlan, config: FSDP2Config, on_cpu: bool) -> None:
-    layers = plan.layers
-    forward = config.forward_prefetch if config.forward_prefetch is not None else (1 if on_cpu else 0)
-    if not plan.in_forward_order:  # nested size-based groups: FSDP2's implicit order only
-        return
-    if forward:
-        # Forward order of the groups: embedding, layers, [norm, head] (a tied group runs both
-        # first and last, so it stays out of the chain).
-        chain = ([plan.embedding[0]] if plan.embedding else []) + layers
-        if plan.head and not plan.tied:
-            chain.append(plan.head[0])  # any module of a list-form group stands for the group
-        for i, group in enumerate(chain[:-1]):
-            group.set_modules_to_forward_prefetch(chain[i + 1: i + 1 + forward])
-    if config.backward_prefetch != 1:  # 1 is FSDP2's implicit default
-        for i, layer in enumerate(layers):
-            previous = layers[max(0, i - config.backward_prefetch): i][::-1]
-            layer.set_modules_to_backward_prefetch(previous)
-
-
-def materialize(model: nn.Module, device: torch.device, *, init_weights: bool = True) -> None:
-    """Allocate the local shards of a (partly) meta-device model, then run the model's own init.
-
-    `to_empty` allocates only each rank's shard (the DTensors' local tensors) but also empties
-    tensors that were real; their values (a partly loaded model's weights, buffers the constructor
-    computed) are kept and put back. transformers' `_init_weights` fills the rest and recomputes
-    non-persistent buffers such as rotary `inv_freq` (modeling_utils.PreTrainedModel._init_weights).
-    """
-    def local(t: torch.Tensor) -> torch.Tensor:
-        return t.to_local() if hasattr(t, "to_local") else t
-
-    real = {name: local(t).detach().clone() for name, t in [*model.named_parameters(), *model.named_buffers()]
-            if not local(t).is_meta}
-    model.to_empty(device=device)
-    with torch.no_grad():
-        if init_weights:
-            base = unwrap_peft(model)
-            init_fn = getattr(base, "_init_weights", None)
-            for module in model.modules():
-                if init_fn is not None:
-                    init_fn(module)
-                elif hasattr(module, "reset_parameters"):
-                    module.reset_parameters()
-        for name, t in [*model.named_parameters(), *model.named_buffers()]:
-            if name in real:
-                local(t).copy_(real[name])
-
-
-def _is_meta(model: nn.Module) -> bool:
-    return any(t.is_meta for t in model.parameters()) or any(t.is_meta for t in model.buffers())
-
-
-def shard_model(
-    model: nn.Module,
-    config: FSDP2Config | None = None,
-    *,
-    mesh: DeviceMesh | None = None,
-    init_weights: bool = True,
-) -> nn.Module:
-    """Shard a Hugging Face model (or a `PeftModel`) with FSDP2, in place; returns it.
-
-    Order: frozen dtype, activation checkpointing, then `fully_shard` per decoder layer (frozen base
-    weights and LoRA adapters in one group), embedding group, [final norm, lm_head] group, root.
-    A model on the meta device is sharded first and then only local shards are allocated and
-    initialised by the model's own init (`init_weights=False` leaves them for a loader).
-
-    Collective: call on every rank.
-    """
-    config = config or FSDP2Config()
-    mesh = mesh if mesh is not None else build_mesh(config)
-    if isinstance(model, FSDPModule):
-        raise ValueError(f"{type(model).__name__} is already sharded; call `shard_model` once per model.")
-    on_meta = _is_meta(model)
-    device = default_device()
-    if not on_meta and device.type != "cpu":
-        model.to(device)
-    # 4-bit base weights get a row layout FSDP2 can shard (before the frozen-dtype cast, which
-    # would reinterpret packed bytes stored as floats).
-    prepare_4bit_modules(model)
-    plan = plan_groups(model, config)
-    if config.fp8:
-        apply_fp8(model, plan)
-    apply_frozen_dtype(model, config.frozen_dtype)
-    if config.activation_checkpointing:
-        plan.layers = apply_activation_checkpointing(model, plan.layers)
-    apply_fsdp(model, plan, config, mesh)
-    if config.fp8 and mesh.device_type == "cpu":
-        fp8.gather_float8_as_bytes(model)
-    if on_meta:
-        materialize(model, torch.device("cpu") if config.cpu_offload else device, init_weights=init_weights)
-    if config.fp8 and (init_weights or not on_meta):  # else the loader's weights come later: the
-        fp8.precompute_scales(model)  # first all-gather then computes its scales itself
-    model._hf_fsdp2_config = config  # read by the checkpoint code: mesh, dtypes
-    model._hf_fsdp2_mesh = mesh
-    return model
-
-
-@contextlib.contextmanager
-def no_sync(model: nn.Module) -> Iterator[None]:
-    """Accumulate gradients locally: no reduce-scatter (or HSDP all-reduce) inside the block.
-
-    Run the accumulation micro-steps inside, the last micro-step outside.
-    """
-    if not isinstance(model, FSDPModule):
-        raise TypeError(f"`no_sync` needs a model returned by `shard_model`, got {type(model).__name__}.")
-    model.set_requires_gradient_sync(False)
-    try:
-        yield
-    finally:
-        model.set_requires_gradient_sync(True)

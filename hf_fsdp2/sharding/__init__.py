@@ -1,0 +1,33 @@
+"""Sharding: groups.py decides which modules become which `fully_shard` group, memory.py computes what
+a layout costs per rank, layout.py picks the cheapest layout that fits (`shard_size="auto"`),
+compile.py compiles each decoder layer, and engine.py applies it all (`shard_model`).
+
+Dependencies point one way: groups <- memory <- layout <- engine; compile <- engine.
+"""
+
+from .engine import (  
+    apply_activation_checkpointing,
+    apply_fsdp,
+    apply_fp8,
+    materialize,
+    no_sync,
+    shard_model,
+)
+from .groups import (  
+    ShardPlan,
+    apply_frozen_dtype,
+    canonical_name,
+    find_layers,
+    ignored_parameters,
+    plan_groups,
+    resolve_layer_class_names,
+    resolve_shared_parameters,
+    size_based_groups,
+    unwrap_peft,
+)
+
+__all__ = [
+    "ShardPlan", "apply_activation_checkpointing", "apply_fp8", "apply_frozen_dtype", "apply_fsdp", "canonical_name",
+    "find_layers", "ignored_parameters", "materialize", "no_sync", "plan_groups", "resolve_layer_class_names",
+    "resolve_shared_parameters", "shard_model", "size_based_groups", "unwrap_peft",
+]

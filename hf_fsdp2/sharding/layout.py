@@ -1,0 +1,225 @@
+"""The layout planner: `FSDP2Config(shard_size="auto")` -> the cheapest layout whose estimated peak
+fits the memory budget per rank, decided before anything is allocated.
+
+A layout is (shard size S, `reshard_after_forward`, `activation_checkpointing`, `cpu_offload`); with
+S < world the ranks form world/S HSDP replicas, and S=1 is DDP-like replication (gradients are
+all-reduced, no weight is all-gathered over the network). Each knob buys memory at a price, and the
+planner escalates the cheapest first: a wider shard group costs only all-gather bandwidth,
+resharding after forward a second all-gather in backward, activation checkpointing about a third
+more compute, offload host-device copies and an optimizer step on the CPU. So candidates are tried
+in the order (offload, checkpointing, reshard, S) and the first that fits wins. Every candidate is
+costed by the same estimator `hf-fsdp2 estimate-memory` uses (memory.py, checked byte for byte
+against real ranks), on a meta copy of the model built once.
+
+The default budget keeps a documented margin for what the estimate does not count: on CUDA 0.85 x
+the device's memory (the CUDA context, NCCL buffers, the caching allocator's fragmentation); on CPU
+0.75 x the machine's RAM shared by the local ranks (the Python process, libraries and the data
+pipeline, which live in the same RAM).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from ..config import FSDP2Config
+from .groups import unwrap_peft
+from .memory import MemoryEstimate, MetaTrainingModel, format_bytes, prepare_meta_model
+
+CUDA_BUDGET_FRACTION = 0.85
+CPU_BUDGET_FRACTION = 0.75
+DEFAULT_PLAN_SEQ_LEN = 2048
+
+logger = logging.getLogger("hf_fsdp2")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    shard_size: int
+    replicate_size: int
+    reshard_after_forward: bool
+    activation_checkpointing: bool
+    cpu_offload: bool
+    estimate: MemoryEstimate
+    needed_bytes: int  # what must fit the budget: the device peak (on CPU: device + host, one RAM)
+    host_bytes: int  # offloaded state in host memory (CUDA only)
+    fits: bool
+
+    def describe(self) -> str:
+        layout = (f"shard_size={self.shard_size}" if self.replicate_size == 1
+                  else f"shard_size={self.shard_size} x {self.replicate_size} replicas")
+        return (f"{layout}, reshard_after_forward={self.reshard_after_forward}, "
+                f"activation_checkpointing={self.activation_checkpointing}, cpu_offload={self.cpu_offload}")
+
+
+@dataclass(frozen=True)
+class LayoutPlan:
+    world_size: int
+    device_type: str
+    budget_bytes: int
+    budget_source: str
+    host_budget_bytes: int | None
+    batch_size: int
+    seq_len: int
+    candidates: tuple[Candidate, ...]  # in cost order
+
+    @property
+    def chosen(self) -> Candidate | None:
+        return next((c for c in self.candidates if c.fits), None)
+
+    @property
+    def smallest_workable_budget(self) -> int:
+        """The least budget under which some candidate would fit."""
+        return min(c.needed_bytes for c in self.candidates)
+
+    def config(self, base: FSDP2Config) -> FSDP2Config:
+        """`base` with the chosen layout; raises naming the smallest budget that would work."""
+        chosen = self.chosen
+        if chosen is None:
+            raise ValueError(self.failure())
+        return base.replace(shard_size=chosen.shard_size, replicate_size=chosen.replicate_size,
+                            reshard_after_forward=chosen.reshard_after_forward,
+                            activation_checkpointing=chosen.activation_checkpointing,
+                            cpu_offload=chosen.cpu_offload, memory_budget=None)
+
+    def failure(self) -> str:
+        leanest = min(self.candidates, key=lambda c: c.needed_bytes)
+        return (f"shard_size='auto': no layout fits `memory_budget`={format_bytes(self.budget_bytes)} per rank "
+                f"({self.budget_source}) on {self.world_size} ranks for batch {self.batch_size} x seq "
+                f"{self.seq_len}; the leanest ({leanest.describe()}) needs {format_bytes(leanest.needed_bytes)}. "
+                f"The smallest budget that works is {format_bytes(self.smallest_workable_budget)}: raise "
+                f"`memory_budget` to it, add ranks, or plan for a smaller micro-batch (`plan_batch_size`, "
+                f"`plan_seq_len`).")
+
+    def summary(self) -> str:
+        """One paragraph for the log: the decision and its numbers."""
+        chosen = self.chosen
+        head = (f"hf_fsdp2 auto layout on {self.world_size} ranks ({self.device_type}), budget "
+                f"{format_bytes(self.budget_bytes)} per rank ({self.budget_source}), micro-batch "
+                f"{self.batch_size} x {self.seq_len}: ")
+        if chosen is None:
+            return head + "nothing fits. " + self.failure()
+        index = self.candidates.index(chosen)
+        skipped = "; ".join(f"{c.describe()}: {format_bytes(c.needed_bytes)}" for c in self.candidates[:index])
+        return (head + f"{chosen.describe()}, estimated peak {format_bytes(chosen.needed_bytes)} "
+                f"(candidate {index + 1} of {len(self.candidates)} in cost order"
+                + (f"; cheaper ones need more: {skipped})" if skipped else ")"))
+
+    def format_table(self) -> str:
+        chosen = self.chosen
+        lines = [f"budget {format_bytes(self.budget_bytes)} per rank ({self.budget_source}); {self.world_size} "
+                 f"ranks on {self.device_type}; micro-batch {self.batch_size} x {self.seq_len} per rank",
+                 f"{'#':>3}  {'shard x repl':>12}  {'reshard':>7}  {'AC':>5}  {'offload':>7}  {'peak/rank':>12}  "
+                 f"{'host/rank':>10}  fits"]
+        for i, c in enumerate(self.candidates, 1):
+            mark = "  <- chosen" if c is chosen else ""
+            lines.append(f"{i:>3}  {f'{c.shard_size} x {c.replicate_size}':>12}  {str(c.reshard_after_forward):>7}  "
+                         f"{str(c.activation_checkpointing):>5}  {str(c.cpu_offload):>7}  "
+                         f"{format_bytes(c.needed_bytes):>12}  {format_bytes(c.host_bytes) if c.host_bytes else '-':>10}  "
+                         f"{'yes' if c.fits else 'no'}{mark}")
+        lines.append(f"chosen: {chosen.describe()}" if chosen else self.failure())
+        return "\n".join(lines)
+
+
+def default_budget(device_type: str, local_world_size: int) -> tuple[int, str]:
+    """(bytes, how they were found) for one rank."""
+    if device_type == "cuda":
+        total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+        return int(total * CUDA_BUDGET_FRACTION), f"{CUDA_BUDGET_FRACTION} x {format_bytes(total)} of GPU memory"
+    total = host_memory()
+    return (int(total * CPU_BUDGET_FRACTION / local_world_size),
+            f"{CPU_BUDGET_FRACTION} x {format_bytes(total)} of RAM / {local_world_size} local ranks")
+
+
+def host_memory() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def plan_seq_len(model: nn.Module | Any, config: FSDP2Config) -> int:
+    if config.plan_seq_len is not None:
+        return config.plan_seq_len
+    hf_config = getattr(unwrap_peft(model), "config", model) if isinstance(model, nn.Module) else model
+    text = getattr(hf_config, "get_text_config", lambda: hf_config)()
+    positions = getattr(text, "max_position_embeddings", None)
+    return min(DEFAULT_PLAN_SEQ_LEN, positions) if isinstance(positions, int) and positions > 0 else DEFAULT_PLAN_SEQ_LEN
+
+
+def plan_layout(prepared: MetaTrainingModel, world_size: int, config: FSDP2Config, *, budget_bytes: int,
+                budget_source: str = "memory_budget", device_type: str = "cuda", host_budget_bytes: int | None = None,
+                batch_size: int = 1, seq_len: int = DEFAULT_PLAN_SEQ_LEN,
+                checkpointing_fixed: bool = False) -> LayoutPlan:
+    """Cost every candidate layout of `prepared` on `world_size` ranks, in cost order. `config`: the
+    rest of the setup (dtypes, wrapping, prefetch); its True `activation_checkpointing` /
+    `cpu_offload` are kept (as is checkpointing when the layers are already wrapped:
+    `checkpointing_fixed`). On CPU, offload moves nothing off the device, so it is not a candidate."""
+    shard_sizes = [s for s in range(1, world_size + 1) if world_size % s == 0]
+    keep_ac = config.activation_checkpointing or checkpointing_fixed
+    offloads = [True] if config.cpu_offload else ([False] if device_type == "cpu" else [False, True])
+    candidates = []
+    for offload in offloads:
+        for ac in ([True] if keep_ac else [False, True]):
+            for reshard in (False, True):
+                for shard in shard_sizes:
+                    layout = config.replace(shard_size=shard, replicate_size=world_size // shard, memory_budget=None,
+                                            reshard_after_forward=reshard, activation_checkpointing=ac,
+                                            cpu_offload=offload)
+                    estimate = prepared.estimate(world_size, layout, batch_size=batch_size, seq_len=seq_len)
+                    if estimate.activations is None:
+                        raise ValueError(f"shard_size='auto' cannot plan {estimate.model_type}: its activations "
+                                         f"could not be estimated ({estimate.activations_error}); set the layout "
+                                         "(shard_size, reshard_after_forward, ...) yourself.")
+                    host = estimate.host_bytes if device_type != "cpu" else 0
+                    needed = estimate.device_bytes + (estimate.host_bytes if device_type == "cpu" else 0)
+                    fits = needed <= budget_bytes and (host_budget_bytes is None or host <= host_budget_bytes)
+                    candidates.append(Candidate(shard, world_size // shard, reshard, ac, offload, estimate,
+                                                needed, host, fits))
+    return LayoutPlan(world_size=world_size, device_type=device_type, budget_bytes=budget_bytes,
+                      budget_source=budget_source, host_budget_bytes=host_budget_bytes, batch_size=batch_size,
+                      seq_len=seq_len, candidates=tuple(candidates))
+
+
+def resolve_auto_layout(model: nn.Module, config: FSDP2Config) -> FSDP2Config:
+    """`config` with `shard_size="auto"` resolved for `model` on this process group (else unchanged).
+
+    Every rank computes the same plan from the same model; a default budget is agreed on (the
+    smallest over ranks) first. The decision is logged on rank 0 and kept on the model
+    (`_hf_fsdp2_layout`). Collective when the budget is the default: call on every rank.
+    """
+    if not config.is_auto_layout:
+        return config
+    import torch.distributed as dist
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    from ..runtime.distributed import device_type as current_device_type
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    device = current_device_type()
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if config.memory_budget is not None:
+        budget, source = config.memory_budget, "memory_budget"
+    else:
+        budget, source = default_budget(device, local_world)
+        if dist.is_initialized():  # the same decision on every rank, even on unequal devices
+            agreed = torch.tensor([budget], dtype=torch.int64, device="cuda" if device == "cuda" else "cpu")
+            dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+            if int(agreed) != budget:
+                budget, source = int(agreed), source + ", the smallest over ranks"
+    host_budget = int(host_memory() * CPU_BUDGET_FRACTION / local_world) if device == "cuda" else None
+    prepared = prepare_meta_model(model, config)
+    plan = plan_layout(prepared, world, config, budget_bytes=budget, budget_source=source, device_type=device,
+                       host_budget_bytes=host_budget, batch_size=config.plan_batch_size,
+                       seq_len=plan_seq_len(model, config),
+                       checkpointing_fixed=any(isinstance(m, CheckpointWrapper) for m in model.modules()))
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        logger.warning(plan.summary())
+    resolved = plan.config(config)
+    model._hf_fsdp2_layout = plan
+    return resolved
+
+
+__all__ = ["Candidate", "LayoutPlan", "default_budget", "plan_layout", "resolve_auto_layout"]

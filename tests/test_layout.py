@@ -1,0 +1,146 @@
+"""The layout planner (`shard_size="auto"`, `hf-fsdp2 plan`) and regional compilation (`compile=True`)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from hf_fsdp2 import FSDP2Config
+from hf_fsdp2.cli import main as cli_main
+from hf_fsdp2.sharding.layout import plan_layout
+from hf_fsdp2.sharding.memory import prepare_meta_model
+from tests.common import (GLOBAL_BATCH, SEQ, assert_close_dicts, batches, build_model, full_params, lora,
+                          optimizer, reference_train, saved_tensors, sharded_train, tiny_config)
+from tests.dist_harness import run_ranks
+
+WORLD = 2
+
+
+def _plan(budget: int, world: int = 4, device: str = "cuda", **config):
+    prepared = prepare_meta_model(tiny_config(), FSDP2Config(**config))
+    return plan_layout(prepared, world, FSDP2Config(**config), budget_bytes=budget, device_type=device,
+                       batch_size=2, seq_len=SEQ)
+
+
+def test_candidates_in_cost_order_and_the_first_that_fits_wins():
+    plan = _plan(budget=1 << 40)
+    keys = [(c.cpu_offload, c.activation_checkpointing, c.reshard_after_forward, c.shard_size) for c in plan.candidates]
+    assert keys == sorted(keys) and len(keys) == 2 * 2 * 2 * 3  # offload x AC x reshard x S in {1, 2, 4}
+    assert plan.chosen is plan.candidates[0] and plan.chosen.shard_size == 1 and plan.chosen.replicate_size == 4
+    # Sharding wider needs less per rank; each knob on top of full sharding needs less again.
+    full = [c for c in plan.candidates if not (c.cpu_offload or c.activation_checkpointing or c.reshard_after_forward)]
+    assert [c.needed_bytes for c in full] == sorted((c.needed_bytes for c in full), reverse=True)
+    for budget_from in plan.candidates[1:]:
+        tight = _plan(budget=budget_from.needed_bytes)
+        first_fit = next(c for c in tight.candidates if c.needed_bytes <= budget_from.needed_bytes)
+        assert tight.chosen.describe() == first_fit.describe()
+        assert all(c.needed_bytes > budget_from.needed_bytes for c in tight.candidates[:tight.candidates.index(tight.chosen)])
+    config = _plan(budget=full[1].needed_bytes).config(FSDP2Config(shard_size="auto", memory_budget=1))
+    assert (config.replicate_size, config.shard_size, config.reshard_after_forward, config.memory_budget) == (2, 2, False, None)
+
+
+def test_cpu_plans_without_offload_and_gpu_offload_needs_host_room():
+    cpu = _plan(budget=1 << 40, device="cpu")
+    assert not any(c.cpu_offload for c in cpu.candidates) and len(cpu.candidates) == 12
+    kept = _plan(budget=1 << 40, activation_checkpointing=True)  # a True you set is kept
+    assert all(c.activation_checkpointing for c in kept.candidates)
+
+
+def test_nothing_fits_names_the_smallest_budget():
+    plan = _plan(budget=1000)
+    assert plan.chosen is None
+    smallest = plan.smallest_workable_budget
+    assert smallest == min(c.needed_bytes for c in plan.candidates)
+    with pytest.raises(ValueError, match=r"memory_budget.*smallest budget that works is"):
+        plan.config(FSDP2Config(shard_size="auto", memory_budget=1000))
+    assert _plan(budget=smallest).chosen is not None
+
+
+def test_config_fields():
+    assert FSDP2Config(shard_size="AUTO", memory_budget="1.5GiB").memory_budget == 3 << 29
+    assert FSDP2Config(shard_size="auto", memory_budget="80GB").memory_budget == 80 * 10**9
+    for bad, match in ((dict(memory_budget="80GB"), "set `shard_size`='auto'"),
+                       (dict(shard_size="auto", memory_budget="lots"), "not a size"),
+                       (dict(shard_size="auto", replicate_size=2), "replicate_size"),
+                       (dict(shard_size="some"), "shard_size"), (dict(compile="maybe"), "compile")):
+        with pytest.raises(ValueError, match=match):
+            FSDP2Config(**bad)
+    with pytest.raises(ValueError, match="resolved by the layout planner"):
+        FSDP2Config(shard_size="auto").mesh_shape(2)
+
+
+def test_plan_command(tmp_path, capsys):
+    config_json = tmp_path / "config.json"
+    config_json.write_text(tiny_config().to_json_string())
+    assert cli_main(["plan", "--model", str(config_json), "--world-size", "4", "--memory", "80GB",
+                     "--seq-len", str(SEQ)]) == 0
+    table = capsys.readouterr().out
+    assert "<- chosen" in table and "chosen: shard_size=1 x 4 replicas" in table
+    assert cli_main(["plan", "--model", str(config_json), "--world-size", "4", "--memory", "1KB", "--json"]) == 1
+    out = json.loads(capsys.readouterr().out)
+    assert out["chosen"] is None and out["smallest_workable_budget"] > 1000 and len(out["candidates"]) == 24
+
+
+def _auto_and_compile(rank: int, world: int, root: str) -> dict:
+    from pathlib import Path
+
+    from torch._dynamo.utils import counters
+
+    from hf_fsdp2 import load_pretrained, save_pretrained, shard_model
+
+    out: dict = {}
+    data = batches(3)
+    plan_for = dict(plan_batch_size=GLOBAL_BATCH // world, plan_seq_len=SEQ)
+    # An ample budget: replication (S=1, 2 replicas of 1 rank), the cheapest layout.
+    model = shard_model(build_model(), FSDP2Config(shard_size="auto", memory_budget="20GB", **plan_for))
+    out["ample"] = model._hf_fsdp2_config.to_dict()
+    out["ample_mesh"] = tuple(model._hf_fsdp2_mesh.shape)
+    out["losses"] = sharded_train(model, data, rank, world)
+    save_pretrained(model, Path(root) / "auto")
+    trained = full_params(model)
+    # A budget only full sharding fits (the need of that candidate, from the plan itself).
+    need = next(c for c in model._hf_fsdp2_layout.candidates
+                if c.shard_size == world and not (c.reshard_after_forward or c.activation_checkpointing)).needed_bytes
+    other = shard_model(build_model(seed=3), FSDP2Config(shard_size="auto", memory_budget=need, **plan_for))
+    out["tight"] = other._hf_fsdp2_config.to_dict()
+    load_pretrained(other, Path(root) / "auto")  # written by the replicated layout, read by the sharded one
+    out["resumed_equal"] = all(torch.equal(a, b) for a, b in zip(full_params(other).values(), trained.values()))
+
+    # Regional compilation with LoRA, activation checkpointing and bf16 compute, against eager.
+    setup = dict(param_dtype="bf16", activation_checkpointing=True)
+    eager = shard_model(lora(build_model()), FSDP2Config(**setup))
+    out["eager"] = sharded_train(eager, data, rank, world)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = shard_model(lora(build_model()), FSDP2Config(compile=True, **setup))
+    opt = optimizer(compiled)
+    out["compiled"] = sharded_train(compiled, data[:1], rank, world, opt=opt)
+    out["graphs_after_first_step"] = counters["stats"]["unique_graphs"]
+    out["compiled"] += sharded_train(compiled, data[1:], rank, world, opt=opt)
+    out["graphs_at_end"] = counters["stats"]["unique_graphs"]
+    out["graph_breaks"] = sum(counters["graph_break"].values())
+    out["names_unchanged"] = sorted(full_params(compiled)) == sorted(full_params(eager))
+    compiled.eval()
+    with torch.no_grad():  # evaluation keeps the KV cache (only training forwards drop it)
+        out["eval_cache"] = compiled(input_ids=data[0][:1]).past_key_values is not None
+    return out
+
+
+def test_auto_layout_and_regional_compile_on_two_ranks(tmp_path):
+    results = run_ranks(_auto_and_compile, WORLD, str(tmp_path), timeout=600)
+    r = results[0]
+    assert r["ample_mesh"] == (2, 1) and (r["ample"]["replicate_size"], r["ample"]["shard_size"]) == (2, 1)
+    assert r["ample"]["reshard_after_forward"] is False and r["ample"]["activation_checkpointing"] is False
+    assert (r["tight"]["replicate_size"], r["tight"]["shard_size"]) == (1, 2)
+    torch.testing.assert_close(r["losses"], reference_train(build_model(), batches(3)), atol=2e-5, rtol=0)
+    assert all(res["resumed_equal"] for res in results)
+    assert set(saved_tensors(tmp_path / "auto")) == set(build_model().state_dict())
+
+    torch.testing.assert_close(r["compiled"], r["eager"], atol=2e-2, rtol=0)
+    assert r["graph_breaks"] == 0
+    # Layer 0's input needs no grad (frozen embedding under LoRA), the others' does: two graphs,
+    # both made in the first step; none after it (3 layers, one graph reused).
+    assert r["graphs_after_first_step"] <= 2 and r["graphs_at_end"] == r["graphs_after_first_step"]
+    assert r["names_unchanged"] and r["eval_cache"]
