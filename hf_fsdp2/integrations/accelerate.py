@@ -30,6 +30,7 @@ from ..checkpoint.pretrained import save_pretrained
 from ..quantization import fp8
 from ..quantization.bnb_4bit import is_linear_4bit
 from ..sharding import shard_model, unwrap_peft
+from ..sharding.layout import resolve_auto_layout
 from ..checkpoint.errors import CheckpointError
 from ..runtime import versions
 from ..checkpoint.state import MANIFEST, latest_state, load_state, read_manifest, save_state
@@ -327,6 +328,10 @@ def _fsdp2_prepare_model(accelerator, model: nn.Module) -> nn.Module:
         for param in model.parameters():
             if param.requires_grad and param.is_floating_point() and param.dtype != torch.float32:
                 param.data = param.data.float()
+    if config.is_auto_layout and getattr(accelerator.state.fsdp_plugin, "cpu_ram_efficient_loading", False):
+        raise ValueError("shard_size='auto' with `fsdp_cpu_ram_efficient_loading`: the other ranks hold no weights "
+                         "to plan with; set the layout yourself or load with hf_fsdp2.from_pretrained.")
+    config = resolve_auto_layout(model, config)  # before the mesh, which it chooses
     mesh = build_mesh(config)
     if getattr(accelerator.state.fsdp_plugin, "cpu_ram_efficient_loading", False):
         return _shard_from_rank0(model, config, mesh)

@@ -90,6 +90,8 @@ report = {
                                   for m in model.modules() if type(m).__name__ == "Float8Linear"),
     "packed_4bit_rows": [[p.to_local().shape[0], p.shape[0]] for p in model.parameters() if p.dtype == torch.uint8],
     "mesh": list(getattr(next(iter(model.parameters())), "device_mesh", torch.zeros(0)).shape),
+    "compiled_modules": sum(getattr(m, "_compiled_call_impl", None) is not None for m in model.modules()),
+    "reshard_after_forward": getattr(getattr(model, "_hf_fsdp2_config", None), "reshard_after_forward", None),
 }
 from tests.common import count_collectives  # noqa: E402
 
