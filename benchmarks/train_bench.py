@@ -27,6 +27,14 @@ CONTESTANTS
   ours_fp8    opt-in: ours_bf16 plus FSDP2Config(fp8=True): the decoder layers' linears in torchao float8
               with FP8 all-gather, scales precomputed after each optimizer step (compare its payload
               bytes per step with ours_bf16: the converted weights move 1 byte a value instead of 2).
+  ours_auto   opt-in: FSDP2Config(shard_size="auto", plan_batch_size/plan_seq_len = this run's micro-batch)
+              with the default budget (CPU: 0.75 x RAM / local ranks; CUDA: 0.85 x device memory): the
+              planner's cheapest layout that fits, replication (S=1) whenever the model fits.
+  ours_auto_tight  opt-in: ours_auto with a budget that forces sharding: 1 byte less than the
+              replicated layout's estimated peak (read from the plan), so the planner must shard.
+              Its budget, layout and estimated peak are printed beside its measured RSS.
+  ours_compile opt-in: ours with FSDP2Config(compile=True), each decoder layer compiled by inductor
+              (regional compilation); the first warm-up step's time (printed) includes compiling.
   ours_plain  opt-in ablation: ours without its CPU schedule (sync all-gathers, no forward prefetch,
               embedding re-gathered in backward).
   fsdp1       `torch.distributed.fsdp.FullyShardedDataParallel(model, use_orig_params=True,
@@ -104,7 +112,7 @@ REPO = Path(__file__).resolve().parent.parent
 RESULTS_DIR = REPO / "benchmarks" / "results"
 MiB = 1 << 20
 CONTESTANTS = ("ours", "accelerate", "fsdp1", "ddp")
-EXTRA = ("ours_zero2", "ours_plain", "ours_bf16", "ours_fp8")  # opt-in settings of ours: not peers, not in the targets
+EXTRA = ("ours_zero2", "ours_plain", "ours_bf16", "ours_fp8", "ours_auto", "ours_auto_tight", "ours_compile")  # opt-in settings of ours: not peers, not in the targets
 PEERS = ("accelerate", "fsdp1", "ddp")
 OPTIMIZERS = {"fused": {"fused": True}, "foreach": {"foreach": True}, "loop": {"foreach": False}}
 MODES = ("lora", "full")
@@ -386,9 +394,43 @@ def wrap_ours_fp8(model, ctx):
     return shard_model(model, FSDP2Config(param_dtype="bf16", fp8=True))
 
 
+def _auto_config(ctx, **extra):
+    from hf_fsdp2 import FSDP2Config
+
+    return FSDP2Config(shard_size="auto", plan_batch_size=ctx["micro_batch"], plan_seq_len=ctx["seq"], **extra)
+
+
+def wrap_ours_auto(model, ctx):
+    from hf_fsdp2 import shard_model
+
+    return shard_model(model, _auto_config(ctx))
+
+
+def wrap_ours_auto_tight(model, ctx):
+    """The replicated layout's estimated need minus one byte: the planner has to shard."""
+    import torch.distributed as dist
+
+    from hf_fsdp2 import shard_model
+    from hf_fsdp2.sharding.layout import plan_layout
+    from hf_fsdp2.sharding.memory import prepare_meta_model
+
+    config = _auto_config(ctx)
+    plan = plan_layout(prepare_meta_model(model, config), dist.get_world_size(), config, budget_bytes=1 << 50,
+                       device_type=ctx["device"].type, batch_size=ctx["micro_batch"], seq_len=ctx["seq"])
+    replicated = next(c for c in plan.candidates if c.shard_size == 1)
+    return shard_model(model, _auto_config(ctx, memory_budget=replicated.needed_bytes - 1))
+
+
+def wrap_ours_compile(model, ctx):
+    from hf_fsdp2 import FSDP2Config, shard_model
+
+    return shard_model(model, FSDP2Config(compile=True))
+
+
 WRAPPERS = {"ours": wrap_ours, "accelerate": wrap_accelerate, "fsdp1": wrap_fsdp1, "ddp": wrap_ddp,
             "ours_zero2": wrap_ours_zero2, "ours_plain": wrap_ours_plain, "ours_bf16": wrap_ours_bf16,
-            "ours_fp8": wrap_ours_fp8}
+            "ours_fp8": wrap_ours_fp8, "ours_auto": wrap_ours_auto, "ours_auto_tight": wrap_ours_auto_tight,
+            "ours_compile": wrap_ours_compile}
 
 
 def make_optimizer(model, lr: float, kind: str):
@@ -487,8 +529,8 @@ def prime(job: dict, rank: int, device) -> None:
 
                     base = get_peft_model(base, LoraConfig(r=8, target_modules=LORA_TARGETS))
                 try:
-                    model = WRAPPERS[name](base, {"rank": rank, "device": device, "mode": mode,
-                                                  "fsdp1_full_policy": job["fsdp1_full_policy"]})
+                    model = WRAPPERS[name](base, {"rank": rank, "device": device, "mode": mode, "seq": 16,
+                                                  "micro_batch": 1, "fsdp1_full_policy": job["fsdp1_full_policy"]})
                     opt = make_optimizer(model, 1e-3, job["optimizer"])
                     model(input_ids=ids, labels=ids).loss.backward()
                     opt.step()
@@ -539,8 +581,8 @@ def run_rank(rank: int, world: int, job: dict) -> dict:
                 try:
                     t0 = time.perf_counter()
                     model = WRAPPERS[name](build_model(job["model_size"], mode, job["seed"]),
-                                           {"rank": rank, "device": device, "mode": mode,
-                                            "fsdp1_full_policy": job["fsdp1_full_policy"]})
+                                           {"rank": rank, "device": device, "mode": mode, "seq": seq,
+                                            "micro_batch": per, "fsdp1_full_policy": job["fsdp1_full_policy"]})
                     opt = make_optimizer(model, job["lr"], job["optimizer"])
                     r["wrap_s"] = time.perf_counter() - t0
                     r["params_total"], r["params_trainable"] = param_counts(model)
@@ -550,7 +592,15 @@ def run_rank(rank: int, world: int, job: dict) -> dict:
                     hwm_ok = reset_hwm() and hwm_ok
                     sampler.max = 0
                     grads = []
+                    plan = getattr(model, "_hf_fsdp2_layout", None)
+                    if plan is not None and plan.chosen is not None:
+                        r["layout"] = {"budget_bytes": plan.budget_bytes, "chosen": plan.chosen.describe(),
+                                       "estimated_peak_bytes": plan.chosen.needed_bytes}
+                    t_first = time.perf_counter()
                     for i in range(job["warmup"]):
+                        if i == 1:
+                            sync()
+                            r["first_step_s"] = time.perf_counter() - t_first
                         loss = model(input_ids=batches[i], labels=batches[i]).loss
                         loss.backward()
                         grads.append(grad_bytes(model))
@@ -725,6 +775,8 @@ def summarize(ranks: list[dict], mode: str, name: str, job: dict, world: int, pe
         "trainable_grad_bytes_per_rank": [p["grads"].get("trainable_grad_bytes", 0) for p in per],
         "losses": r0["global_losses"],
         "warnings_rank0": r0.get("warnings", []),
+        "first_step_s_max": max(p.get("first_step_s", float("nan")) for p in per),
+        "layout": r0.get("layout"),
     }
     if "cuda_peak_bytes" in r0:
         s["cuda_peak_bytes_per_rank"] = [p["cuda_peak_bytes"] for p in per]
@@ -805,6 +857,14 @@ def report(res: dict) -> list[str]:
             lines.append("  peak RSS Δ per rank, build / steps, each contestant alone in fresh processes (MiB): "
                          + "; ".join(f"{name}: " + (_rss_pairs(s) if "error" not in s else "n/a")
                                      for name, s in iso.items()))
+        for name, s in table.items():
+            if "error" not in s and s.get("layout"):
+                lay = s["layout"]
+                lines.append(f"  {name}: budget {mib(lay['budget_bytes'])} MiB/rank -> {lay['chosen']}; estimated "
+                             f"peak {mib(lay['estimated_peak_bytes'])} MiB, measured peak RSS Δ (build / steps) "
+                             f"{_rss_pairs(s)} MiB")
+        lines.append("  first warm-up step (s, slowest rank; compiled contestants compile here): " + "; ".join(
+            f"{name}: {s['first_step_s_max']:.2f}" for name, s in table.items() if "error" not in s))
         lines.append("  peak RSS Δ per rank, build / steps, in this run (MiB): " + "; ".join(
             f"{name}: " + _rss_pairs(s) for name, s in table.items() if "error" not in s))
         if "losses" in ours:
@@ -835,6 +895,20 @@ def targets(res: dict) -> list[tuple[bool | None, str]]:
                             f"vs best peer {best} {ran[best]['tokens_per_s']:.0f} tok/s "
                             f"({ours['tokens_per_s'] / ran[best]['tokens_per_s']:.2f}x"
                             f"{'; step-time IQRs overlap' if overlap else ''})"))
+        auto, tight, ddp = table.get("ours_auto"), table.get("ours_auto_tight"), table.get("ddp")
+        for mine, other, what in ((auto, ddp, "ours_auto >= ddp"), (tight, ours, "ours_auto_tight >= ours")):
+            if mine and other and "error" not in mine and "error" not in other:
+                overlap = mine["step_s_iqr"][0] <= other["step_s_iqr"][1] and \
+                    other["step_s_iqr"][0] <= mine["step_s_iqr"][1]
+                out.append((mine["tokens_per_s"] >= other["tokens_per_s"] or overlap,
+                            f"{mode}, {world} ranks: {what} (tokens/s, median step; within noise = step-time IQRs "
+                            f"overlap): {mine['tokens_per_s']:.0f} vs {other['tokens_per_s']:.0f} "
+                            f"({mine['tokens_per_s'] / other['tokens_per_s']:.2f}x{'; IQRs overlap' if overlap else ''})"))
+        lay = (tight or {}).get("layout")
+        if lay and "error" not in tight:
+            peak = max(tight["rss_delta_per_rank"])
+            out.append((peak <= lay["budget_bytes"], f"{mode}, {world} ranks: ours_auto_tight peak RSS Δ "
+                        f"{mib(peak)} MiB <= its budget {mib(lay['budget_bytes'])} MiB"))
         if mode == "lora":
             f1 = table.get("fsdp1")
             if f1 and "error" not in f1:
