@@ -72,6 +72,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--fp8", action="store_true",
                    help="FP8 training with FP8 all-gather (torchao float8 on the decoder layers' linears; "
                         "needs `pip install 'hf_fsdp2[fp8]'`); same as `mixed_precision: fp8` in the yaml")
+    p.add_argument("--auto-layout", action="store_true",
+                   help="let hf_fsdp2 pick the cheapest layout that fits memory (register(shard_size='auto'), planned "
+                        "for this run's micro-batch); --memory-budget sets the bytes per rank (e.g. 20GB)")
+    p.add_argument("--memory-budget", help="with --auto-layout: per-rank budget (default: the device's memory "
+                                           "x 0.85, or RAM x 0.75 / local ranks on CPU)")
+    p.add_argument("--compile", action="store_true",
+                   help="regional compilation: each decoder layer compiled before sharding (register(compile=True))")
     p.add_argument("--lora-r", type=int, default=16)
     p.add_argument("--lora-alpha", type=int, help="default: 2 * r")
     p.add_argument("--save-every", type=int, default=0,
@@ -266,7 +273,13 @@ def main(argv: list[str] | None = None) -> None:
                          "or choose another `--output-dir`.")
 
     # Accelerate's FSDP2 paths now shard, save and resume with hf_fsdp2.
-    hf_fsdp2.register(**({"async_save": True} if args.save_async else {}), **({"fp8": True} if args.fp8 else {}))
+    options = {"async_save": args.save_async, "fp8": args.fp8, "compile": args.compile}
+    if args.auto_layout:
+        options.update(shard_size="auto", plan_batch_size=args.batch_size, plan_seq_len=args.seq_len,
+                       memory_budget=args.memory_budget)
+    elif args.memory_budget:
+        raise SystemExit("--memory-budget is the budget of --auto-layout; add --auto-layout.")
+    hf_fsdp2.register(**{k: v for k, v in options.items() if v not in (False, None)})
     accelerator = Accelerator(
         gradient_accumulation_steps=args.gradient_accumulation_steps,
         log_with=None if args.report_to == "none" else args.report_to.split(","),

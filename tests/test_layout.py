@@ -108,6 +108,15 @@ def _auto_and_compile(rank: int, world: int, root: str) -> dict:
     load_pretrained(other, Path(root) / "auto")  # written by the replicated layout, read by the sharded one
     out["resumed_equal"] = all(torch.equal(a, b) for a, b in zip(full_params(other).values(), trained.values()))
 
+    # LoRA replicated: the frozen base stays out of FSDP (plain tensors, used in place), adapters are FSDP's.
+    from torch.distributed.tensor import DTensor
+
+    peft_model = shard_model(lora(build_model()), FSDP2Config(shard_size="auto", memory_budget="20GB", **plan_for))
+    params = list(peft_model.parameters())
+    out["frozen_plain"] = all(isinstance(p, DTensor) == p.requires_grad for p in params)
+    out["lora_losses"] = sharded_train(peft_model, data, rank, world)
+    save_pretrained(peft_model, Path(root) / "adapter")
+
     # Regional compilation with LoRA, activation checkpointing and bf16 compute, against eager.
     setup = dict(param_dtype="bf16", activation_checkpointing=True)
     eager = shard_model(lora(build_model()), FSDP2Config(**setup))
@@ -137,6 +146,11 @@ def test_auto_layout_and_regional_compile_on_two_ranks(tmp_path):
     torch.testing.assert_close(r["losses"], reference_train(build_model(), batches(3)), atol=2e-5, rtol=0)
     assert all(res["resumed_equal"] for res in results)
     assert set(saved_tensors(tmp_path / "auto")) == set(build_model().state_dict())
+
+    assert r["frozen_plain"]
+    torch.testing.assert_close(r["lora_losses"], reference_train(lora(build_model()), batches(3)), atol=2e-5, rtol=0)
+    adapter = saved_tensors(tmp_path / "adapter", "adapter_model.safetensors")
+    assert adapter and all(".lora_" in name for name in adapter)
 
     torch.testing.assert_close(r["compiled"], r["eager"], atol=2e-2, rtol=0)
     assert r["graph_breaks"] == 0

@@ -26,7 +26,7 @@ from ..quantization import fp8
 from ..quantization.bnb_4bit import prepare_4bit_modules
 from ..runtime.distributed import build_mesh, default_device
 from .compile import compile_layers, disable_cache_in_training, is_compiled
-from .groups import ShardPlan, apply_frozen_dtype, plan_groups, unwrap_peft
+from .groups import ShardPlan, apply_frozen_dtype, plan_groups, replicated_frozen_parameters, unwrap_peft
 from .layout import resolve_auto_layout
 
 
@@ -88,8 +88,9 @@ def _fsdp_kwargs(config: FSDP2Config, mesh: DeviceMesh) -> dict:
 def apply_fsdp(model: nn.Module, plan: ShardPlan, config: FSDP2Config, mesh: DeviceMesh) -> None:
     """`fully_shard` bottom-up: each layer, the embedding, [norm, head], then the root."""
     kwargs = _fsdp_kwargs(config, mesh)
-    if plan.ignored_params:
-        kwargs["ignored_params"] = plan.ignored_params
+    ignored = plan.ignored_params | replicated_frozen_parameters(model, config, mesh.size(-1))
+    if ignored:
+        kwargs["ignored_params"] = ignored
     reshard = config.reshard_after_forward
     for index, layer in enumerate(plan.layers):
         # The last layer's backward runs right after forward: resharding it would only re-gather it.

@@ -148,6 +148,18 @@ def ignored_parameters(model: nn.Module, pattern: str | None) -> set:
     return {p for module in matched for p in module.parameters()}
 
 
+def replicated_frozen_parameters(model: nn.Module, config: FSDP2Config, shard_size: int) -> set:
+    """Frozen weights FSDP2 need not manage: with a shard group of one rank (replication, S=1) a frozen
+    parameter is a full copy on every rank either way, has no gradient to reduce, and under FSDP2 would
+    only be copied into an "all-gathered" buffer every step. Kept out of FSDP (as `ignored_params`)
+    they are used in place, as DDP uses them. Only floating weights already in the compute dtype (else
+    FSDP2's cast would be lost) and not under FP8 (whose weights FSDP2 gathers in float8)."""
+    if shard_size != 1 or config.fp8:
+        return set()
+    return {p for p in model.parameters() if not p.requires_grad and p.is_floating_point()
+            and (config.param_dtype is None or p.dtype == config.param_dtype)}
+
+
 def size_based_groups(model: nn.Module, min_num_params: int, ignored: set) -> list[nn.Module]:
     """Accelerate's SIZE_BASED_WRAP for FSDP2: every module below the root with more than
     `min_num_params` parameters, children before parents. A module is skipped when a parameter of

@@ -80,7 +80,7 @@ from torch.utils._pytree import tree_leaves
 
 from ..config import FSDP2Config, parse_dtype
 from ..quantization import bnb_4bit, fp8
-from .groups import ShardPlan, apply_frozen_dtype, plan_groups, unwrap_peft
+from .groups import ShardPlan, apply_frozen_dtype, plan_groups, replicated_frozen_parameters, unwrap_peft
 
 ADAM_STATES = ("exp_avg", "exp_avg_sq")
 STEP_BYTES = 4  # AdamW's `step`: a 0-dim fp32 tensor per trainable parameter
@@ -565,7 +565,10 @@ def _estimate(prepared: MetaTrainingModel, world_size: int, config: FSDP2Config,
                 opt_rank[r] += len(ADAM_STATES) * local + STEP_BYTES
     buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
 
-    groups = _group_memory(model, plan, config, shard, quantized, fp8_weights)
+    # Frozen weights of a one-rank shard group stay out of FSDP (groups.replicated_frozen_parameters):
+    # stored as above, never all-gathered.
+    outside = replicated_frozen_parameters(model, config, shard)
+    groups = _group_memory(model, plan, config, shard, quantized, fp8_weights, outside)
     dequantized = _dequantized_peak(model, config.param_dtype)
     window = 1 + max(1, config.forward_prefetch or 0, config.backward_prefetch)
     gathered_peak, peak_names = _gathered_peak(groups, plan, config, window)
@@ -651,7 +654,7 @@ def _dequantized_peak(model: nn.Module, param_dtype: torch.dtype | None) -> int:
 
 def _group_memory(model: nn.Module, plan: ShardPlan, config: FSDP2Config, shard: int,
                   quantized: dict[int, tuple[str, int]] | None = None,
-                  fp8_weights: set[int] = frozenset()) -> list[GroupMemory]:
+                  fp8_weights: set[int] = frozenset(), outside: set = frozenset()) -> list[GroupMemory]:
     """Unsharded sizes of each `fully_shard` group, in forward order: [embedding], layers, head, root."""
     names = {id(m): n or "<root>" for n, m in model.named_modules()}
     members: list[tuple[str, list[nn.Module]]] = []
@@ -660,7 +663,7 @@ def _group_memory(model: nn.Module, plan: ShardPlan, config: FSDP2Config, shard:
     members += [(names[id(layer)], [layer]) for layer in plan.layers]
     if plan.head:
         members.append(("+".join(names[id(m)] for m in plan.head), plan.head))
-    seen: set[int] = set()
+    seen: set[int] = {id(p) for p in outside}
     groups = []
     for name, modules in members:
         ps = []
