@@ -53,6 +53,9 @@ def main():
         losses = {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
         Path(script.report).write_text(json.dumps({
             "losses": losses, "all_dtensor": all(isinstance(p, DTensor) for p in model.parameters()),
+            # on one process (a one-rank shard group) frozen weights stay plain tensors, outside FSDP
+            "trainable_dtensor": all(isinstance(p, DTensor) for p in model.parameters() if p.requires_grad),
+            "frozen_plain": all(not isinstance(p, DTensor) for p in model.parameters() if not p.requires_grad),
             "world": trainer.args.world_size,
             "packed_4bit_rows": [[p.to_local().shape[0], p.shape[0]] for p in model.parameters()
                                  if p.dtype == torch.uint8 and isinstance(p, DTensor)], "offload": all(isinstance(g.offload_policy, CPUOffloadPolicy) for g in groups),
