@@ -31,7 +31,7 @@ CONTESTANTS
               with the default budget (CPU: 0.75 x RAM / local ranks; CUDA: 0.85 x device memory): the
               planner's cheapest layout that fits, replication (S=1) whenever the model fits.
   ours_auto_tight  opt-in: ours_auto with a budget that forces sharding: 1 byte less than the
-              replicated layout's estimated peak (read from the plan), so the planner must shard.
+              leanest replicated layout without checkpointing or offload (read from the plan).
               Its budget, layout and estimated peak are printed beside its measured RSS.
   ours_compile opt-in: ours with FSDP2Config(compile=True), each decoder layer compiled by inductor
               (regional compilation); the first warm-up step's time (printed) includes compiling.
@@ -407,7 +407,7 @@ def wrap_ours_auto(model, ctx):
 
 
 def wrap_ours_auto_tight(model, ctx):
-    """The replicated layout's estimated need minus one byte: the planner has to shard."""
+    """A budget the replicated layouts (without checkpointing or offload) miss: the planner has to shard."""
     import torch.distributed as dist
 
     from hf_fsdp2 import shard_model
@@ -417,8 +417,11 @@ def wrap_ours_auto_tight(model, ctx):
     config = _auto_config(ctx)
     plan = plan_layout(prepare_meta_model(model, config), dist.get_world_size(), config, budget_bytes=1 << 50,
                        device_type=ctx["device"].type, batch_size=ctx["micro_batch"], seq_len=ctx["seq"])
-    replicated = next(c for c in plan.candidates if c.shard_size == 1)
-    return shard_model(model, _auto_config(ctx, memory_budget=replicated.needed_bytes - 1))
+    # Below every replicated layout short of checkpointing/offload (with LoRA, replication can need
+    # less than S=2 without resharding: its frozen weights are never gathered).
+    replicated = min(c.needed_bytes for c in plan.candidates
+                     if c.shard_size == 1 and not (c.activation_checkpointing or c.cpu_offload))
+    return shard_model(model, _auto_config(ctx, memory_budget=replicated - 1))
 
 
 def wrap_ours_compile(model, ctx):
