@@ -11,7 +11,7 @@ from hf_fsdp2 import FSDP2Config
 from hf_fsdp2.cli import main as cli_main
 from hf_fsdp2.sharding.layout import plan_layout
 from hf_fsdp2.sharding.memory import prepare_meta_model
-from tests.common import (GLOBAL_BATCH, SEQ, assert_close_dicts, batches, build_model, full_params, lora,
+from tests.common import (GLOBAL_BATCH, SEQ, batches, build_model, full_params, lora,
                           optimizer, reference_train, saved_tensors, sharded_train, tiny_config)
 from tests.dist_harness import run_ranks
 
