@@ -39,24 +39,20 @@ Results: a table on stdout, `benchmarks/results/checkpoint_<timestamp>.json` and
 from __future__ import annotations
 
 import argparse
-import ctypes
 import datetime as _dt
 import gc
 import json
-import multiprocessing as mp
 import os
-import pickle
 import platform
-import queue
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
-import threading
 import time
-import traceback
 from pathlib import Path
+
+import harness
+from harness import RssSampler, hwm_bytes, malloc_trim, reset_hwm, rss_bytes
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS_DIR = REPO / "benchmarks" / "results"
@@ -111,31 +107,6 @@ def shape_bytes(shape: dict) -> int:
 # Memory and I/O probes (Linux /proc)
 
 
-def _status_kb(field: bytes) -> int:
-    with open("/proc/self/status", "rb") as f:
-        data = f.read()
-    i = data.index(field)
-    return int(data[i + len(field):data.index(b"kB", i)].strip())
-
-
-def rss_bytes() -> int:
-    return _status_kb(b"VmRSS:") * 1024
-
-
-def hwm_bytes() -> int:
-    return _status_kb(b"VmHWM:") * 1024
-
-
-def reset_hwm() -> bool:
-    """Reset VmHWM to the current RSS (Linux >= 4.0). False when not permitted."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
 def io_write_bytes() -> int | None:
     """Bytes this process caused to be written to storage (counted at page-dirtying time)."""
     try:
@@ -146,49 +117,6 @@ def io_write_bytes() -> int | None:
     except OSError:
         pass
     return None
-
-
-_LIBC = None
-
-
-def malloc_trim() -> None:
-    """Give freed heap memory back to the OS so the next baseline RSS is not inflated."""
-    global _LIBC
-    try:
-        _LIBC = _LIBC or ctypes.CDLL("libc.so.6")
-        _LIBC.malloc_trim(0)
-    except OSError:
-        pass
-
-
-class RssSampler:
-    """Max VmRSS seen by a background thread polling /proc/self/status every `interval` seconds."""
-
-    def __init__(self, interval: float = 0.005):
-        self.interval = interval
-        self.max = 0
-        self.samples = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        with open("/proc/self/status", "rb", buffering=0) as f:
-            while True:
-                f.seek(0)
-                data = f.read(8192)
-                i = data.index(b"VmRSS:")
-                self.max = max(self.max, int(data[i + 6:data.index(b"kB", i)].strip()) * 1024)
-                self.samples += 1
-                if self._stop.wait(self.interval):
-                    return
-
-    def __enter__(self) -> "RssSampler":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
 
 
 def dir_bytes(path: Path) -> tuple[int, list[tuple[str, int]]]:
@@ -580,57 +508,8 @@ def run_job(rank: int, world: int, job: dict) -> dict:
     return out
 
 
-def _rank_entry(rank, world, port, job, results):
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    try:
-        dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world,
-                                timeout=_dt.timedelta(minutes=30))
-        results.put((rank, "ok", pickle.dumps(run_job(rank, world, job))))
-    except BaseException:  # noqa: BLE001 - reported to the parent
-        results.put((rank, "error", traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_ranks(world: int, job: dict, timeout: float) -> list[dict]:
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_rank_entry, args=(r, world, port, job, results), daemon=True)
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    out, errors = {}, []
-    try:
-        for _ in range(world):
-            rank, status, value = results.get(timeout=timeout)
-            if status == "ok":
-                out[rank] = pickle.loads(value)
-            else:
-                errors.append(f"--- rank {rank} ---\n{value}")
-                timeout = 15
-    except queue.Empty:
-        errors.append(f"timed out after {timeout}s; got ranks {sorted(out)}")
-    finally:
-        for p in procs:
-            p.join(timeout=10 if not errors else 1)
-            if p.is_alive():
-                p.kill()
-    if errors:
-        raise RuntimeError("benchmark ranks failed:\n" + "\n".join(errors))
-    return [out[r] for r in range(world)]
+    return harness.run_ranks(run_job, world, job, timeout)
 
 
 # ---------------------------------------------------------------------------------------------

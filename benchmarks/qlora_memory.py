@@ -52,23 +52,20 @@ Results: a table on stdout and `benchmarks/results/qlora_memory_<timestamp>.json
 from __future__ import annotations
 
 import argparse
-import ctypes
 import datetime as _dt
 import gc
 import json
-import multiprocessing as mp
 import os
-import pickle
 import platform
-import queue
 import shutil
-import socket
 import subprocess
 import sys
-import threading
 import time
-import traceback
+import warnings
 from pathlib import Path
+
+import harness
+from harness import RssSampler, hwm_bytes, malloc_trim, reset_hwm, status_bytes
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS_DIR = REPO / "benchmarks" / "results"
@@ -82,68 +79,9 @@ IGNORED_PATTERN = r".*\.base_layer"  # every targeted Linear4bit sits under PEFT
 # Memory probes (Linux /proc)
 
 
-def _status() -> dict[str, int]:
-    out = {}
-    with open("/proc/self/status", "rb") as f:
-        for line in f:
-            if line.startswith((b"VmRSS:", b"VmHWM:", b"RssAnon:", b"RssFile:")):
-                key, value = line.split(b":", 1)
-                out[key.decode()] = int(value.split()[0]) * 1024
-    return out
-
-
 def rss() -> dict[str, int]:
-    s = _status()
+    s = status_bytes("VmRSS", "RssAnon", "RssFile")
     return {"rss": s["VmRSS"], "anon": s.get("RssAnon", 0), "file": s.get("RssFile", 0)}
-
-
-def reset_hwm() -> bool:
-    """Reset VmHWM to the current RSS (Linux >= 4.0). False when not permitted."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def malloc_trim() -> None:
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except OSError:
-        pass
-
-
-class RssSampler:
-    """Max VmRSS and max RssAnon seen by a thread polling /proc/self/status every `interval` s."""
-
-    def __init__(self, interval: float):
-        self.interval = interval
-        self.max_rss = self.max_anon = self.samples = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        with open("/proc/self/status", "rb", buffering=0) as f:
-            while True:
-                f.seek(0)
-                data = f.read(8192)
-                for key, attr in ((b"VmRSS:", "max_rss"), (b"RssAnon:", "max_anon")):
-                    i = data.find(key)
-                    if i >= 0:
-                        value = int(data[i + len(key):data.index(b"kB", i)].strip()) * 1024
-                        setattr(self, attr, max(getattr(self, attr), value))
-                self.samples += 1
-                if self._stop.wait(self.interval):
-                    return
-
-    def __enter__(self) -> "RssSampler":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
 
 
 def measured(fn, interval: float) -> tuple[object, dict]:
@@ -153,9 +91,9 @@ def measured(fn, interval: float) -> tuple[object, dict]:
     with RssSampler(interval) as sampler:
         value = fn()
     wall = time.perf_counter() - t0
-    hwm = _status()["VmHWM"] if hwm_ok else 0
-    return value, {"peak_rss": max(hwm, sampler.max_rss), "peak_anon": sampler.max_anon, "hwm": hwm,
-                   "hwm_reset": hwm_ok, "sampler_peak_rss": sampler.max_rss, "samples": sampler.samples,
+    hwm = hwm_bytes() if hwm_ok else 0
+    return value, {"peak_rss": max(hwm, sampler.max), "peak_anon": sampler.max_anon, "hwm": hwm,
+                   "hwm_reset": hwm_ok, "sampler_peak_rss": sampler.max, "samples": sampler.samples,
                    "time_s": wall}
 
 
@@ -356,8 +294,10 @@ def train_steps(model, steps: int, seq: int, vocab: int, rank: int) -> list[floa
 
 
 def run_job(rank: int, world: int, job: dict) -> dict:
-    """In a fresh rank process, after the imports and the process group: baseline, load, train."""
+    """In a fresh rank process, after the process group: the imports, then baseline, load, train."""
     import torch
+
+    _import_everything()
 
     global COMPUTE_DTYPE
     COMPUTE_DTYPE = job["compute_dtype"]
@@ -383,13 +323,9 @@ def run_job(rank: int, world: int, job: dict) -> dict:
     return out
 
 
-def _rank_entry(rank, world, port, job, results):
-    # Every import a run needs, before the baseline (the process baseline of any QLoRA job).
+def _import_everything() -> None:
+    """Every import a run needs, before the baseline (the process baseline of any QLoRA job)."""
     import importlib
-    import warnings
-
-    import torch
-    import torch.distributed as dist
 
     for name in ("bitsandbytes", "peft", "transformers", "hf_fsdp2"):
         importlib.import_module(name)
@@ -398,55 +334,11 @@ def _rank_entry(rank, world, port, job, results):
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     warnings.filterwarnings("ignore", category=FutureWarning)
-    torch.set_num_threads(job["threads"])
-    distributed = job["method"] != "single_process"
-    try:
-        if distributed:
-            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                              WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-            dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world,
-                                    timeout=_dt.timedelta(minutes=30))
-        results.put((rank, "ok", pickle.dumps(run_job(rank, world, job))))
-    except BaseException:  # noqa: BLE001 - reported to the parent
-        results.put((rank, "error", traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_ranks(world: int, job: dict, timeout: float) -> list[dict]:
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_rank_entry, args=(r, world, port, job, results), daemon=True)
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    out, errors = {}, []
-    try:
-        for _ in range(world):
-            rank, status, value = results.get(timeout=timeout)
-            if status == "ok":
-                out[rank] = pickle.loads(value)
-            else:
-                errors.append(f"--- rank {rank} ---\n{value}")
-                timeout = 15
-    except queue.Empty:
-        errors.append(f"timed out after {timeout}s; got ranks {sorted(out)}")
-    finally:
-        for p in procs:
-            p.join(timeout=10 if not errors else 1)
-            if p.is_alive():
-                p.kill()
-    if errors:
-        raise RuntimeError("benchmark ranks failed:\n" + "\n".join(errors))
-    return [out[r] for r in range(world)]
+    return harness.run_ranks(run_job, world, job, timeout, threads=job["threads"],
+                             backend=None if job["method"] == "single_process" else "gloo")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -90,23 +90,20 @@ per rank, and also reports MFU (model FLOPs: 6N per token for full, 4N + 2N_trai
 from __future__ import annotations
 
 import argparse
-import ctypes
 import datetime as _dt
 import gc
 import json
-import multiprocessing as mp
 import os
 import platform
-import queue
-import socket
 import statistics
 import subprocess
 import sys
-import threading
 import time
 import traceback
 import warnings
 from pathlib import Path
+
+from harness import RssSampler, hwm_bytes, malloc_trim, reset_hwm, rss_bytes, run_ranks
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS_DIR = REPO / "benchmarks" / "results"
@@ -129,69 +126,6 @@ MODEL_SIZES = {
 DEFAULT_DATA = {"tiny": (8, 128), "small": (8, 64)}
 # Dense fp32 (no TF32) peak per GPU, TFLOP/s, for MFU when --peak-tflops is not given.
 FP32_PEAK_TFLOPS = {"H200": 67.0, "H100": 67.0, "A100": 19.5, "L40S": 91.6, "A10": 31.2, "V100": 15.7}
-
-# ---------------------------------------------------------------------------------------------
-# Memory probes (Linux /proc)
-
-
-def _status_kb(field: bytes) -> int:
-    with open("/proc/self/status", "rb") as f:
-        data = f.read()
-    i = data.index(field)
-    return int(data[i + len(field):data.index(b"kB", i)].strip())
-
-
-def rss_bytes() -> int:
-    return _status_kb(b"VmRSS:") * 1024
-
-
-def hwm_bytes() -> int:
-    return _status_kb(b"VmHWM:") * 1024
-
-
-def reset_hwm() -> bool:
-    """Reset VmHWM to the current RSS (Linux >= 4.0); False when not permitted."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def malloc_trim() -> None:
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except OSError:
-        pass
-
-
-class RssSampler:
-    """Max VmRSS seen by a thread polling /proc/self/status every `interval` seconds."""
-
-    def __init__(self, interval: float = 0.005):
-        self.interval, self.max = interval, 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        with open("/proc/self/status", "rb", buffering=0) as f:
-            while True:
-                f.seek(0)
-                data = f.read(8192)
-                i = data.index(b"VmRSS:")
-                self.max = max(self.max, int(data[i + 6:data.index(b"kB", i)].strip()) * 1024)
-                if self._stop.wait(self.interval):
-                    return
-
-    def __enter__(self) -> "RssSampler":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-
 
 # ---------------------------------------------------------------------------------------------
 # Collective accounting
@@ -548,6 +482,8 @@ def run_rank(rank: int, world: int, job: dict) -> dict:
     import torch
     import torch.distributed as dist
 
+    warnings.filterwarnings("ignore")
+
     cuda = job["cuda"]
     device = torch.device("cuda", rank % torch.cuda.device_count()) if cuda else torch.device("cpu")
     cfg = llama_config(job["model_size"])
@@ -681,59 +617,9 @@ def run_rank(rank: int, world: int, job: dict) -> dict:
     return out
 
 
-def _rank_entry(rank: int, world: int, port: int, job: dict, results) -> None:
-    import torch
-    import torch.distributed as dist
-
-    warnings.filterwarnings("ignore")
-    torch.set_num_threads(job["threads"])
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
-    try:
-        if job["cuda"]:
-            torch.cuda.set_device(rank % torch.cuda.device_count())
-        dist.init_process_group("nccl" if job["cuda"] else "gloo", init_method="env://", rank=rank,
-                                world_size=world, timeout=_dt.timedelta(minutes=20))
-        results.put((rank, "ok", run_rank(rank, world, job)))
-    except BaseException:  # noqa: BLE001 - reported to the parent
-        results.put((rank, "error", traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_world(world: int, job: dict, timeout: float) -> list[dict]:
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_rank_entry, args=(r, world, port, job, results), daemon=True) for r in range(world)]
-    for p in procs:
-        p.start()
-    out, errors = {}, []
-    try:
-        for _ in range(world):
-            rank, status, value = results.get(timeout=timeout)
-            if status == "ok":
-                out[rank] = value
-            else:
-                errors.append(f"--- rank {rank} ---\n{value}")
-                timeout = 15
-    except queue.Empty:
-        errors.append(f"timed out after {timeout:.0f}s; finished ranks {sorted(out)}")
-    finally:
-        for p in procs:
-            p.join(timeout=10 if not errors else 1)
-            if p.is_alive():
-                p.kill()
-    if errors:
-        raise RuntimeError("benchmark ranks failed:\n" + "\n".join(errors))
-    return [out[r] for r in range(world)]
+    return run_ranks(run_rank, world, job, timeout, threads=job["threads"], backend="nccl" if job["cuda"] else "gloo",
+                     pg_timeout=_dt.timedelta(minutes=20))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,161 @@
+"""What the benchmarks share: memory probes (Linux /proc) and rank processes.
+
+Imported by train_bench.py, checkpoint_bench.py (and checkpoint_loop.py through it) and
+qlora_memory.py, which run as scripts from this folder (so `import harness` finds it, in the
+spawned ranks too).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import datetime as _dt
+import multiprocessing as mp
+import os
+import queue
+import socket
+import threading
+import traceback
+from typing import Any, Callable
+
+# ---------------------------------------------------------------------------------------------
+# Memory probes
+
+
+def status_bytes(*fields: str) -> dict[str, int]:
+    """`/proc/self/status` fields (e.g. "VmRSS", "VmHWM", "RssAnon") in bytes; absent ones are left out."""
+    wanted = {f.encode() + b":" for f in fields}
+    out = {}
+    with open("/proc/self/status", "rb") as f:
+        for line in f:
+            key = line.split(b":", 1)[0] + b":"
+            if key in wanted:
+                out[key[:-1].decode()] = int(line.split()[1]) * 1024
+    return out
+
+
+def rss_bytes() -> int:
+    return status_bytes("VmRSS")["VmRSS"]
+
+
+def hwm_bytes() -> int:
+    return status_bytes("VmHWM")["VmHWM"]
+
+
+def reset_hwm() -> bool:
+    """Reset VmHWM to the current RSS (Linux >= 4.0); False when not permitted."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+_LIBC = None
+
+
+def malloc_trim() -> None:
+    """Give freed heap memory back to the OS so the next baseline RSS is not inflated."""
+    global _LIBC
+    try:
+        _LIBC = _LIBC or ctypes.CDLL("libc.so.6")
+        _LIBC.malloc_trim(0)
+    except OSError:
+        pass
+
+
+class RssSampler:
+    """Max VmRSS (`max`) and max RssAnon (`max_anon`) seen by a thread polling /proc/self/status
+    every `interval` seconds; `samples` counts the polls."""
+
+    def __init__(self, interval: float = 0.005):
+        self.interval = interval
+        self.max = self.max_anon = self.samples = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        with open("/proc/self/status", "rb", buffering=0) as f:
+            while True:
+                f.seek(0)
+                data = f.read(8192)
+                for key, attr in ((b"VmRSS:", "max"), (b"RssAnon:", "max_anon")):
+                    i = data.find(key)
+                    if i >= 0:
+                        value = int(data[i + len(key):data.index(b"kB", i)].strip()) * 1024
+                        setattr(self, attr, max(getattr(self, attr), value))
+                self.samples += 1
+                if self._stop.wait(self.interval):
+                    return
+
+    def __enter__(self) -> "RssSampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+# ---------------------------------------------------------------------------------------------
+# Rank processes
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_entry(run: Callable[[int, int, dict], Any], rank: int, world: int, port: int, job: dict, results,
+                threads: int, backend: str | None, pg_timeout: _dt.timedelta) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    try:
+        if backend is not None:
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                              WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+            if backend == "nccl":
+                torch.cuda.set_device(rank % torch.cuda.device_count())
+            dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world, timeout=pg_timeout)
+        results.put((rank, "ok", run(rank, world, job)))
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        results.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(run: Callable[[int, int, dict], Any], world: int, job: dict, timeout: float, *, threads: int = 1,
+              backend: str | None = "gloo", pg_timeout: _dt.timedelta = _dt.timedelta(minutes=30)) -> list:
+    """`run(rank, world, job)` in `world` fresh (spawned) processes with `threads` torch threads and a
+    process group of `backend` (None: none); their results by rank. `run` must be a module-level
+    function. Any rank's exception, or `timeout` seconds without a result, raises with the tracebacks."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_rank_entry, args=(run, r, world, port, job, results, threads, backend, pg_timeout),
+                         daemon=True) for r in range(world)]
+    for p in procs:
+        p.start()
+    out, errors = {}, []
+    try:
+        for _ in range(world):
+            rank, status, value = results.get(timeout=timeout)
+            if status == "ok":
+                out[rank] = value
+            else:
+                errors.append(f"--- rank {rank} ---\n{value}")
+                timeout = 15
+    except queue.Empty:
+        errors.append(f"timed out after {timeout:.0f}s; finished ranks {sorted(out)}")
+    finally:
+        for p in procs:
+            p.join(timeout=10 if not errors else 1)
+            if p.is_alive():
+                p.kill()
+    if errors:
+        raise RuntimeError("benchmark ranks failed:\n" + "\n".join(errors))
+    return [out[r] for r in range(world)]
