@@ -328,12 +328,13 @@ def _fsdp2_prepare_model(accelerator, model: nn.Module) -> nn.Module:
         for param in model.parameters():
             if param.requires_grad and param.is_floating_point() and param.dtype != torch.float32:
                 param.data = param.data.float()
-    if config.is_auto_layout and getattr(accelerator.state.fsdp_plugin, "cpu_ram_efficient_loading", False):
+    from_rank0 = getattr(accelerator.state.fsdp_plugin, "cpu_ram_efficient_loading", False)
+    if config.is_auto_layout and from_rank0:
         raise ValueError("shard_size='auto' with `fsdp_cpu_ram_efficient_loading`: the other ranks hold no weights "
                          "to plan with; set the layout yourself or load with hf_fsdp2.from_pretrained.")
     config = resolve_auto_layout(model, config)  # before the mesh, which it chooses
     mesh = build_mesh(config)
-    if getattr(accelerator.state.fsdp_plugin, "cpu_ram_efficient_loading", False):
+    if from_rank0:
         return _shard_from_rank0(model, config, mesh)
     return shard_model(model, config, mesh=mesh)
 

@@ -31,16 +31,13 @@ def is_compiled(module: nn.Module) -> bool:
     return getattr(module, "_compiled_call_impl", None) is not None
 
 
-def compile_layers(layers: list[nn.Module], **compile_kwargs: Any) -> int:
+def compile_layers(layers: list[nn.Module], **compile_kwargs: Any) -> None:
     """Compile each layer in place (a layer already compiled, e.g. by Accelerate's regional
-    compilation, is left as it is); returns how many were compiled here."""
+    compilation, is left as it is)."""
     kwargs = {"fullgraph": False, **compile_kwargs}
-    compiled = 0
     for layer in layers:
         if not is_compiled(layer):
             layer.compile(**kwargs)
-            compiled += 1
-    return compiled
 
 
 def disable_cache_in_training(model: nn.Module) -> None:
@@ -49,10 +46,10 @@ def disable_cache_in_training(model: nn.Module) -> None:
     would specialise a compiled layer's graph per layer. Evaluation and `generate` keep the cache, and
     the config is untouched, so a saved config.json is what stock writes. A model whose forward takes
     no `use_cache` argument gets `config.use_cache = False` instead (text config too). Idempotent."""
-    base = unwrap_peft(model)
     if getattr(model, "_hf_fsdp2_no_cache_in_training", False):
         return
     model._hf_fsdp2_no_cache_in_training = True
+    base = unwrap_peft(model)
     if "use_cache" not in inspect.signature(base.forward).parameters:
         config = getattr(base, "config", None)
         for cfg in (config, getattr(config, "get_text_config", lambda: None)()):

@@ -115,6 +115,13 @@ class ActivationMemory:
     layer_inputs_bytes: int  # all decoder layers' inputs: what checkpointing keeps per layer
     largest_layer_bytes: int  # one decoder layer's saved activations (recomputed during backward with AC)
 
+    def with_checkpointing(self, checkpointing: bool) -> "ActivationMemory":
+        """The same trace, its peak with or without activation checkpointing: everything outside the
+        layers + every layer's inputs + one layer recomputed, or everything saved."""
+        peak = (self.outside_layers_bytes + self.layer_inputs_bytes + self.largest_layer_bytes
+                if checkpointing else self.saved_bytes)
+        return dataclasses.replace(self, checkpointing=checkpointing, peak_bytes=peak)
+
 
 @dataclass(frozen=True)
 class MemoryEstimate:
@@ -500,9 +507,7 @@ class MetaTrainingModel:
         traced, error = self._activations[key]
         if traced is None:
             return None, error
-        peak = (traced.outside_layers_bytes + traced.layer_inputs_bytes + traced.largest_layer_bytes
-                if checkpointing else traced.saved_bytes)
-        return dataclasses.replace(traced, checkpointing=checkpointing, peak_bytes=peak), None
+        return traced.with_checkpointing(checkpointing), None
 
     def estimate(self, world_size: int, config: FSDP2Config, *, batch_size: int | None = 1,
                  seq_len: int | None = 2048) -> MemoryEstimate:
@@ -835,13 +840,11 @@ def trace_activations(model: nn.Module, layers: Sequence[nn.Module], batch_size:
     outside = {k for k, o in owner.items() if o == -1}
     per_layer = [total(k for k, o in owner.items() if o == i and k not in inputs) for i in range(len(layers))]
     largest = max(per_layer, default=0)
-    checkpointed = total(outside | inputs) + largest
     return ActivationMemory(
-        batch_size=batch_size, seq_len=seq_len, checkpointing=checkpointing,
-        peak_bytes=checkpointed if checkpointing else saved, saved_bytes=saved,
+        batch_size=batch_size, seq_len=seq_len, checkpointing=False, peak_bytes=saved, saved_bytes=saved,
         outside_layers_bytes=total(outside), layer_inputs_bytes=total(inputs - outside),
         largest_layer_bytes=largest,
-    )
+    ).with_checkpointing(checkpointing)
 
 
 __all__ = [
