@@ -12,6 +12,11 @@ import traceback
 from datetime import timedelta
 from typing import Any, Callable
 
+# A default process group with NCCL's device semantics on a CPU-only machine: its only backend is for
+# CUDA tensors, so a CPU tensor sent through it fails exactly as NCCL refuses one ("No backend type
+# associated with device type cpu"). hf_fsdp2 must never send one (runtime/collectives.py).
+NCCL_LIKE = "cuda:gloo"
+
 
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -19,7 +24,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(fn, rank, world_size, port, results, args, kwargs, pg_timeout):
+def _entry(fn, rank, world_size, port, results, args, kwargs, pg_timeout, backend):
     import torch
     import torch.distributed as dist
 
@@ -27,7 +32,7 @@ def _entry(fn, rank, world_size, port, results, args, kwargs, pg_timeout):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     try:
-        dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world_size,
+        dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=pg_timeout))
         out = fn(rank, world_size, *args, **kwargs)
         # Plain pickle, in memory: a queue would share tensors by file descriptor, which dies with us.
@@ -40,20 +45,22 @@ def _entry(fn, rank, world_size, port, results, args, kwargs, pg_timeout):
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 240, pg_timeout: float = 120,
-              **kwargs: Any) -> list[Any]:
+              backend: str = "gloo", **kwargs: Any) -> list[Any]:
     """Spawn `world_size` processes running `fn(rank, world_size, *args, **kwargs)`; return results by rank.
 
     `fn` must be a module-level function. Any rank's exception fails the call with its traceback.
+    `backend`: the default group's; `NCCL_LIKE` gives GPU semantics on CPU (tests/test_gpu_semantics.py).
     """
     out, errors = run_ranks_collecting_errors(fn, world_size, *args, timeout=timeout, pg_timeout=pg_timeout,
-                                              **kwargs)
+                                              backend=backend, **kwargs)
     if errors:
         raise AssertionError("distributed run failed:\n" + "\n".join(errors.values()))
     return [out[r] for r in range(world_size)]
 
 
 def run_ranks_collecting_errors(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 240,
-                                pg_timeout: float = 120, **kwargs: Any) -> tuple[dict[int, Any], dict[int, str]]:
+                                pg_timeout: float = 120, backend: str = "gloo",
+                                **kwargs: Any) -> tuple[dict[int, Any], dict[int, str]]:
     """Like `run_ranks`, for runs where ranks are expected to fail: ({rank: result}, {rank: error}).
 
     `pg_timeout`: the process group's timeout, the bound on how long a collective waits for a peer.
@@ -61,7 +68,7 @@ def run_ranks_collecting_errors(fn: Callable[..., Any], world_size: int, *args: 
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, results, args, kwargs, pg_timeout),
+    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, results, args, kwargs, pg_timeout, backend),
                            daemon=True)
              for r in range(world_size)]
     for p in procs:

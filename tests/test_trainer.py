@@ -34,12 +34,12 @@ def run_script(launcher: list[str], report: Path, output_dir: Path, processes: i
     return out
 
 
-def train(tmp: Path, name: str, processes: int, max_steps: int, *extra: str) -> dict:
+def train(tmp: Path, name: str, processes: int, max_steps: int, *extra: str, env: dict | None = None) -> dict:
     """torchrun with the Trainer's own flag: `--fsdp full_shard --fsdp_config accelerate_configs/fsdp2.json`."""
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes),
                 "--master_port", str(free_port())]
     return run_script(launcher, tmp / f"{name}.json", tmp / "out", processes, max_steps, "--fsdp", "full_shard",
-                      "--fsdp_config", str(ROOT / "accelerate_configs" / "fsdp2.json"), *extra)
+                      "--fsdp_config", str(ROOT / "accelerate_configs" / "fsdp2.json"), *extra, env=env)
 
 
 @pytest.mark.parametrize("use_lora, before, after", [(False, 2, 1), (True, 1, 2)])

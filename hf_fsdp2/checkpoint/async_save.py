@@ -37,6 +37,7 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from ..runtime import collectives
 from .safetensors_io import TensorSpec
 
 
@@ -157,7 +158,6 @@ class SaveHandle:
 
 _pool = StagingPool()
 _pending: SaveHandle | None = None
-_group = None
 _exit_hook_installed = False
 
 
@@ -179,26 +179,7 @@ def wait_pending() -> None:
             raise
 
 
-def _agreement_group():
-    """The gloo group background saves agree on; created once, collectively (every rank saves)."""
-    global _group
-    if not dist.is_initialized():
-        return None
-    if _group is None:
-        # The training group's timeout, so a dead peer fails the agreement as soon as it fails training.
-        timeout = _default_group_timeout()
-        _group = dist.new_group(backend="gloo", **({"timeout": timeout} if timeout is not None else {}))
-    return _group
-
-
-def _default_group_timeout():
-    group = dist.distributed_c10d._get_default_group()
-    for device in ("cpu", "cuda"):
-        try:
-            return group._get_backend(torch.device(device)).options._timeout
-        except Exception:  # noqa: BLE001 - no backend for that device, or no options on it
-            continue
-    return None
+AGREEMENT_GROUP = "background-saves"  # the host group background saves agree on (runtime/collectives.py)
 
 
 def start(directory: Path, commit: Callable[..., None], items: dict[str, Sequence],
@@ -207,7 +188,7 @@ def start(directory: Path, commit: Callable[..., None], items: dict[str, Sequenc
     `small_files` now; then run `commit(*staged_lists, write_small_files, group)` in the background.
     The caller has waited for the previous save (`wait_pending`)."""
     staged = [_pool.stage(kind_items, kind) for kind, kind_items in items.items()]
-    rank = dist.get_rank() if dist.is_initialized() else 0
+    rank = collectives.rank()
     files = capture_files(small_files) if rank == 0 else {}
     return submit(directory, lambda group: commit(
         *staged, lambda staging: write_captured(files, staging, durable), group))
@@ -216,7 +197,8 @@ def start(directory: Path, commit: Callable[..., None], items: dict[str, Sequenc
 def submit(directory: Path, commit: Callable[[object], None]) -> SaveHandle:
     """Run `commit(group)` in the background (the previous save has been waited for by the caller)."""
     global _pending, _exit_hook_installed
-    group = _agreement_group()
+    collectives.host_group(AGREEMENT_GROUP)  # created here, collectively, not in the background thread
+    group = AGREEMENT_GROUP
     if not _exit_hook_installed:
         atexit.register(_wait_at_exit)  # registered after exit_guard's, so it runs before it
         _wrap_destroy_process_group()
@@ -232,10 +214,9 @@ def _wrap_destroy_process_group() -> None:
 
     @functools.wraps(original)
     def destroy_process_group(group=None):
-        global _group
         wait_pending()
         if group is None:
-            _group = None  # destroyed with the rest
+            collectives.forget_host_groups()  # destroyed with the rest
         return original(group)
 
     dist.destroy_process_group = destroy_process_group

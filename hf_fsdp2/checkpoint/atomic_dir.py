@@ -36,8 +36,7 @@ import stat
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
-import torch
-import torch.distributed as dist
+from ..runtime import collectives
 
 STAGING_SUFFIX = ".hf_fsdp2-staging"
 OLD_SUFFIX = ".hf_fsdp2-old"
@@ -63,10 +62,6 @@ def lock_path(target: Path) -> Path:
     return target.parent / f".{target.name}{LOCK_SUFFIX}"
 
 
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
 def _error_code(error: BaseException) -> int:
     """A positive code for any failure: an errno where there is a real one, else 1.
     (`socket.gaierror.errno` is negative; it must still count as a failure in the MAX.)"""
@@ -74,19 +69,15 @@ def _error_code(error: BaseException) -> int:
     return code if isinstance(code, int) and 0 < code < 4096 else 1
 
 
-def agree(error: BaseException | None, what: str, group=None) -> None:
+def agree(error: BaseException | None, what: str, group: str | None = None) -> None:
     """Raise on every rank if any rank failed; the failing rank re-raises its own error.
 
-    The only collective is an all-reduce of one integer (an errno, or 1), so a failure on one rank
-    becomes a clear error everywhere instead of a hang at the next barrier. `group`: the process
-    group to agree on (a background save's own gloo group; default: the default group).
+    The only collective is an all-reduce of one integer (an errno, or 1) on a host group
+    (runtime/collectives.py; `group` names it: a background save agrees on its own), so a failure on
+    one rank becomes a clear error everywhere instead of a hang at the next barrier.
     Collective: call on every rank.
     """
-    code = 0 if error is None else _error_code(error)
-    if dist.is_initialized():
-        flag = torch.tensor([code], dtype=torch.int64)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-        code = int(flag.item())
+    code = collectives.all_reduce_int(0 if error is None else _error_code(error), "max", purpose=group or "main")
     if error is not None:
         raise error
     if code:
@@ -287,14 +278,14 @@ def _resolve(target: str | os.PathLike) -> Path:
 
 @contextlib.contextmanager
 def committed_directory(target: str | os.PathLike, *, weights_names: Iterable[str] = (), what: str = "saving",
-                        durable: bool = True, group=None,
+                        durable: bool = True, group: str | None = None,
                         after_commit: Callable[[], None] | None = None) -> Iterator[Path]:
     """Yield a staging directory on every rank; commit it as `target` when every rank succeeded.
 
     `weights_names`: the weights files this save writes (their previous layouts are replaced too).
     Any exception on any rank, of any type, leaves the previous `target` as it was and raises on
     every rank. `durable=False`: no fsyncs (atomic for crashes of processes, not of the machine).
-    `group`: the process group the ranks agree on (see `agree`). `after_commit()`: runs on rank 0 once
+    `group`: the name of the host group the ranks agree on (see `agree`). `after_commit()`: runs on rank 0 once
     the new `target` is in place (still under the target's lock), e.g. rotating older checkpoints; its
     failure is raised on every rank by the commit's own agreement (the new `target` stays).
     Collective: call on every rank.
@@ -305,7 +296,7 @@ def committed_directory(target: str | os.PathLike, *, weights_names: Iterable[st
     staging = target / IN_PLACE_STAGING if is_mount_point(target) else staging_path(target)
     error: BaseException | None = None
     with contextlib.ExitStack() as stack:
-        if _rank() == 0:
+        if collectives.rank() == 0:
             try:
                 if target.exists() and not target.is_dir():
                     raise NotADirectoryError(errno_codes.ENOTDIR, f"{target} exists and is not a directory")
@@ -323,10 +314,10 @@ def committed_directory(target: str | os.PathLike, *, weights_names: Iterable[st
         try:
             agree(error, f"{what} {target}", group)
         except BaseException:
-            if _rank() == 0:
+            if collectives.rank() == 0:
                 shutil.rmtree(staging, ignore_errors=True)  # the previous `target` is untouched
             raise
-        if _rank() == 0:
+        if collectives.rank() == 0:
             replaced = replaced_by((e.name for e in staging.iterdir()), weights_names)
             try:
                 (swap_in_place if staging.parent == target else swap_in)(staging, target, replaced, durable)

@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from tqdm.auto import tqdm
 
@@ -25,6 +24,7 @@ from .async_save import SaveHandle
 from .atomic_dir import committed_directory
 from .key_conversion import DiskView, disk_views
 from ..config import FSDP2Config, parse_dtype
+from ..runtime import collectives
 from ..runtime.distributed import build_mesh
 from .safetensors_io import (
     INDEX_SUFFIX, SINGLE_FILE, CheckpointError, CheckpointFiles, FileWriter, plan_checkpoint, write_json,
@@ -41,13 +41,9 @@ ADAPTER_CONFIG = "adapter_config.json"
 PROGRESS_MIN_BYTES = 1 << 30  # progress bars for checkpoints of 1 GiB and more
 
 
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
 def _progress(total: int, desc: str, enabled: bool | None):
     show = (total >= PROGRESS_MIN_BYTES) if enabled is None else enabled
-    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, disable=not show or _rank() != 0)
+    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, disable=not show or collectives.rank() != 0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -85,12 +81,12 @@ def write_tensors(items: Sequence[ExportTensor], directory: Path, *, weights_nam
     # useless here and takes per-tensor locks other threads may hold.
     with _progress(total, f"saving {directory.name} (rank 0 share)", progress) as bar, torch.no_grad():
         for layout in layouts:
-            with FileWriter(directory / layout.filename, layout, create=_rank() == 0, durable=durable) as writer:
+            with FileWriter(directory / layout.filename, layout, create=collectives.rank() == 0, durable=durable) as writer:
                 for lay, name, start, stop in work:
                     if lay is not layout or stop <= start:
                         continue
                     bar.update(writer.write_rows(name, start, by_name[name].block()))
-    if index is not None and _rank() == 0:
+    if index is not None and collectives.rank() == 0:
         if total_parameters is not None:  # stock save_pretrained: {"total_parameters", "total_size"}
             index["metadata"] = {"total_parameters": total_parameters, **index["metadata"]}
         write_json(directory / (weights_name + INDEX_SUFFIX), index, durable=durable)
@@ -213,7 +209,7 @@ def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, *, dtyp
                                  durable=durable, group=group, after_commit=after_commit) as staging:
             write_tensors(items, staging, weights_name=weights_name, max_shard_size=max_shard_size,
                           progress=progress, durable=durable, total_parameters=total_parameters)
-            if _rank() == 0:
+            if collectives.rank() == 0:
                 small_files(staging)
 
     if blocking:
@@ -420,11 +416,11 @@ def from_pretrained(model_class, directory: str | os.PathLike, config: FSDP2Conf
     if quantization_config is not None:
         dtype = torch_dtype or next(p.dtype for p in model.parameters() if p.is_floating_point())
         bnb_4bit.quantize_on_meta(model, quantization_config, dtype)
+    mesh = mesh if mesh is not None else build_mesh(config)
     if peft_config is not None:
-        model = _with_adapters(model, peft_config)
+        model = _with_adapters(model, peft_config, mesh)
     if quantization_config is not None:  # after PEFT, which reads the `Params4bit` attributes
         bnb_4bit.prepare_4bit_modules(model, dtype)
-    mesh = mesh if mesh is not None else build_mesh(config)
     shard_model(model, config, mesh=mesh, init_weights=False)
     load_pretrained(model, directory, progress=progress)
     base = model.get_base_model() if peft_config is not None else model
@@ -435,9 +431,10 @@ def from_pretrained(model_class, directory: str | os.PathLike, config: FSDP2Conf
     return model
 
 
-def _with_adapters(model: nn.Module, peft_config) -> nn.Module:
+def _with_adapters(model: nn.Module, peft_config, mesh) -> nn.Module:
     """`get_peft_model` on a meta model, then the adapters made real and initialised by PEFT's own
-    `reset_lora_parameters` (PEFT leaves adapters of a meta base layer on meta), identical on every rank."""
+    `reset_lora_parameters` (PEFT leaves adapters of a meta base layer on meta), then rank 0's
+    broadcast over `mesh` so they are identical on every rank."""
     from peft import get_peft_model
     from peft.tuners.lora import LoraLayer
 
@@ -457,8 +454,8 @@ def _with_adapters(model: nn.Module, peft_config) -> nn.Module:
                         # `init_lora_weights=False` keeps the layers' own init, which meta skipped
                         factor.to_empty(device="cpu").reset_parameters()
                     module.reset_lora_parameters(adapter, init)
-        if dist.is_initialized() and dist.get_world_size() > 1:
+        if collectives.world_size() > 1:
             for name, param in model.named_parameters():
                 if ".lora_" in name and not param.is_meta:
-                    dist.broadcast(param.data, src=0)
+                    collectives.broadcast_from_first(param.data, mesh)
     return model

@@ -346,17 +346,15 @@ def _shard_from_rank0(model: nn.Module, config: FSDP2Config, mesh) -> nn.Module:
     For no full copy on any rank, load with `hf_fsdp2.from_pretrained` instead.
     Collective: call on every rank.
     """
-    import torch.distributed as dist
-
-    from ..runtime.distributed import default_device
+    from ..runtime import collectives
     from ..checkpoint.tensor_export import local_data, model_tensors, row_range
 
     if any(is_linear_4bit(m) for m in model.modules()):
         raise ValueError("`fsdp_cpu_ram_efficient_loading` with a 4-bit (bitsandbytes) model is not supported: "
                          "load it with hf_fsdp2.from_pretrained(..., quantization_config=..., peft_config=...), "
                          "where each rank quantizes only its own rows, and set the option to false.")
-    device = default_device()  # NCCL broadcasts device tensors
-    is_source = dist.get_rank() == 0
+    device = collectives.mesh_device(mesh)  # NCCL broadcasts device tensors
+    is_source = collectives.rank() == 0
     sources = {name: t for name, t in model_tensors(model).items()} if is_source else {}
     buffers = {name: b for name, b in model.named_buffers()} if is_source else {}
     meta: dict[int, nn.Parameter] = {}  # tied weights stay tied
@@ -376,7 +374,7 @@ def _shard_from_rank0(model: nn.Module, config: FSDP2Config, mesh) -> nn.Module:
                                  "load the model with from_pretrained on rank 0 (or use hf_fsdp2.from_pretrained).")
             full = (source.to(device=device, dtype=target.dtype).contiguous() if is_source
                     else torch.empty(target.shape, dtype=target.dtype, device=device))
-            dist.broadcast(full, src=0)
+            collectives.broadcast_from_first(full, mesh)
             start, stop = row_range(target)
             local = local_data(target)
             local.copy_(full[start:stop] if full.dim() else full)

@@ -278,7 +278,8 @@ def finish_quantization(module: nn.Module, absmax: torch.Tensor) -> None:
     blocks of 256 cross shard boundaries), quantize it as `quantize_4bit` does and keep own rows.
     Collective under double quantization: call on every rank, in the same module order."""
     import bitsandbytes.functional as F
-    import torch.distributed as dist
+
+    from ..runtime import collectives
 
     spec: Quant4bitSpec = module._hf_fsdp2_4bit
     local = _local(module.weight_absmax)
@@ -291,13 +292,11 @@ def finish_quantization(module: nn.Module, absmax: torch.Tensor) -> None:
     weight = module.weight
     if hasattr(weight, "device_mesh") and weight.device_mesh.size(weight.device_mesh.ndim - 1) > 1:
         mesh = weight.device_mesh
-        group = mesh.get_group(mesh.ndim - 1)
         size = mesh.size(mesh.ndim - 1)
         chunk = -(-spec.out_features // size)
         padded = torch.zeros(chunk * per_row, dtype=torch.float32)
         padded[:absmax.numel()] = absmax
-        pieces = [torch.empty_like(padded) for _ in range(size)]
-        dist.all_gather(pieces, padded, group=group)
+        pieces = collectives.all_gather_along(padded, mesh, mesh.ndim - 1)  # on the mesh's device
         counts = [max(0, min(chunk, spec.out_features - i * chunk)) * per_row for i in range(size)]
         full = torch.cat([piece[:n] for piece, n in zip(pieces, counts)])
         first = mesh.get_local_rank(mesh.ndim - 1) * chunk * per_row

@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from ..config import FSDP2Config
+from . import collectives
 
 SHARD_DIM = "dp_shard"
 REPLICATE_DIM = "dp_replicate"
@@ -19,8 +20,9 @@ _INIT_SCHEMES = ("env://", "tcp://", "file://")
 
 
 def device_type() -> str:
-    """The device FSDP2 shards onto: "cuda" when this process group runs NCCL on a GPU, else "cpu"."""
-    if dist.is_initialized() and dist.get_backend() != "nccl":
+    """The device FSDP2 shards onto: "cuda" when the default group runs NCCL (alone, or beside gloo
+    as Accelerate's "cuda:nccl,cpu:gloo") on a GPU, else "cpu"."""
+    if dist.is_initialized() and "nccl" not in str(dist.get_backend()):
         return "cpu"
     return "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -74,9 +76,14 @@ def build_mesh(config: FSDP2Config | None = None) -> DeviceMesh:
                            "torchrun / accelerate launch) before sharding.")
     config = config or FSDP2Config()
     replicate, shard = config.mesh_shape(dist.get_world_size())
-    if replicate == 1:
-        return init_device_mesh(device_type(), (shard,), mesh_dim_names=(SHARD_DIM,))
-    return init_device_mesh(device_type(), (replicate, shard), mesh_dim_names=(REPLICATE_DIM, SHARD_DIM))
+    device = device_type()
+    shape, names = ((shard,), (SHARD_DIM,)) if replicate == 1 else ((replicate, shard), (REPLICATE_DIM, SHARD_DIM))
+    override = None
+    if device not in collectives.default_group_devices():
+        # The default group cannot carry this device's tensors (e.g. "cuda:gloo" or NCCL while sharding
+        # on the CPU): the mesh gets gloo groups of its own instead of reusing it.
+        override = {dim: "gloo" for dim in range(len(shape))}
+    return init_device_mesh(device, shape, mesh_dim_names=names, backend_override=override)
 
 
 def init_distributed(

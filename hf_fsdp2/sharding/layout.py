@@ -192,30 +192,28 @@ def resolve_auto_layout(model: nn.Module, config: FSDP2Config) -> FSDP2Config:
     """
     if not config.is_auto_layout:
         return config
-    import torch.distributed as dist
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
+    from ..runtime import collectives
     from ..runtime.distributed import device_type as current_device_type
 
-    world = dist.get_world_size() if dist.is_initialized() else 1
+    world = collectives.world_size()
     device = current_device_type()
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     if config.memory_budget is not None:
         budget, source = config.memory_budget, "memory_budget"
     else:
         budget, source = default_budget(device, local_world)
-        if dist.is_initialized():  # the same decision on every rank, even on unequal devices
-            agreed = torch.tensor([budget], dtype=torch.int64, device="cuda" if device == "cuda" else "cpu")
-            dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
-            if int(agreed) != budget:
-                budget, source = int(agreed), source + ", the smallest over ranks"
+        agreed = collectives.all_reduce_int(budget, "min")  # the same decision on every rank, even on unequal devices
+        if agreed != budget:
+            budget, source = agreed, source + ", the smallest over ranks"
     host_budget = int(host_memory() * CPU_BUDGET_FRACTION / local_world) if device == "cuda" else None
     prepared = prepare_meta_model(model, config)
     plan = plan_layout(prepared, world, config, budget_bytes=budget, budget_source=source, device_type=device,
                        host_budget_bytes=host_budget, batch_size=config.plan_batch_size,
                        seq_len=plan_seq_len(model, config),
                        checkpointing_fixed=any(isinstance(m, CheckpointWrapper) for m in model.modules()))
-    if not dist.is_initialized() or dist.get_rank() == 0:
+    if collectives.rank() == 0:
         logger.warning(plan.summary())
     resolved = plan.config(config)
     model._hf_fsdp2_layout = plan

@@ -29,6 +29,9 @@ parser.add_argument("--load-in-4bit", action="store_true", help="with --from-pre
 args = parser.parse_args()
 
 import hf_fsdp2  # noqa: E402
+from tests import nccl_like  # noqa: E402
+
+nccl_like.init_if_asked()  # TEST_DEFAULT_BACKEND=cuda:gloo: GPU process-group semantics (tests/test_gpu_semantics.py)
 
 if not args.no_register:
     hf_fsdp2.register()

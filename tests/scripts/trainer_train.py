@@ -12,6 +12,9 @@ import torch  # noqa: E402
 from transformers import HfArgumentParser, Trainer, TrainingArguments  # noqa: E402
 
 import hf_fsdp2  # noqa: E402
+from tests import nccl_like  # noqa: E402
+
+nccl_like.init_if_asked()  # TEST_DEFAULT_BACKEND=cuda:gloo: GPU process-group semantics (tests/test_gpu_semantics.py)
 from tests.common import batches, build_model, lora  # noqa: E402
 
 

@@ -1,0 +1,131 @@
+"""Every collective hf_fsdp2 issues itself (FSDP2's and DTensor's own run on the mesh and are not
+listed), each on a group that can carry its tensors.
+
+NCCL, the default group on GPUs, carries only CUDA tensors ("No backend type associated with device
+type cpu"); gloo carries CPU tensors. So nothing here ever uses the default group:
+
+- **Host data** (an error code, a memory budget): one int64 on the CPU over `host_group()`, a gloo
+  group over the whole world created once (the default group itself where it already has a CPU
+  backend: plain gloo, or Accelerate's "cuda:nccl,cpu:gloo"). Background saves agree on their own
+  gloo group (`host_group("background-saves")`): a collective from the saving thread must never
+  interleave with one from the training thread on the same group.
+- **Data bound for the shards** (rank 0's weights, initial LoRA factors, 4-bit absmax): over the
+  mesh's own groups, on the mesh's device (`mesh_device`), copied back to where the caller keeps it.
+
+Inventory (tests/test_gpu_semantics.py runs each of them with a default group that refuses CPU
+tensors, as NCCL does):
+
+| caller                                          | collective       | group                  | device |
+|-------------------------------------------------|------------------|------------------------|--------|
+| checkpoint/atomic_dir.py `agree` (every save)   | all-reduce MAX   | host_group()           | CPU    |
+| checkpoint/async_save.py (background commit)    | all-reduce MAX   | host_group("background-saves") | CPU |
+| sharding/layout.py `resolve_auto_layout`        | all-reduce MIN   | host_group()           | CPU    |
+| checkpoint/pretrained.py `from_pretrained` LoRA | broadcast        | the mesh, dim by dim   | mesh   |
+| integrations/accelerate.py rank-0 loading       | broadcast        | the mesh, dim by dim   | mesh   |
+| quantization/bnb_4bit.py double-quant absmax    | all-gather       | the mesh's shard dim   | mesh   |
+
+Relies on `ProcessGroup._device_types` (torch >= 2.6; checked in tests/test_gpu_semantics.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+_host_groups: dict[str, object] = {}
+
+
+def rank() -> int:
+    """This process's global rank (0 without a process group)."""
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def default_group_devices() -> set[str]:
+    """The device types the default group has a backend for ({"cuda"} for NCCL, {"cpu"} for gloo)."""
+    group = dist.distributed_c10d._get_default_group()
+    return {device.type for device in group._device_types}
+
+
+def default_group_timeout():
+    """The default group's timeout, so side groups fail a dead peer as soon as training would."""
+    group = dist.distributed_c10d._get_default_group()
+    for device in ("cpu", "cuda"):
+        try:
+            return group._get_backend(torch.device(device)).options._timeout
+        except Exception:  # noqa: BLE001 - no backend for that device, or no options on it
+            continue
+    return None
+
+
+def host_group(purpose: str = "main"):
+    """A group that carries CPU tensors over the whole world; None without a process group.
+
+    Collective the first time for each `purpose` (it may create a group): call on every rank.
+    """
+    if not dist.is_initialized():
+        return None
+    if purpose == "main" and "cpu" in default_group_devices():
+        return dist.group.WORLD
+    if purpose not in _host_groups:
+        timeout = default_group_timeout()
+        _host_groups[purpose] = dist.new_group(backend="gloo", **({"timeout": timeout} if timeout else {}))
+    return _host_groups[purpose]
+
+
+def forget_host_groups() -> None:
+    """Drop the cached groups (they die with the default group: `dist.destroy_process_group()`)."""
+    _host_groups.clear()
+
+
+def all_reduce_int(value: int, op: str, *, purpose: str = "main") -> int:
+    """`value` reduced over every rank with "max" or "min" (CPU int64 on `host_group(purpose)`).
+    Collective: call on every rank."""
+    if not dist.is_initialized():
+        return value
+    flag = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(flag, op={"max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op], group=host_group(purpose))
+    return int(flag.item())
+
+
+def mesh_device(mesh: DeviceMesh) -> torch.device:
+    """The device the mesh's collectives carry tensors on (the current CUDA device for a CUDA mesh)."""
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(mesh.device_type)
+
+
+def broadcast_from_first(tensor: torch.Tensor, mesh: DeviceMesh) -> None:
+    """Overwrite `tensor` on every rank of `mesh` with its value on the mesh's first rank (coordinate
+    (0, ..., 0), global rank 0 for meshes from `build_mesh`), in place, wherever `tensor` lives.
+
+    One broadcast per mesh dimension: along dim d only the lines whose later coordinates are all 0
+    hold the data yet. Collective: call on every rank of the mesh.
+    """
+    device = mesh_device(mesh)
+    work = tensor if tensor.device == device and tensor.is_contiguous() else tensor.to(device).contiguous()
+    coords = mesh.get_coordinate()
+    assert coords is not None, "this rank is not part of the mesh"
+    for dim in range(mesh.ndim):
+        if all(c == 0 for c in coords[dim + 1:]):
+            dist.broadcast(work, group=mesh.get_group(dim), group_src=0)
+    if work is not tensor:
+        tensor.copy_(work)
+
+
+def all_gather_along(tensor: torch.Tensor, mesh: DeviceMesh, dim: int) -> list[torch.Tensor]:
+    """Every rank's `tensor` (same shape everywhere) along mesh dimension `dim`, in mesh order, on
+    `tensor`'s device. Collective: call on every rank of the mesh."""
+    device = mesh_device(mesh)
+    work = tensor.to(device).contiguous()
+    pieces = [torch.empty_like(work) for _ in range(mesh.size(dim))]
+    dist.all_gather(pieces, work, group=mesh.get_group(dim))
+    return [piece.to(tensor.device) for piece in pieces]
+
+
+__all__ = ["all_gather_along", "all_reduce_int", "broadcast_from_first", "default_group_devices",
+           "default_group_timeout", "host_group", "mesh_device", "rank", "world_size"]
