@@ -39,9 +39,25 @@ def bnb_config(**kw) -> BitsAndBytesConfig:
 
 
 def stock_4bit(directory, **kw):
-    """The model as stock transformers loads it in 4-bit, on one process."""
-    return AutoModelForCausalLM.from_pretrained(directory, quantization_config=bnb_config(**kw), device_map="cpu",
-                                                dtype=torch.float32)
+    """The model as stock transformers loads it in 4-bit, on one process, computing as the sharded
+    model does. bitsandbytes 0.50's `Linear4bit.forward` repacks the weight and takes a bf16 CPU
+    kernel in eval mode for inputs without grad when the CPU has avx512_bf16 (its per-module flag
+    `support_avx512bf16_for_cpu`); the sharded forward dequantizes and multiplies in the compute
+    dtype. With the flag off the reference does the same on every CPU, with the instruction or without."""
+    model = AutoModelForCausalLM.from_pretrained(directory, quantization_config=bnb_config(**kw), device_map="cpu",
+                                                 dtype=torch.float32)
+    pin_4bit_kernels(model)
+    return model
+
+
+def pin_4bit_kernels(model) -> None:
+    """Every stock `Linear4bit` of `model` on the generic dequantize-and-matmul path (see `stock_4bit`)."""
+    layers = [m for m in model.modules() if isinstance(m, Linear4bit)]
+    assert layers and all(hasattr(m, "support_avx512bf16_for_cpu") for m in layers), (
+        "bitsandbytes no longer has Linear4bit.support_avx512bf16_for_cpu: find its CPU kernel switch "
+        "in bitsandbytes/nn/modules.py and pin it here")
+    for module in layers:
+        module.support_avx512bf16_for_cpu = False
 
 
 def lora_config() -> LoraConfig:
@@ -145,8 +161,8 @@ def _stock_loaded_worker(rank, world, directory, resume):
 
     import hf_fsdp2
 
-    model = get_peft_model(stock_4bit(directory, **LOADED), lora_config())
     torch.manual_seed(0)
+    model = get_peft_model(stock_4bit(directory, **LOADED), lora_config())
     reference_weights = {n: dequantized(m) for n, m in model.named_modules() if type(m).__name__ == "Linear4bit"
                          and hasattr(m, "quant_state") and not hasattr(m, "base_layer")}
     hf_fsdp2.shard_model(model, hf_fsdp2.FSDP2Config())
@@ -183,6 +199,7 @@ def _stock_loaded_worker(rank, world, directory, resume):
 def _quantized_by_ranks_worker(rank, world, directory, out):
     import hf_fsdp2
 
+    torch.manual_seed(0)  # rank 0's initial adapter, broadcast
     model = hf_fsdp2.from_pretrained(AutoModelForCausalLM, directory, hf_fsdp2.FSDP2Config(), torch_dtype=torch.float32,
                                      quantization_config=bnb_config(**QUANTIZED_BY_RANKS), peft_config=lora_config())
     hf_fsdp2.save_pretrained(model, f"{out}/initial-adapter")
