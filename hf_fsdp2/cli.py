@@ -106,6 +106,9 @@ def _run_check_config(args: argparse.Namespace) -> int:
 # estimate-memory
 
 
+MAX_WORLD_SIZE = 1 << 20  # far above any cluster; bounds the work of planning for a typo
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -113,6 +116,13 @@ def _positive_int(text: str) -> int:
         value = 0
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
+def _world_size(text: str) -> int:
+    value = _positive_int(text)
+    if value > MAX_WORLD_SIZE:
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_WORLD_SIZE} ranks, got {text!r}")
     return value
 
 
@@ -127,7 +137,7 @@ def _add_model_setup(p: argparse.ArgumentParser) -> None:
     """The model and training setup `estimate-memory` and `plan` both cost."""
     p.add_argument("--model", required=True, metavar="CONFIG_OR_DIR",
                    help="a model directory with config.json, or a config.json file")
-    p.add_argument("--world-size", required=True, type=_positive_int, metavar="N", help="number of ranks")
+    p.add_argument("--world-size", required=True, type=_world_size, metavar="N", help="number of ranks")
     p.add_argument("--dtype", default="fp32", metavar="{fp32,bf16,fp16}",
                    help="dtype the parameters are stored (sharded) in; default fp32, the config's dtype is ignored")
     p.add_argument("--param-dtype", default=None, metavar="{bf16,fp16,fp32}",

@@ -6,6 +6,7 @@ Nothing here touches torch.distributed; the sharding engine turns a config into 
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from dataclasses import dataclass
 from typing import Any, Mapping
@@ -90,6 +91,9 @@ _BYTE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**1
                "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
+MAX_BYTES = 2 ** 63  # sizes travel as int64 (a budget is agreed over ranks)
+
+
 def parse_bytes(value: Any, field_name: str) -> int:
     """An integer of bytes or a size such as "80GB", "12.5GiB", "512MiB" (GB = 10^9, GiB = 2^30)."""
     if isinstance(value, str):
@@ -97,14 +101,16 @@ def parse_bytes(value: Any, field_name: str) -> int:
         unit = match.group(2).lower() if match else None
         if unit not in _BYTE_UNITS:
             raise ValueError(f"`{field_name}`={value!r} is not a size; use bytes or e.g. \"80GB\", \"12GiB\", \"512MiB\".")
-        number = int(float(match.group(1)) * _BYTE_UNITS[unit])
+        number = float(match.group(1)) * _BYTE_UNITS[unit]
     elif isinstance(value, (int, float)) and not isinstance(value, bool):
-        number = int(value)
+        number = value
     else:
         raise TypeError(f"`{field_name}` must be a number of bytes or a size string such as \"80GB\", got {value!r}.")
+    if not math.isfinite(number) or number >= MAX_BYTES:
+        raise ValueError(f"`{field_name}`={value!r} is not a finite size below 8 EiB; use bytes or e.g. \"80GB\".")
     if number <= 0:
         raise ValueError(f"`{field_name}`={value!r} must be positive.")
-    return number
+    return int(number)
 
 
 def _parse_int(value: Any, field_name: str, minimum: int) -> int:

@@ -188,8 +188,16 @@ def start(directory: Path, commit: Callable[..., None], items: dict[str, Sequenc
     `small_files` now; then run `commit(*staged_lists, write_small_files, group)` in the background.
     The caller has waited for the previous save (`wait_pending`)."""
     staged = [_pool.stage(kind_items, kind) for kind, kind_items in items.items()]
-    rank = collectives.rank()
-    files = capture_files(small_files) if rank == 0 else {}
+    try:
+        files = capture_files(small_files) if collectives.rank() == 0 else {}
+    except BaseException as error:
+        # The other ranks' background commits are already on their way to the agreement: this rank's
+        # commit goes there too and fails it, so they raise promptly instead of waiting for a timeout.
+        def fail(staging: Path) -> None:
+            raise error
+
+        submit(directory, lambda group: commit(*staged, fail, group))._reported = True  # raised here, now
+        raise
     return submit(directory, lambda group: commit(
         *staged, lambda staging: write_captured(files, staging, durable), group))
 

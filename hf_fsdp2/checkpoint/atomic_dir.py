@@ -69,17 +69,27 @@ def _error_code(error: BaseException) -> int:
     return code if isinstance(code, int) and 0 < code < 4096 else 1
 
 
-def agree(error: BaseException | None, what: str, group: str | None = None) -> None:
+# The code a rank sends when the directory was committed and only the work after the commit failed
+# (above every errno, so the all-reduce's MAX keeps it).
+AFTER_COMMIT_FAILED = 1 << 20
+
+
+def agree(error: BaseException | None, what: str, group: str | None = None, *, committed: bool = False) -> None:
     """Raise on every rank if any rank failed; the failing rank re-raises its own error.
 
     The only collective is an all-reduce of one integer (an errno, or 1) on a host group
     (runtime/collectives.py; `group` names it: a background save agrees on its own), so a failure on
-    one rank becomes a clear error everywhere instead of a hang at the next barrier.
+    one rank becomes a clear error everywhere instead of a hang at the next barrier. `committed`:
+    `error` happened after the directory was committed (the other ranks are told so).
     Collective: call on every rank.
     """
-    code = collectives.all_reduce_int(0 if error is None else _error_code(error), "max", purpose=group or "main")
+    code = 0 if error is None else AFTER_COMMIT_FAILED if committed else _error_code(error)
+    code = collectives.all_reduce_int(code, "max", purpose=group or "main")
     if error is not None:
         raise error
+    if code == AFTER_COMMIT_FAILED:
+        raise RuntimeError(f"{what}: the directory was committed, but the work after the commit failed on "
+                           "rank 0 (see its error).")
     if code:
         reason = os.strerror(code) if code in errno_codes.errorcode else "see that rank's error"
         raise RuntimeError(f"another rank failed while {what} ({reason}); nothing was committed.")
@@ -91,6 +101,25 @@ def fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def fsync_tree(root: Path) -> None:
+    """fsync every file and directory under `root` (symlinks are not followed), deepest first, then
+    `root`: whatever wrote them (transformers' config.json, a user's tokenizer, the ranks' shards), a
+    committed directory survives a power loss whole. Files already synced cost a no-op fsync."""
+    for directory, subdirs, files in os.walk(root, topdown=False):
+        for name in files:
+            path = os.path.join(directory, name)
+            if not os.path.islink(path):
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+        for name in subdirs:
+            if not os.path.islink(os.path.join(directory, name)):
+                fsync_dir(Path(directory, name))
+    fsync_dir(root)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -232,7 +261,7 @@ def swap_in(staging: Path, target: Path, replaced, durable: bool) -> None:
         _copy_modes(target, staging, replaced)
         _carry_over(target, staging, replaced)
     if durable:
-        fsync_dir(staging)
+        fsync_tree(staging)
     if not target.exists():
         os.rename(staging, target)
         previous = None
@@ -251,6 +280,8 @@ def swap_in(staging: Path, target: Path, replaced, durable: bool) -> None:
 def swap_in_place(staging: Path, target: Path, replaced, durable: bool) -> None:
     """Commit a staging directory inside a mount-point target, entry by entry."""
     written = {entry.name for entry in staging.iterdir()}
+    if durable:
+        fsync_tree(staging)
     _copy_modes(target, staging, replaced)
     for entry in target.iterdir():  # stale files of ours (shards of a larger previous save)
         if replaced(entry.name) and entry.name not in written and entry.name != IN_PLACE_STAGING:
@@ -317,6 +348,7 @@ def committed_directory(target: str | os.PathLike, *, weights_names: Iterable[st
             if collectives.rank() == 0:
                 shutil.rmtree(staging, ignore_errors=True)  # the previous `target` is untouched
             raise
+        committed = False
         if collectives.rank() == 0:
             replaced = replaced_by((e.name for e in staging.iterdir()), weights_names)
             try:
@@ -330,5 +362,5 @@ def committed_directory(target: str | os.PathLike, *, weights_names: Iterable[st
                     try:
                         after_commit()
                     except BaseException as e:  # noqa: BLE001 - every rank must learn about it
-                        error = e
-        agree(error, f"committing {target}" + (" or the work after it" if after_commit else ""), group)
+                        error, committed = e, True
+        agree(error, f"committing {target}", group, committed=committed)

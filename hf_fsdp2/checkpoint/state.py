@@ -397,7 +397,8 @@ def list_states(root: str | os.PathLike) -> list[tuple[int, Path]]:
     root = Path(root)
     found = []
     for child in root.iterdir() if root.is_dir() else []:
-        if child.is_dir() and not child.name.startswith(".") and (child / MARKER).exists():
+        # A symlink (a user's "best" link) is not a state of its own: its target is listed by name.
+        if child.is_dir() and not child.is_symlink() and not child.name.startswith(".") and (child / MARKER).exists():
             try:
                 found.append((read_manifest(child)["step"], child))
             except CheckpointError as e:
@@ -412,5 +413,9 @@ def latest_state(root: str | os.PathLike) -> Path | None:
 
 
 def _rotate(root: Path, keep_last: int) -> None:
+    """Delete all but the newest `keep_last` states under `root`, never one a symlink beside them
+    points to (the user keeps it: a "best" link must not dangle)."""
+    linked = {os.path.realpath(child) for child in root.iterdir() if child.is_symlink()}
     for _, path in list_states(root)[:-keep_last]:
-        shutil.rmtree(path)
+        if os.path.realpath(path) not in linked:
+            shutil.rmtree(path)

@@ -136,8 +136,29 @@ def default_budget(device_type: str, local_world_size: int) -> tuple[int, str]:
             f"{CPU_BUDGET_FRACTION} x {format_bytes(total)} of RAM / {local_world_size} local ranks")
 
 
+def local_world_size(world: int) -> int:
+    """Ranks on this machine, as launchers export it (`LOCAL_WORLD_SIZE`); the RAM budget is split by it."""
+    raw = os.environ.get("LOCAL_WORLD_SIZE")
+    if raw is None:
+        return world
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if not 1 <= value <= max(world, 1):
+        raise ValueError(f"environment variable LOCAL_WORLD_SIZE={raw!r} must be an integer from 1 to the world "
+                         f"size {world}; unset it or launch with torchrun / accelerate launch, which set it.")
+    return value
+
+
 def host_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def divisors(n: int) -> list[int]:
+    """The divisors of `n`, ascending, in O(sqrt(n))."""
+    small = [d for d in range(1, int(n ** 0.5) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
 
 
 def plan_seq_len(model: nn.Module | Any, config: FSDP2Config) -> int:
@@ -157,7 +178,7 @@ def plan_layout(prepared: MetaTrainingModel, world_size: int, config: FSDP2Confi
     rest of the setup (dtypes, wrapping, prefetch); its True `activation_checkpointing` /
     `cpu_offload` are kept (as is checkpointing when the layers are already wrapped:
     `checkpointing_fixed`). On CPU, offload moves nothing off the device, so it is not a candidate."""
-    shard_sizes = [s for s in range(1, world_size + 1) if world_size % s == 0]
+    shard_sizes = divisors(world_size)
     keep_ac = config.activation_checkpointing or checkpointing_fixed
     offloads = [True] if config.cpu_offload else ([False] if device_type == "cpu" else [False, True])
     candidates = []
@@ -199,7 +220,7 @@ def resolve_auto_layout(model: nn.Module, config: FSDP2Config) -> FSDP2Config:
 
     world = collectives.world_size()
     device = current_device_type()
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    local_world = local_world_size(world)
     if config.memory_budget is not None:
         budget, source = config.memory_budget, "memory_budget"
     else:

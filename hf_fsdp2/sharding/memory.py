@@ -79,6 +79,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
 from ..config import FSDP2Config, parse_dtype
+from ..runtime import user_files
 from ..quantization import bnb_4bit, fp8
 from .groups import ShardPlan, apply_frozen_dtype, plan_groups, replicated_frozen_parameters, unwrap_peft
 
@@ -342,13 +343,13 @@ def load_hf_config(path: str | Path):
             if not (p / "config.json").is_file():
                 raise ValueError(f"`model`={str(path)!r} is a directory without a config.json.")
             return AutoConfig.from_pretrained(str(p))
-        values = json.loads(p.read_text())
+        values = user_files.load_json(p, "a Hugging Face config.json")  # bounded: size, nesting, UTF-8
         if not isinstance(values, dict) or "model_type" not in values:
             raise ValueError(f"`model`={str(path)!r} has no `model_type`; is it a Hugging Face config.json?")
         values = dict(values)
         return AutoConfig.for_model(values.pop("model_type"), **values)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"`model`={str(path)!r} is not valid JSON: {e}") from None
+    except user_files.UserFileError as e:
+        raise ValueError(f"`model`={str(path)!r}: {e}") from None
     except (KeyError, OSError, TypeError) as e:  # unknown model_type, unreadable file, bad field
         raise ValueError(f"`model`={str(path)!r}: could not read a Hugging Face config: {e}") from None
 

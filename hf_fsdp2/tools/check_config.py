@@ -26,6 +26,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Literal, Mapping
 
+from ..runtime import user_files
 from ..config import FSDP2Config
 from ..integrations.accelerate import _layer_names
 
@@ -117,24 +118,10 @@ def check_accelerate_config(path: str | Path) -> list[Finding]:
 
 def load_config_file(path: str | Path) -> dict[str, Any]:
     path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ConfigFileError(f"{path}: no such file.") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigFileError(f"{path}: cannot read it ({e}).") from None
-    if path.suffix == ".json":
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ConfigFileError(f"{path}: not valid JSON ({e}).") from None
-    else:
-        import yaml
-
-        try:
-            data = yaml.safe_load(text)  # what Accelerate uses
-        except yaml.YAMLError as e:
-            raise ConfigFileError(f"{path}: not valid YAML ({' '.join(str(e).split())}).") from None
+    try:  # bounded: size, nesting and YAML alias expansion (runtime/user_files.py)
+        data = (user_files.load_json if path.suffix == ".json" else user_files.load_yaml)(path, "an Accelerate config")
+    except user_files.UserFileError as e:
+        raise ConfigFileError(str(e)) from None
     if not isinstance(data, dict):
         raise ConfigFileError(f"{path}: an Accelerate config must be a mapping of settings (as `accelerate config` "
                               f"writes), got {type(data).__name__}.")
