@@ -87,9 +87,11 @@ def test_cpu_ram_efficient_loading_broadcasts_rank0_weights(tmp_path):
 
 def test_gradient_accumulation_and_get_state_dict(tmp_path):
     """`accelerator.accumulate()`: micro-steps communicate nothing, and 2 x 4 rows per process equal
-    one step of 8; `get_state_dict` still returns the full state dict."""
+    one step of 8; `get_state_dict` still returns the full state dict. The script rebinds Accelerate's
+    `fsdp2_prepare_model` after `register()` as axolotl does: hf_fsdp2 takes it back at prepare."""
     out = launch("fsdp2.yaml", 2, tmp_path / "a.json", "--steps", "3", "--accum", "2",
-                 "--per-device-batch", "2")
+                 "--per-device-batch", "2", "--foreign-patch")
+    assert out["async_save"] is not None  # sharded by hf_fsdp2 although a framework patched Accelerate after us
     assert out["reduce_scatters_in_accumulation_step"] == 0
     assert out["losses"] == pytest.approx(reference_losses(3), abs=1e-4)
     assert out["state_dict_keys"] == len(build_model().state_dict())
@@ -233,3 +235,25 @@ for precision in ("bf16", "fp16", "no"):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip().splitlines()[-3:] == [
         "bf16 ['torch.float32']", "fp16 ['torch.float32']", "no ['torch.bfloat16', 'torch.float32']"], proc.stdout
+
+
+def test_a_patch_over_ours_is_taken_back_by_name(caplog):
+    import accelerate.accelerator
+
+    import hf_fsdp2
+    from hf_fsdp2.integrations import accelerate as backend
+
+    def axolotl_like(accelerator, model):
+        return model
+
+    hf_fsdp2.register()
+    try:
+        assert backend.take_back_foreign_patches() == []
+        accelerate.accelerator.fsdp2_prepare_model = axolotl_like
+        with caplog.at_level("WARNING"):
+            taken = backend.take_back_foreign_patches()
+        assert len(taken) == 1 and "fsdp2_prepare_model" in taken[0] and "axolotl_like" in taken[0]
+        assert accelerate.accelerator.fsdp2_prepare_model is backend._fsdp2_prepare_model
+    finally:
+        hf_fsdp2.unregister()
+    assert accelerate.accelerator.fsdp2_prepare_model is not backend._fsdp2_prepare_model

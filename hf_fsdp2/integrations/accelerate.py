@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
 import re
 from pathlib import Path
@@ -39,7 +40,9 @@ ENV_PREFIX = "HF_FSDP2_"
 _USER_POLICY = "_hf_fsdp2_user_policy"  # set on a plugin whose mixed_precision_policy the user gave
 
 _originals: dict[tuple[Any, str], Any] = {}
+_replacements: dict[tuple[Any, str], Any] = {}
 _overrides: dict[str, Any] = {}
+logger = logging.getLogger(__name__)
 
 
 def check_version() -> None:
@@ -88,12 +91,34 @@ def unregister() -> None:
     for (owner, name), original in _originals.items():
         setattr(owner, name, original)
     _originals.clear()
+    _replacements.clear()
     _overrides.clear()
 
 
 def _patch(owner: Any, name: str, replacement: Any) -> None:
     _originals[(owner, name)] = getattr(owner, name)
+    _replacements[(owner, name)] = replacement
     setattr(owner, name, replacement)
+
+
+def take_back_foreign_patches() -> list[str]:
+    """Frameworks patch Accelerate too (axolotl's `patch_accelerate_fsdp2()` rebinds
+    `accelerate.accelerator.fsdp2_prepare_model` at model load, after `register()`): a name we
+    replaced that now holds someone else's function would silently shard with their code. Put ours
+    back, warning with the patch's module and name; returns those warnings. Called at every prepare."""
+    taken = []
+    for (owner, name), ours in _replacements.items():
+        current = getattr(owner, name)
+        if current is not ours:
+            where = f"{getattr(current, '__module__', '?')}.{getattr(current, '__qualname__', repr(current))}"
+            target = f"{getattr(owner, '__name__', owner)}.{name}"
+            message = (f"hf_fsdp2: `{target}` was replaced after hf_fsdp2.register() by `{where}`; hf_fsdp2 "
+                       "takes it back so the model is sharded by hf_fsdp2 (call hf_fsdp2.unregister() before "
+                       "that patch to use it instead).")
+            logger.warning(message)
+            taken.append(message)
+            setattr(owner, name, ours)
+    return taken
 
 
 def _original(owner_name: str, name: str):
@@ -291,6 +316,7 @@ def _has_accelerator_device() -> bool:
 def _prepare_fsdp2(self, *args):
     """Normalise the plugin's layer names before Accelerate resolves them (a yaml list arrives as
     "['A', 'B']"; a PeftModel has no `_no_split_modules`, its base model does)."""
+    take_back_foreign_patches()  # before Accelerate calls `fsdp2_prepare_model`
     plugin = self.state.fsdp_plugin
     model = next((a for a in args if isinstance(a, nn.Module)), None)
     names = _layer_names(plugin.transformer_cls_names_to_wrap)

@@ -20,6 +20,7 @@ parser.add_argument("--per-device-batch", type=int, default=4)
 parser.add_argument("--accum", type=int, default=1)
 parser.add_argument("--lora", action="store_true")
 parser.add_argument("--no-register", action="store_true")
+parser.add_argument("--foreign-patch", action="store_true", help="rebind fsdp2_prepare_model after register()")
 parser.add_argument("--save-model")
 parser.add_argument("--save-state")
 parser.add_argument("--load-state")
@@ -35,6 +36,13 @@ nccl_like.init_if_asked()  # TEST_DEFAULT_BACKEND=cuda:gloo: GPU process-group s
 
 if not args.no_register:
     hf_fsdp2.register()
+if args.foreign_patch:  # as axolotl's patch_accelerate_fsdp2() does at model load, after register()
+    import accelerate.accelerator
+
+    def foreign_fsdp2_prepare_model(accelerator, model):
+        raise AssertionError("the foreign patch ran")
+
+    accelerate.accelerator.fsdp2_prepare_model = foreign_fsdp2_prepare_model
 from accelerate import Accelerator  # noqa: E402
 
 # The scheduler steps once per optimizer step whatever the process count (comparable across world sizes).
