@@ -46,7 +46,8 @@ logger = logging.getLogger(__name__)
 
 
 def check_version() -> None:
-    """The backend patches Accelerate internals: refuse any Accelerate outside the tested range."""
+    """The backend patches Accelerate internals: refuse an Accelerate older than supported (a newer one warns at
+    import; tests/test_upstream_contracts.py judges it)."""
     problem = [p for p in versions.problems() if p.startswith("accelerate")]
     if problem:
         raise RuntimeError(f"hf_fsdp2's Accelerate backend: {problem[0]}. Install a supported version "

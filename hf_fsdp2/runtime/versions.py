@@ -1,22 +1,26 @@
 """The versions hf_fsdp2 supports, checked when it is imported.
 
 Two sets are tested (README "Supported versions"): the newest, pinned in constraints.txt, and the
-oldest, pinned in constraints-min.txt. The ranges below are those sets' major/minor versions up to
-the next release we have not tested where we rely on internals (accelerate), or the next major.
+oldest, pinned in constraints-min.txt. Older than the oldest is refused (those releases failed tests);
+newer than the newest tested is never refused, since a plugin that refuses the release its users just
+upgraded to stops their training: it warns once, naming the untested versions, and the contract tests
+(tests/test_upstream_contracts.py) are what tell us whether a new release still fits.
 """
 
 from __future__ import annotations
 
 import re
+import warnings
 from importlib.metadata import PackageNotFoundError, version
 
-# package -> ([min, max) as (major, minor), why the floor)
+# package -> (oldest supported (major, minor), newest tested (major, minor))
 SUPPORTED: dict[str, tuple[tuple[int, int], tuple[int, int]]] = {
-    "torch": ((2, 13), (3, 0)),  # the only torch with a CPU wheel here: older ones are untested, so refused
-    "transformers": ((5, 12), (6, 0)),  # 4.57 and 5.0 fail tests (README "Supported versions")
-    "accelerate": ((1, 15), (1, 16)),  # the backend and check-config follow Accelerate's internals per release
-    "peft": ((0, 20), (1, 0)),  # 0.19 cannot reload a MoE adapter with transformers 5.12
+    "torch": ((2, 13), (2, 13)),  # the only torch with a CPU wheel here: older ones are untested, so refused
+    "transformers": ((5, 12), (5, 23)),  # 4.57 and 5.0 fail tests (README "Supported versions")
+    "accelerate": ((1, 15), (1, 15)),  # the backend follows Accelerate's internals; 1.12 differs
+    "peft": ((0, 20), (0, 21)),  # 0.19 cannot reload a MoE adapter with transformers 5.12
 }
+_warned = False
 
 
 def parse(text: str) -> tuple[int, int]:
@@ -33,25 +37,41 @@ def installed(package: str) -> str | None:
 
 def _range(package: str) -> str:
     (a, b), (c, d) = SUPPORTED[package]
-    return f"{package}>={a}.{b},<{c}.{d}"
+    return f"{package}>={a}.{b} (tested up to {c}.{d})"
 
 
 def problems(found: dict[str, str | None] | None = None) -> list[str]:
-    """`package found X, supported range` for every package outside its range."""
+    """`package found X, supported range` for every package missing or older than supported."""
     found = {p: installed(p) for p in SUPPORTED} if found is None else found
     out = []
-    for package, (low, high) in SUPPORTED.items():
+    for package, (low, _) in SUPPORTED.items():
         text = found.get(package)
         if text is None:
             out.append(f"{package} is not installed (supported: {_range(package)})")
-        elif not low <= parse(text) < high:
+        elif parse(text) < low:
             out.append(f"{package} {text} is installed (supported: {_range(package)})")
     return out
 
 
+def untested(found: dict[str, str | None] | None = None) -> list[str]:
+    """Installed versions newer than the newest tested one."""
+    found = {p: installed(p) for p in SUPPORTED} if found is None else found
+    return [f"{package} {found[package]} (newest tested: {high[0]}.{high[1]})"
+            for package, (_, high) in SUPPORTED.items()
+            if found.get(package) is not None and parse(found[package]) > high]
+
+
 def check(found: dict[str, str | None] | None = None) -> None:
-    """Raise one `RuntimeError` line naming every unsupported installed version and the supported range."""
+    """Raise one `RuntimeError` line naming every missing or too old version and the supported range;
+    warn once about versions newer than tested."""
+    global _warned
     bad = problems(found)
     if bad:
         raise RuntimeError("hf_fsdp2 does not support the installed versions: " + "; ".join(bad)
                            + ". Install a supported set, e.g. `pip install -c constraints.txt -e .`.")
+    new = untested(found)
+    if new and not _warned:
+        _warned = True
+        warnings.warn("hf_fsdp2 has not been tested with " + ", ".join(new) + "; it runs, and the tests in "
+                      "tests/test_upstream_contracts.py tell whether the internals it relies on changed.",
+                      stacklevel=2)
