@@ -1,36 +1,37 @@
 #!/usr/bin/env bash
-# The tests on the oldest supported versions (constraints-min.txt), in a second environment .venv-min/.
-#   bash benchmarks/oldest_versions.sh --subset   # CI (.ci/run): sharding, save/load of every architecture,
-#                                                 # the Accelerate launch, the Trainer flag, the main job
-#   bash benchmarks/oldest_versions.sh            # the whole suite
-# Extra arguments go to pytest. The environment is (re)built when constraints-min.txt changes. It sees
-# the main environment's packages (--system-site-packages) and installs over them only what
-# constraints-min.txt pins differently (transformers, peft): no second multi-GB torch.
+# The tests on an older version set, in a second environment .venv-SET/.
+#   bash benchmarks/oldest_versions.sh SET --subset   # CI (.ci/run): the tests marked `oldest` (pytest -m oldest):
+#                                                     # sharding, save/load of every architecture, the Accelerate
+#                                                     # launch, the Trainer flag, the main job, the upstream contracts
+#   bash benchmarks/oldest_versions.sh SET            # the whole suite
+# SET names a pin file: oldest -> constraints-min.txt (the oldest versions we support),
+# NAME -> constraints-NAME.txt (e.g. llamafactory: the pins LLaMA-Factory 0.9.5 allows).
+# Extra arguments go to pytest. The environment is (re)built when its pin file changes. It sees the main
+# environment's packages (--system-site-packages) and installs over them only what the pin file pins
+# differently: no second multi-GB torch.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-VENV=.venv-min
-STAMP="$VENV/constraints-min.txt"
-if [ ! -x "$VENV/bin/python" ] || ! cmp -s constraints-min.txt "$STAMP"; then
+SET="${1:-}"
+case "$SET" in
+    oldest) PINS=constraints-min.txt ;;
+    ""|-*) echo "usage: bash benchmarks/oldest_versions.sh SET [--subset] [pytest args]; SET: oldest, or NAME for constraints-NAME.txt" >&2; exit 2 ;;
+    *) PINS="constraints-$SET.txt" ;;
+esac
+shift
+[ -f "$PINS" ] || { echo "no pin file $PINS for set '$SET'" >&2; exit 2; }
+VENV=".venv-$SET"
+STAMP="$VENV/$(basename "$PINS")"
+if [ ! -x "$VENV/bin/python" ] || ! cmp -s "$PINS" "$STAMP"; then
     rm -rf "$VENV"
     python -m venv --system-site-packages "$VENV"
-    "$VENV/bin/python" -m pip install -q -c constraints-min.txt -e ".[test]"
-    cp constraints-min.txt "$STAMP"
+    "$VENV/bin/python" -m pip install -q -c "$PINS" -e ".[test]"
+    cp "$PINS" "$STAMP"
 fi
 "$VENV/bin/python" -m pip install -q --no-deps -e .  # this checkout, wherever the environment was made
-"$VENV/bin/python" -c "import torch, transformers, accelerate, peft; print('oldest set:', 'torch', torch.__version__, \
-'transformers', transformers.__version__, 'accelerate', accelerate.__version__, 'peft', peft.__version__)"
+"$VENV/bin/python" -c "from importlib.metadata import version as v; print('set $SET:', \
+*(f'{p} {v(p)}' for p in ('torch', 'transformers', 'accelerate', 'peft', 'trl', 'bitsandbytes')))"
 if [ "${1:-}" = "--subset" ]; then
     shift
-    exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider "$@" \
-        "tests/test_sharding.py::test_full_finetune_matches_reference[2]" \
-        tests/test_sharding.py::test_lora_frozen_and_adapters_gathered_together \
-        tests/test_sharding.py::test_meta_device_deferred_init_materialises_only_local_shards \
-        "tests/test_pretrained.py::test_from_pretrained_reads_transformers_own_save[None]" \
-        tests/test_pretrained.py::test_adapter_matches_peft_own_save_and_reloads \
-        tests/test_pretrained.py::test_merged_adapter_equals_merge_and_unload \
-        tests/test_architectures.py \
-        tests/test_accelerate.py::test_fsdp2_yaml_on_cpu_shards_trains_saves_and_resumes_elsewhere \
-        tests/test_trainer.py::test_trainer_script_under_accelerate_launch_is_sharded_on_cpu \
-        tests/test_examples.py::test_readme_main_job_trains_saves_reloads_and_samples
+    exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider -m oldest "$@"
 fi
 exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider "$@"

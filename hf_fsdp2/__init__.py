@@ -12,6 +12,7 @@ from .integrations import trainer as _trainer_backend  # noqa: E402
 from .checkpoint.pretrained import from_pretrained, load_pretrained, save_pretrained  # noqa: E402
 from .checkpoint.errors import CheckpointError  # noqa: E402
 from .checkpoint.state import latest_state, load_state, save_state  # noqa: E402
+from .checkpoint import async_save as _async_save  # noqa: E402
 from .checkpoint.async_save import SaveHandle, wait_pending as wait_for_saves  # noqa: E402
 from .sharding import no_sync, shard_model  # noqa: E402
 
@@ -32,9 +33,11 @@ def register(**overrides) -> None:
 
 
 def unregister() -> None:
-    """Restore Accelerate's and the Trainer's own behaviour."""
+    """Restore Accelerate's, the Trainer's and torch's own functions (every PATCHED entry of
+    hf_fsdp2/runtime/upstream.py), after waiting for a background save."""
     _trainer_backend.unregister()
     _accelerate_backend.unregister()
+    _async_save.unregister()
 
 
 __all__ = [

@@ -15,6 +15,8 @@ import torch
 from .common import full_params, global_mean, local_rows
 from .dist_harness import run_ranks
 
+pytestmark = pytest.mark.oldest  # CI runs this file on every older version set too
+
 STEPS = 2
 BATCH = 4
 

@@ -234,8 +234,11 @@ CASES = {
     # settings hf_fsdp2 cannot honour
     "not FSDP": (top(distributed_type="MULTI_GPU"), "error", "distributed_type", "FSDP"),
     "no distributed_type": (drop("distributed_type"), "error", "distributed_type", "missing"),
-    "FSDP1": (fsdp(fsdp_version=1), "error", "fsdp_config.fsdp_version", "2"),
-    "no fsdp_version": (drop("fsdp_version"), "error", "fsdp_config.fsdp_version", "FSDP1"),
+    "FSDP1": (fsdp(fsdp_version=1), "warning", "fsdp_config.fsdp_version", "runs as FSDP2"),
+    "no fsdp_version": (drop("fsdp_version"), "warning", "fsdp_config.fsdp_version", "FSDP1"),
+    "FSDP1 hybrid strategy": (lambda c: (fsdp(fsdp_version=1)(c), fsdp(fsdp_sharding_strategy="HYBRID_SHARD")(c)),
+                              "error", "fsdp_config.fsdp_sharding_strategy", "parallelism_config"),
+    "FSDP3": (fsdp(fsdp_version=3), "error", "fsdp_config.fsdp_version", "2"),
     "use_cpu": (top(use_cpu=True), "error", "use_cpu", "gloo"),
     "fp8 with Transformer Engine": (lambda c: (top(mixed_precision="fp8")(c), c.update(fp8_config={"backend": "TE"}))
                                     , "error", "fp8_config.backend", "torchao"),
@@ -492,7 +495,7 @@ def test_json_config(tmp_path):
 
 
 def test_several_files_exit_with_the_worst_status(tmp_path):
-    bad = edited(tmp_path, fsdp(fsdp_version=1))
+    bad = edited(tmp_path, fsdp(fsdp_version=3))
     assert main(["check-config", *map(str, CONFIGS)]) == 0
     assert main(["check-config", str(FSDP2_YAML), str(bad)]) == 1
     assert main(["check-config", str(bad), str(tmp_path / "missing.yaml")]) == 2

@@ -70,6 +70,7 @@ def greedy(model, tokenizer) -> str:
     return tokenizer.decode(ids[0], skip_special_tokens=True)
 
 
+@pytest.mark.oldest
 def test_readme_main_job_trains_saves_reloads_and_samples(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

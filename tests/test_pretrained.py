@@ -119,7 +119,7 @@ def _load_worker(rank, world, directory, model_kwargs):
     return {"params": params if rank == 0 else None, "local": local, "inv_freq": inv_freq}
 
 
-@pytest.mark.parametrize("max_shard_size", [None, "30KB"])
+@pytest.mark.parametrize("max_shard_size", [pytest.param(None, marks=pytest.mark.oldest), "30KB"])
 def test_from_pretrained_reads_transformers_own_save(tmp_path, max_shard_size):
     reference = build_model(**UNEVEN)
     kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
@@ -144,6 +144,7 @@ def _peft_worker(rank, world, out_dir, merge):
     return True
 
 
+@pytest.mark.oldest
 def test_adapter_matches_peft_own_save_and_reloads(tmp_path):
     from peft import PeftModel
 
@@ -164,6 +165,7 @@ def test_adapter_matches_peft_own_save_and_reloads(tmp_path):
     torch.testing.assert_close(reloaded(input_ids=ids).logits, reference(input_ids=ids).logits)
 
 
+@pytest.mark.oldest
 def test_merged_adapter_equals_merge_and_unload(tmp_path):
     run_ranks(_peft_worker, 2, str(tmp_path / "merged"), True)
     expected = plain_params(lora(build_model()).merge_and_unload())

@@ -303,3 +303,16 @@ def test_trainer_flag_trains_qlora_with_a_sharded_4bit_base(bf16_dir, tmp_path):
     assert all(math.isfinite(loss) for loss in sharded["losses"])
     checkpoint = tmp_path / "out" / "checkpoint-3"
     assert (checkpoint / "adapter_model.safetensors").exists() and (checkpoint / "optimizer.safetensors").exists()
+
+
+def test_load_in_8bit_base_is_refused_by_name(tmp_path):
+    """An 8-bit base (`load_in_8bit`) keeps row statistics outside its int8 tensor that FSDP2 would
+    drop: shard_model refuses it, naming the layers and the 4-bit alternative."""
+    from hf_fsdp2.quantization.bnb_4bit import refuse_8bit_modules
+    from tests.common import build_model
+
+    build_model().save_pretrained(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=BitsAndBytesConfig(load_in_8bit=True),
+                                                 device_map="cpu")
+    with pytest.raises(ValueError, match=r"load_in_8bit.*q_proj.*load_in_4bit=True"):
+        refuse_8bit_modules(model)

@@ -47,7 +47,7 @@ def _full_finetune(rank, world, config_kwargs, model_kwargs):
             "layer_groups": sum(isinstance(m, FSDPModule) for m in model.model.layers), "n_layers": n_layers}
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [pytest.param(2, marks=pytest.mark.oldest), 4])
 def test_full_finetune_matches_reference(world):
     ref_losses, ref_params = _reference(build_model, batches())
     out = run_ranks(_full_finetune, world, {}, {})
@@ -167,6 +167,7 @@ def _lora_worker(rank, world, frozen_dtype):
             "params": trainable if rank == 0 else None}
 
 
+@pytest.mark.oldest
 def test_lora_frozen_and_adapters_gathered_together():
     data = batches()
 
@@ -244,6 +245,7 @@ def _meta_worker(rank, world):
     return {"local": local_bytes, "total": total, "finite": finite, "inv_freq": inv_freq, "loss": loss}
 
 
+@pytest.mark.oldest
 def test_meta_device_deferred_init_materialises_only_local_shards():
     reference = build_model()
     out = run_ranks(_meta_worker, 2)

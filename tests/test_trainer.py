@@ -88,6 +88,7 @@ def single(tmp_path_factory) -> dict:
     return train(tmp_path_factory.mktemp("single"), "single", 1, 3, "--save_strategy", "no")
 
 
+@pytest.mark.oldest
 def test_trainer_script_under_accelerate_launch_is_sharded_on_cpu(tmp_path, single):
     """Issue: on a CPU-only machine this ran two unsynchronised unsharded copies, silently."""
     out = launch_trainer(tmp_path, "launched", 3)

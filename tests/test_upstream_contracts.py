@@ -1,26 +1,37 @@
-"""Contracts with the upstream code hf_fsdp2 replaces or relies on: each fails by name when that code
-changes, so a new release of accelerate, transformers or torch is judged here, not refused at import.
+"""Contracts with the upstream code hf_fsdp2 replaces or extends: each fails by name when that code
+changes, so a new release of accelerate, transformers, torch or bitsandbytes is judged here, not
+refused at import.
 
-Every function `register()` replaces (Accelerate's and the Trainer's) is recorded in
-tests/upstream_contracts.json with its signature and the SHA-256 of its source, for each version we
-checked it on. A release that changes one fails `test_replaced_functions_are_unchanged` naming it:
-read the new upstream code, adapt the replacement, then record the new source with
-`python -m tests.test_upstream_contracts --record` (it adds to the known-good set, keeping the old).
-Private torch names we use are checked to exist.
+Every seam in hf_fsdp2/runtime/upstream.py (`SEAMS`) is recorded in tests/upstream_contracts.json:
+the upstream function's signature and the SHA-256 of its source, for each version we checked it on
+(`checked_on`). A release that changes one fails `test_every_seam_is_unchanged` naming it: read the
+new upstream code, adapt ours, then record it with `python -m tests.test_upstream_contracts --record`
+(it adds to the known-good set, keeping the old, so the oldest and newest supported sets both pass).
+No module of hf_fsdp2 but upstream.py assigns to another library's attributes or swaps a class
+(`test_no_replacement_outside_the_seam`). Private torch names we use are checked to exist.
 """
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import inspect
 import json
 import re
 import sys
+from importlib.metadata import version
 from pathlib import Path
 
-RECORD = Path(__file__).with_name("upstream_contracts.json")
+import pytest
 
-# Private names of torch hf_fsdp2 relies on: (module, attribute path, used by).
+pytestmark = pytest.mark.oldest  # CI runs this file on every older version set too
+
+RECORD = Path(__file__).with_name("upstream_contracts.json")
+PACKAGE = Path(__file__).resolve().parents[1] / "hf_fsdp2"
+UPSTREAM = ("torch", "accelerate", "transformers", "peft", "bitsandbytes", "torchao", "safetensors", "trl")
+OPTIONAL = ("bitsandbytes", "torchao")  # extras: a seam of an extra not installed is not checked
+
+# Private names of torch hf_fsdp2 relies on without replacing them: (module, attribute path, used by).
 TORCH_PRIVATE = [
     ("torch.distributed.distributed_c10d", "_get_default_group", "runtime/collectives.py"),
     ("torch.distributed.distributed_c10d", "ProcessGroup._device_types", "runtime/collectives.py"),
@@ -29,22 +40,11 @@ TORCH_PRIVATE = [
 ]
 
 
-def replaced_functions() -> dict[str, object]:
-    """"owner.name" -> the upstream function `register()` replaces (read while registered)."""
-    import hf_fsdp2
-    from hf_fsdp2.integrations import accelerate as accelerate_backend
-    from hf_fsdp2.integrations import trainer as trainer_backend
+def upstream_function(target: str):
+    """The upstream code at `target`, the original while we have it patched."""
+    from hf_fsdp2.runtime import upstream
 
-    hf_fsdp2.register()
-    try:
-        out = {(f"{owner.__module__}.{owner.__qualname__}.{name}" if isinstance(owner, type)
-                else f"{owner.__name__}.{name}"): fn  # a class, or a module
-               for (owner, name), fn in accelerate_backend._originals.items()}
-        out.update({f"transformers.Trainer.{name}" if "." not in name else f"transformers.{name}": fn
-                    for name, fn in trainer_backend._originals.items()})
-    finally:
-        hf_fsdp2.unregister()
-    return out
+    return upstream.original(target) if target in upstream.installed() else upstream.lookup(target)
 
 
 def contract(fn) -> dict[str, str]:
@@ -54,10 +54,27 @@ def contract(fn) -> dict[str, str]:
             "source_sha256": hashlib.sha256(inspect.getsource(fn).encode()).hexdigest()}
 
 
-def test_replaced_functions_are_unchanged():
+def checked_seams():
+    """(target, upstream function, 'package version') for every seam whose package is installed."""
+    from hf_fsdp2.runtime import upstream
+
+    out = []
+    for seam in upstream.SEAMS:
+        package = seam.target.split(".")[0]
+        try:
+            fn = upstream_function(seam.target)
+        except ImportError:
+            if package in OPTIONAL:
+                continue
+            raise
+        out.append((seam.target, fn, f"{package} {version(package)}"))
+    return out
+
+
+def test_every_seam_is_unchanged():
     known = json.loads(RECORD.read_text())
     changed = []
-    for target, fn in sorted(replaced_functions().items()):
+    for target, fn, _ in checked_seams():
         now = contract(fn)
         entry = known.get(target)
         if entry is None:
@@ -65,9 +82,86 @@ def test_replaced_functions_are_unchanged():
             continue
         for key in ("signature", "source_sha256"):
             if now[key] not in entry[key]:
-                changed.append(f"{target}: {key} changed ({now[key][:80]})")
-    assert not changed, ("upstream code that hf_fsdp2 replaces has changed; review each and re-record "
-                         "(python -m tests.test_upstream_contracts --record):\n" + "\n".join(changed))
+                changed.append(f"{target}: {key} changed ({now[key][:80]}); checked on {entry['checked_on']}")
+    assert not changed, ("upstream code that hf_fsdp2 replaces or extends has changed; review each against "
+                         "hf_fsdp2/runtime/upstream.py and re-record (python -m tests.test_upstream_contracts "
+                         "--record):\n" + "\n".join(changed))
+
+
+def test_every_recorded_target_is_a_seam():
+    from hf_fsdp2.runtime import upstream
+
+    stale = set(json.loads(RECORD.read_text())) - {s.target for s in upstream.SEAMS}
+    assert not stale, f"recorded in {RECORD.name} but no longer in SEAMS: {sorted(stale)}"
+
+
+def _replacements_in(path: Path) -> list[str]:
+    """Lines of `path` that assign to an attribute of an upstream import, call setattr, or set __class__."""
+    tree = ast.parse(path.read_text())
+    upstream_names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            upstream_names |= {(a.asname or a.name).split(".")[0] for a in node.names
+                               if a.name.split(".")[0] in UPSTREAM}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in UPSTREAM:
+            upstream_names |= {a.asname or a.name for a in node.names}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr":
+            found.append(f"{path.name}:{node.lineno} setattr")
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+            node, (ast.AugAssign, ast.AnnAssign)) else []
+        for target in targets:
+            if isinstance(target, ast.Attribute) and target.attr == "__class__":
+                found.append(f"{path.name}:{node.lineno} __class__")
+            root = target
+            while isinstance(root, ast.Attribute):
+                root = root.value
+            if isinstance(target, ast.Attribute) and isinstance(root, ast.Name) and root.id in upstream_names:
+                found.append(f"{path.name}:{node.lineno} {ast.unparse(target)}")
+    return found
+
+
+def test_no_replacement_outside_the_seam():
+    found = [line for path in sorted(PACKAGE.rglob("*.py")) if path != PACKAGE / "runtime" / "upstream.py"
+             for line in _replacements_in(path)]
+    assert not found, ("another library's code is replaced outside hf_fsdp2/runtime/upstream.py (declare it in "
+                       "SEAMS and use upstream.replace/scoped/set_class): " + "; ".join(found))
+
+
+def test_the_scan_sees_a_replacement(tmp_path):
+    """The scan above is not vacuous: each form it forbids is found."""
+    probe = tmp_path / "probe.py"
+    probe.write_text("import torch.distributed as dist\nfrom transformers import Trainer\n"
+                     "dist.destroy_process_group = None\nTrainer.save_model = None\nsetattr(Trainer, 'x', 1)\n"
+                     "def f(m):\n    m.__class__ = object\n")
+    assert len(_replacements_in(probe)) == 4
+
+
+def test_register_installs_and_unregister_restores_every_patched_seam():
+    import hf_fsdp2
+    from hf_fsdp2.runtime import upstream
+
+    patched = [s.target for s in upstream.SEAMS if s.how == upstream.PATCHED
+               and s.target != "torch.distributed.destroy_process_group"]  # installed by the first background save
+    before = {t: upstream.lookup(t) for t in patched}
+    hf_fsdp2.register()
+    try:
+        assert sorted(upstream.installed("accelerate") + upstream.installed("trainer")) == sorted(patched)
+        assert all(upstream.lookup(t) is not before[t] for t in patched)
+    finally:
+        hf_fsdp2.unregister()
+    assert {t: upstream.lookup(t) for t in patched} == before
+    assert upstream.installed() == []
+
+
+def test_undeclared_or_misused_seams_are_refused():
+    from hf_fsdp2.runtime import upstream
+
+    with pytest.raises(AssertionError, match="not declared"):
+        upstream.replace("torch.save", lambda *a: None, "x")
+    with pytest.raises(AssertionError, match="declared patched inside a with-block"):
+        upstream.replace("torch.nn.Module.register_parameter", lambda *a: None, "x")
 
 
 def test_private_torch_names_exist():
@@ -85,13 +179,14 @@ def test_private_torch_names_exist():
 
 def record() -> None:
     known = json.loads(RECORD.read_text()) if RECORD.exists() else {}
-    for target, fn in sorted(replaced_functions().items()):
-        entry = known.setdefault(target, {"signature": [], "source_sha256": []})
-        for key, value in contract(fn).items():
+    for target, fn, checked_on in checked_seams():
+        entry = known.setdefault(target, {"signature": [], "source_sha256": [], "checked_on": []})
+        entry.setdefault("checked_on", [])
+        for key, value in [*contract(fn).items(), ("checked_on", checked_on)]:
             if value not in entry[key]:
                 entry[key].append(value)
     RECORD.write_text(json.dumps(known, indent=1, sort_keys=True) + "\n")
-    print(f"recorded {len(known)} functions in {RECORD}")
+    print(f"recorded {len(known)} targets in {RECORD}")
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from ..runtime import collectives
+from ..runtime import collectives, upstream
 from .safetensors_io import TensorSpec
 
 
@@ -179,6 +179,7 @@ def wait_pending() -> None:
             raise
 
 
+GROUP = "background-saves"  # the upstream.py group of the destroy_process_group wrapper
 AGREEMENT_GROUP = "background-saves"  # the host group background saves agree on (runtime/collectives.py)
 
 
@@ -218,6 +219,7 @@ def submit(directory: Path, commit: Callable[[object], None]) -> SaveHandle:
 def _wrap_destroy_process_group() -> None:
     """`dist.destroy_process_group()` (scripts end with it; so does `Accelerator.end_training`) also
     destroys the agreement group a pending save still needs: wait for the save first."""
+    target = "torch.distributed.destroy_process_group"
     original = dist.destroy_process_group
 
     @functools.wraps(original)
@@ -225,9 +227,17 @@ def _wrap_destroy_process_group() -> None:
         wait_pending()
         if group is None:
             collectives.forget_host_groups()  # destroyed with the rest
-        return original(group)
+        return upstream.original(target)(group)
 
-    dist.destroy_process_group = destroy_process_group
+    upstream.replace(target, destroy_process_group, GROUP)
+
+
+def unregister() -> None:
+    """Wait for a pending save, then give `dist.destroy_process_group` back (hf_fsdp2.unregister())."""
+    global _exit_hook_installed
+    wait_pending()
+    upstream.restore(GROUP)
+    _exit_hook_installed = False
 
 
 def _wait_at_exit() -> None:

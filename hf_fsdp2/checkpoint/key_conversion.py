@@ -32,6 +32,9 @@ import torch
 import torch.nn as nn
 
 from .errors import CheckpointError
+from ..runtime import upstream
+
+_FULLY_SHARD = "torch.distributed.fsdp._fully_shard._fully_shard.fully_shard"  # its FSDP<Name> classes
 
 _PROBE_LIMIT = 1 << 26  # elements of one probe (512 MiB of int64): beyond, a conversion is not gather-free
 
@@ -72,13 +75,13 @@ def _original_classes(model: nn.Module) -> Iterator[None]:
     for module in model.modules():
         cls = type(module)
         if cls.__name__.startswith("FSDP") and len(cls.__bases__) == 2 and cls.__bases__[0] is FSDPModule:
-            module.__class__ = cls.__bases__[1]
+            upstream.set_class(module, cls.__bases__[1], _FULLY_SHARD)
             swapped.append((module, cls))
     try:
         yield
     finally:
         for module, cls in swapped:
-            module.__class__ = cls
+            upstream.set_class(module, cls, _FULLY_SHARD)
 
 
 def _conversions(model: nn.Module) -> list | None:

@@ -24,7 +24,7 @@ from .async_save import SaveHandle
 from .atomic_dir import committed_directory
 from .key_conversion import DiskView, disk_views
 from ..config import FSDP2Config, parse_dtype
-from ..runtime import collectives
+from ..runtime import collectives, upstream
 from ..runtime.distributed import build_mesh
 from .safetensors_io import (
     INDEX_SUFFIX, SINGLE_FILE, CheckpointError, CheckpointFiles, FileWriter, plan_checkpoint, write_json,
@@ -375,18 +375,15 @@ def load_pretrained(model: nn.Module, directory: str | os.PathLike, *, strict: b
 def parameters_on_meta() -> Iterator[None]:
     """Create parameters on the meta device and buffers for real, so non-persistent buffers that
     checkpoints do not carry (rotary `inv_freq`) keep the values the model's constructor computed."""
-    original = nn.Module.register_parameter
+    def on_meta(original):
+        def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+            original(module, name, param)
+            if param is not None and param.device.type != "meta":
+                module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        return register
 
-    def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        original(module, name, param)
-        if param is not None and param.device.type != "meta":
-            module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
-
-    nn.Module.register_parameter = register
-    try:
+    with upstream.scoped("torch.nn.Module.register_parameter", on_meta):
         yield
-    finally:
-        nn.Module.register_parameter = original
 
 
 def from_pretrained(model_class, directory: str | os.PathLike, config: FSDP2Config | None = None, *,

@@ -2,9 +2,8 @@
 
 Accelerate has no plugin registry; its FSDP2 entry points are module-level names imported into
 `accelerate/accelerator.py` (`fsdp2_prepare_model`) and `Accelerator` methods (`_prepare_fsdp2`,
-`save_model`, `save_state`, `load_state`). `register()` swaps exactly those, remembers the
-originals, and `unregister()` puts them back. This is the only module that touches Accelerate
-internals, so the supported versions are pinned here.
+`save_model`, `save_state`, `load_state`). `register()` replaces exactly those (declared, with why,
+in runtime/upstream.py, which remembers the originals), and `unregister()` puts them back.
 
 Settings come from Accelerate's own config (the yaml's `fsdp_config`, `mixed_precision`,
 `parallelism_config`); what the yaml cannot carry (Accelerate drops unknown `fsdp_config` keys)
@@ -28,19 +27,19 @@ import torch.nn as nn
 from ..config import FSDP2Config
 from ..runtime.distributed import build_mesh
 from ..checkpoint.pretrained import save_pretrained
+from ..checkpoint.rank0_loading import shard_from_rank0
+from . import fsdp1_configs
 from ..quantization import fp8
-from ..quantization.bnb_4bit import is_linear_4bit
 from ..sharding import shard_model, unwrap_peft
 from ..sharding.layout import resolve_auto_layout
 from ..checkpoint.errors import CheckpointError
-from ..runtime import versions
+from ..runtime import upstream, versions
 from ..checkpoint.state import MANIFEST, latest_state, load_state, read_manifest, save_state
 
 ENV_PREFIX = "HF_FSDP2_"
 _USER_POLICY = "_hf_fsdp2_user_policy"  # set on a plugin whose mixed_precision_policy the user gave
 
-_originals: dict[tuple[Any, str], Any] = {}
-_replacements: dict[tuple[Any, str], Any] = {}
+GROUP = "accelerate"
 _overrides: dict[str, Any] = {}
 logger = logging.getLogger(__name__)
 
@@ -63,7 +62,7 @@ def env_overrides(environ: dict[str, str] | None = None) -> dict[str, Any]:
 
 
 def is_registered() -> bool:
-    return bool(_originals)
+    return bool(upstream.installed(GROUP))
 
 
 def register(**overrides: Any) -> None:
@@ -77,29 +76,20 @@ def register(**overrides: Any) -> None:
     _overrides.update(overrides)
     if is_registered():
         return
-    import accelerate.accelerator as acc_module
     from accelerate import Accelerator
 
-    _patch(acc_module, "fsdp2_prepare_model", _fsdp2_prepare_model)
+    upstream.replace("accelerate.accelerator.fsdp2_prepare_model", _fsdp2_prepare_model, GROUP)
     for name, wrapper in (("__init__", _init), ("_prepare_fsdp2", _prepare_fsdp2), ("_prepare_ao", _prepare_ao),
                           ("save_model", _save_model),
                           ("save_state", _save_state), ("load_state", _load_state)):
-        _patch(Accelerator, name, functools.wraps(getattr(Accelerator, name))(wrapper))
+        upstream.replace(f"accelerate.accelerator.Accelerator.{name}",
+                         functools.wraps(getattr(Accelerator, name))(wrapper), GROUP)
 
 
 def unregister() -> None:
     """Restore Accelerate's own behaviour."""
-    for (owner, name), original in _originals.items():
-        setattr(owner, name, original)
-    _originals.clear()
-    _replacements.clear()
+    upstream.restore(GROUP)
     _overrides.clear()
-
-
-def _patch(owner: Any, name: str, replacement: Any) -> None:
-    _originals[(owner, name)] = getattr(owner, name)
-    _replacements[(owner, name)] = replacement
-    setattr(owner, name, replacement)
 
 
 def take_back_foreign_patches() -> list[str]:
@@ -108,25 +98,19 @@ def take_back_foreign_patches() -> list[str]:
     replaced that now holds someone else's function would silently shard with their code. Put ours
     back, warning with the patch's module and name; returns those warnings. Called at every prepare."""
     taken = []
-    for (owner, name), ours in _replacements.items():
-        current = getattr(owner, name)
-        if current is not ours:
-            where = f"{getattr(current, '__module__', '?')}.{getattr(current, '__qualname__', repr(current))}"
-            target = f"{getattr(owner, '__name__', owner)}.{name}"
-            message = (f"hf_fsdp2: `{target}` was replaced after hf_fsdp2.register() by `{where}`; hf_fsdp2 "
-                       "takes it back so the model is sharded by hf_fsdp2 (call hf_fsdp2.unregister() before "
-                       "that patch to use it instead).")
-            logger.warning(message)
-            taken.append(message)
-            setattr(owner, name, ours)
+    for target, current in upstream.foreign(GROUP):
+        where = f"{getattr(current, '__module__', '?')}.{getattr(current, '__qualname__', repr(current))}"
+        message = (f"hf_fsdp2: `{target}` was replaced after hf_fsdp2.register() by `{where}`; hf_fsdp2 "
+                   "takes it back so the model is sharded by hf_fsdp2 (call hf_fsdp2.unregister() before "
+                   "that patch to use it instead).")
+        logger.warning(message)
+        taken.append(message)
+        upstream.reinstate(target)
     return taken
 
 
 def _original(owner_name: str, name: str):
-    for (owner, attr), fn in _originals.items():
-        if attr == name and getattr(owner, "__name__", "") == owner_name:
-            return fn
-    raise AssertionError(f"{owner_name}.{name} is not patched")
+    return upstream.original(f"accelerate.accelerator.{owner_name}.{name}")
 
 
 def _is_ours(accelerator) -> bool:
@@ -150,7 +134,7 @@ def _layer_names(raw: Any) -> list[str] | None:
 # Every field of Accelerate's `FullyShardedDataParallelPlugin` and what becomes of it with hf_fsdp2, so
 # that none is dropped silently (tests check this covers the installed Accelerate's fields).
 PLUGIN_FIELDS = {
-    "fsdp_version": "must be 2; anything else is refused at Accelerator()",
+    "fsdp_version": "2; an FSDP1 launch config is converted (fsdp1_configs.py), an FSDP1 plugin object refused",
     "reshard_after_forward": "honoured (fully_shard's reshard_after_forward)",
     "auto_wrap_policy": "honoured: TRANSFORMER_BASED_WRAP, SIZE_BASED_WRAP, NO_WRAP; a custom callable is refused",
     "transformer_cls_names_to_wrap": "honoured (absent classes are refused, listing the model's)",
@@ -269,35 +253,38 @@ def _init(self, *args, **kwargs):
 
     Accelerate only turns FSDP on for GPU-like distributed types; with gloo on CPU it silently runs
     unsynchronised replicas (state.py: the `DistributedType.FSDP` switch excludes MULTI_CPU).
+    An FSDP1 config (no `fsdp_version`, as PEFT's examples publish them) would bypass hf_fsdp2 on GPUs
+    and be refused on CPUs: it is converted to FSDP2 first (integrations/fsdp1_configs.py).
     """
     from accelerate.state import PartialState
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 
-    from accelerate.parallelism_config import ParallelismConfig
-
     given = kwargs.get("fsdp_plugin")
+    if given is None:  # Accelerate builds its plugin from the FSDP_* variables: an FSDP1 config runs as FSDP2
+        converted = fsdp1_configs.convert_environment()
+        if converted:
+            logger.warning("hf_fsdp2: the Accelerate config is FSDP1's; it runs as FSDP2 with Accelerate's own "
+                           "mapping (accelerate to-fsdp2): " + "; ".join(converted))
     if given is not None and given.mixed_precision_policy is not None:
         # The user's own policy; Accelerator.__init__ fills an unset one from `mixed_precision` later.
         given.__dict__[_USER_POLICY] = given.mixed_precision_policy
     wants_fsdp = kwargs.get("fsdp_plugin") is not None or os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true"
     if not (wants_fsdp and not _has_accelerator_device()):
         _original("Accelerator", "__init__")(self, *args, **kwargs)
+        if getattr(self.state, "fsdp_plugin", None) is not None:
+            _refuse_fsdp1(self.state.fsdp_plugin)  # else Accelerate's FSDP1 would run, not hf_fsdp2
         return
     # Without `cpu=True` PartialState sees no device and picks DistributedType.NO: every rank would
     # train alone. With it, it starts gloo (MULTI_CPU), which we turn into FSDP below. The
     # ParallelismConfig check inside __init__ rejects MULTI_CPU, so it runs after the switch.
     kwargs["cpu"] = True
-    validate = ParallelismConfig._validate_accelerator
-    ParallelismConfig._validate_accelerator = lambda config, accelerator: None
-    try:
+    with upstream.scoped("accelerate.parallelism_config.ParallelismConfig._validate_accelerator",
+                         lambda validate: lambda config, accelerator: None):
         _original("Accelerator", "__init__")(self, *args, **kwargs)
-    finally:
-        ParallelismConfig._validate_accelerator = validate
     state = self.state
     if state.distributed_type == DistributedType.MULTI_CPU:
         plugin = kwargs.get("fsdp_plugin") or FullyShardedDataParallelPlugin()
-        if plugin.fsdp_version != 2:
-            raise ValueError("hf_fsdp2 needs `fsdp_version: 2` in the Accelerate config's `fsdp_config`.")
+        _refuse_fsdp1(plugin)
         if self.mixed_precision != "no":
             plugin.set_mixed_precision(self.mixed_precision)
         state.fsdp_plugin = plugin
@@ -306,6 +293,12 @@ def _init(self, *args, **kwargs):
         PartialState._shared_state["distributed_type"] = DistributedType.FSDP
     if self.parallelism_config:
         self.parallelism_config._validate_accelerator(self)
+
+
+def _refuse_fsdp1(plugin) -> None:
+    if plugin.fsdp_version != 2:
+        raise ValueError(f"FullyShardedDataParallelPlugin(fsdp_version={plugin.fsdp_version}): hf_fsdp2 is registered "
+                         "and runs FSDP2 only; pass fsdp_version=2 (an FSDP1 launch config is converted by itself).")
 
 
 def _has_accelerator_device() -> bool:
@@ -318,6 +311,7 @@ def _prepare_fsdp2(self, *args):
     """Normalise the plugin's layer names before Accelerate resolves them (a yaml list arrives as
     "['A', 'B']"; a PeftModel has no `_no_split_modules`, its base model does)."""
     take_back_foreign_patches()  # before Accelerate calls `fsdp2_prepare_model`
+    _refuse_bitsandbytes_optimizers(args)
     plugin = self.state.fsdp_plugin
     model = next((a for a in args if isinstance(a, nn.Module)), None)
     names = _layer_names(plugin.transformer_cls_names_to_wrap)
@@ -330,6 +324,18 @@ def _prepare_fsdp2(self, *args):
         for optimizer in (r for r in result if isinstance(r, torch.optim.Optimizer)):
             fp8.attach_to_optimizer(prepared, optimizer)
     return result
+
+
+def _refuse_bitsandbytes_optimizers(args) -> None:
+    """bitsandbytes' optimizers (AdamW8bit, PagedAdamW8bit, ...) call their kernels with `p.data` and
+    `p.grad` and fail on FSDP2's DTensor parameters at the first step ("got mixed torch.Tensor and
+    DTensor"), after the model is loaded and sharded: refuse at prepare, naming the optimizer."""
+    for arg in args:
+        if isinstance(arg, torch.optim.Optimizer) and type(arg).__module__.startswith("bitsandbytes."):
+            raise ValueError(f"{type(arg).__name__} (bitsandbytes) does not support FSDP2's DTensor parameters: its "
+                             "step fails on sharded parameters. Use torch.optim.AdamW (Trainer: "
+                             "optim='adamw_torch' or 'adamw_torch_fused'); sharding already divides the optimizer "
+                             "state by the number of ranks.")
 
 
 def _prepare_ao(self, *args):
@@ -362,50 +368,8 @@ def _fsdp2_prepare_model(accelerator, model: nn.Module) -> nn.Module:
     config = resolve_auto_layout(model, config)  # before the mesh, which it chooses
     mesh = build_mesh(config)
     if from_rank0:
-        return _shard_from_rank0(model, config, mesh)
+        return shard_from_rank0(model, config, mesh)  # fsdp_cpu_ram_efficient_loading
     return shard_model(model, config, mesh=mesh)
-
-
-def _shard_from_rank0(model: nn.Module, config: FSDP2Config, mesh) -> nn.Module:
-    """`fsdp_cpu_ram_efficient_loading`: transformers loads the weights on rank 0 only and leaves
-    the other ranks' tensors on the meta device. Shard an empty model, then rank 0 broadcasts one
-    tensor at a time and every rank keeps its own rows (peak: one full tensor per rank).
-    For no full copy on any rank, load with `hf_fsdp2.from_pretrained` instead.
-    Collective: call on every rank.
-    """
-    from ..runtime import collectives
-    from ..checkpoint.tensor_export import local_data, model_tensors, row_range
-
-    if any(is_linear_4bit(m) for m in model.modules()):
-        raise ValueError("`fsdp_cpu_ram_efficient_loading` with a 4-bit (bitsandbytes) model is not supported: "
-                         "load it with hf_fsdp2.from_pretrained(..., quantization_config=..., peft_config=...), "
-                         "where each rank quantizes only its own rows, and set the option to false.")
-    device = collectives.mesh_device(mesh)  # NCCL broadcasts device tensors
-    is_source = collectives.rank() == 0
-    sources = {name: t for name, t in model_tensors(model).items()} if is_source else {}
-    buffers = {name: b for name, b in model.named_buffers()} if is_source else {}
-    meta: dict[int, nn.Parameter] = {}  # tied weights stay tied
-    for module in model.modules():
-        for key, param in module._parameters.items():
-            if param is not None:
-                if id(param) not in meta:
-                    meta[id(param)] = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
-                module._parameters[key] = meta[id(param)]
-    shard_model(model, config, mesh=mesh, init_weights=False)
-    with torch.no_grad():
-        targets = list(model_tensors(model).items()) + [(f"buffer:{n}", b) for n, b in model.named_buffers()]
-        for name, target in targets:
-            source = buffers.get(name[len("buffer:"):]) if name.startswith("buffer:") else sources.get(name)
-            if is_source and (source is None or source.is_meta):
-                raise ValueError(f"`fsdp_cpu_ram_efficient_loading`: rank 0 has no weights for {name!r}; "
-                                 "load the model with from_pretrained on rank 0 (or use hf_fsdp2.from_pretrained).")
-            full = (source.to(device=device, dtype=target.dtype).contiguous() if is_source
-                    else torch.empty(target.shape, dtype=target.dtype, device=device))
-            collectives.broadcast_from_first(full, mesh)
-            start, stop = row_range(target)
-            local = local_data(target)
-            local.copy_(full[start:stop] if full.dim() else full)
-    return model
 
 
 def _save_model(self, model, save_directory, max_shard_size="10GB", safe_serialization=True):

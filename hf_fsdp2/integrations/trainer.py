@@ -13,43 +13,42 @@ from __future__ import annotations
 import functools
 import os
 from pathlib import Path
-from typing import Any
 
 from ..checkpoint import async_save
 from ..checkpoint.pretrained import load_pretrained, save_pretrained
 from ..checkpoint.state import MANIFEST, load_rng_state, load_state, save_state
+from ..runtime import upstream
 
-_originals: dict[str, Any] = {}
+GROUP = "trainer"
+
+
+def _original(name: str):
+    target = f"transformers.{name}" if "." in name else f"transformers.Trainer.{name}"
+    return upstream.original(target)
 
 
 def register() -> None:
-    """Idempotent."""
-    if _originals:
+    """Idempotent. The replaced names are declared in runtime/upstream.py."""
+    if upstream.installed(GROUP):
         return
     try:
         from transformers import Trainer, TrainingArguments
     except ImportError:  # transformers without torch/accelerate extras: nothing to patch
         return
-    _originals["TrainingArguments.__post_init__"] = TrainingArguments.__post_init__
-    TrainingArguments.__post_init__ = functools.wraps(TrainingArguments.__post_init__)(_post_init)
-    for name, replacement in (("save_model", _save_model), ("_save_checkpoint", _save_checkpoint),
-                              ("_load_from_checkpoint", _load_from_checkpoint),
-                              ("_load_optimizer_and_scheduler", _load_optimizer_and_scheduler),
-                              ("_load_rng_state", _load_rng_state), ("_load_scaler", _load_scaler),
-                              ("_load_best_model", _load_best_model)):
-        _originals[name] = getattr(Trainer, name)
-        setattr(Trainer, name, functools.wraps(_originals[name])(replacement))
+    upstream.replace("transformers.TrainingArguments.__post_init__",
+                     functools.wraps(TrainingArguments.__post_init__)(_post_init), GROUP)
+    replacements = {"save_model": _save_model, "_save_checkpoint": _save_checkpoint,
+                    "_load_from_checkpoint": _load_from_checkpoint,
+                    "_load_optimizer_and_scheduler": _load_optimizer_and_scheduler,
+                    "_load_rng_state": _load_rng_state, "_load_scaler": _load_scaler,
+                    "_load_best_model": _load_best_model}
+    for name, replacement in replacements.items():
+        upstream.replace(f"transformers.Trainer.{name}", functools.wraps(getattr(Trainer, name))(replacement),
+                         GROUP)
 
 
 def unregister() -> None:
-    if not _originals:
-        return
-    from transformers import Trainer, TrainingArguments
-
-    TrainingArguments.__post_init__ = _originals.pop("TrainingArguments.__post_init__")
-    for name, original in _originals.items():
-        setattr(Trainer, name, original)
-    _originals.clear()
+    upstream.restore(GROUP)
 
 
 def wants_fsdp(args) -> bool:
@@ -74,7 +73,7 @@ def _post_init(self):
 
         if not is_xpu_available():
             self.use_cpu = True
-    return _originals["TrainingArguments.__post_init__"](self)
+    return _original("TrainingArguments.__post_init__")(self)
 
 
 def _ours(trainer) -> bool:
@@ -94,7 +93,7 @@ def _extra_files(trainer, with_state: bool):
 
 def _save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
     if not _ours(self):
-        return _originals["save_model"](self, output_dir, _internal_call)
+        return _original("save_model")(self, output_dir, _internal_call)
     output_dir = output_dir if output_dir is not None else self.args.output_dir
     save_pretrained(self.model, output_dir, write_extra=_extra_files(self, with_state=False))
     if self.args.push_to_hub and not _internal_call:
@@ -105,7 +104,7 @@ def _save_checkpoint(self, model, trial) -> None:
     """One atomic directory per checkpoint: weights (HF/PEFT layout), optimizer, scheduler, RNG,
     trainer_state.json, tokenizer. Mirrors Trainer._save_checkpoint's bookkeeping."""
     if not _ours(self):
-        return _originals["_save_checkpoint"](self, model, trial)
+        return _original("_save_checkpoint")(self, model, trial)
     from transformers.trainer_callback import ExportableState
     from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
@@ -147,7 +146,7 @@ def _save_checkpoint(self, model, trial) -> None:
 
 def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
     if not _ours(self):
-        return _originals["_load_from_checkpoint"](self, resume_from_checkpoint, model)
+        return _original("_load_from_checkpoint")(self, resume_from_checkpoint, model)
     load_pretrained(self.model, resume_from_checkpoint)
 
 
@@ -165,7 +164,7 @@ def _refuse_partial_resume(checkpoint: str | None) -> None:
 def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
     if not _ours(self) or checkpoint is None:
         _refuse_partial_resume(checkpoint)
-        return _originals["_load_optimizer_and_scheduler"](self, checkpoint)
+        return _original("_load_optimizer_and_scheduler")(self, checkpoint)
     if not (Path(checkpoint) / MANIFEST).exists() and (Path(checkpoint) / "trainer_state.json").exists():
         raise RuntimeError(f"{checkpoint} holds only the model (saved with `save_only_model=True`); there is "
                            "no optimizer, scheduler or RNG state to resume training from.")
@@ -175,17 +174,17 @@ def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
 def _load_best_model(self) -> None:
     """`load_best_model_at_end`: the best checkpoint is in our layout, not the DCP one stock FSDP looks for."""
     if not _ours(self):
-        return _originals["_load_best_model"](self)
+        return _original("_load_best_model")(self)
     load_pretrained(self.model, self.state.best_model_checkpoint)
 
 
 def _load_rng_state(self, checkpoint: str | None) -> None:
     if not _ours(self) or checkpoint is None:
-        return _originals["_load_rng_state"](self, checkpoint)
+        return _original("_load_rng_state")(self, checkpoint)
     load_rng_state(checkpoint)
 
 
 def _load_scaler(self, checkpoint: str | None) -> None:
     if not _ours(self) or checkpoint is None:
-        return _originals["_load_scaler"](self, checkpoint)
+        return _original("_load_scaler")(self, checkpoint)
     # No GradScaler state: FSDP2 mixed precision here is bf16 (no loss scaling) or fp32.

@@ -38,6 +38,8 @@ from typing import Iterator
 import torch
 import torch.nn as nn
 
+from ..runtime import upstream
+
 INSTALL_HINT = "pip install 'hf_fsdp2[qlora]' (bitsandbytes >= 0.50)"
 NESTED_BLOCKSIZE = 256  # bitsandbytes' double quantization: quantize_blockwise(absmax, blocksize=256)
 
@@ -54,6 +56,17 @@ def is_linear_4bit(module: nn.Module) -> bool:
     """A bitsandbytes `Linear4bit` (or subclass), found without importing bitsandbytes."""
     return any(cls.__name__ == "Linear4bit" and cls.__module__.startswith("bitsandbytes")
                for cls in type(module).__mro__)
+
+
+def refuse_8bit_modules(model: nn.Module) -> None:
+    """bitsandbytes 8-bit layers (`load_in_8bit`) keep their weight as `Int8Params` with row statistics
+    (`SCB`) outside the tensor: FSDP2 would shard the int8 data as plain bytes and drop them. Refused by name."""
+    names = [name for name, m in model.named_modules()
+             if any(c.__name__ == "Linear8bitLt" and c.__module__.startswith("bitsandbytes") for c in type(m).__mro__)]
+    if names:
+        raise ValueError(f"bitsandbytes 8-bit layers (load_in_8bit) are not sharded by hf_fsdp2: {names[:3]}"
+                         f"{' ...' if len(names) > 3 else ''}. Load the base in 4-bit (BitsAndBytesConfig("
+                         "load_in_4bit=True), QLoRA, which hf_fsdp2 shards) or in bf16.")
 
 
 def is_sharded_4bit(module: nn.Module) -> bool:
@@ -173,7 +186,7 @@ def _install(module: nn.Module, spec: Quant4bitSpec, packed: torch.Tensor, absma
         module.register_buffer("weight_offset", torch.as_tensor(offset, dtype=torch.float32), persistent=False)
     module.quant_state = None  # the old state's tensors are now ours; drop bitsandbytes' reference
     module._hf_fsdp2_4bit = spec
-    module.__class__ = _sharded_class(type(module))
+    upstream.set_class(module, _sharded_class(type(module)), "bitsandbytes.nn.modules.Linear4bit.forward")
 
 
 _CLASSES: dict[type, type] = {}

@@ -28,6 +28,8 @@ import dataclasses
 import torch
 import torch.nn as nn
 
+from ..runtime import upstream
+
 INSTALL_HINT = "pip install 'hf_fsdp2[fp8]' (torchao >= 0.18)"
 DIM_MULTIPLE = 16  # torch._scaled_mm: both dimensions of an FP8 matmul operand divisible by 16
 
@@ -117,7 +119,8 @@ FLOAT8_DTYPES = {torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, 
 
 
 def _byte_view_all_gather():
-    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather
+    DefaultAllGather = upstream.subclass_base(
+        "torch.distributed.fsdp._fully_shard._fsdp_collectives.DefaultAllGather.__call__")
 
     class ByteViewAllGather(DefaultAllGather):
         """gloo has no float8 type: its dtype dispatch (ProcessGroupGloo) raises "Invalid scalar type".

@@ -23,7 +23,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 
 from ..config import FSDP2Config
 from ..quantization import fp8
-from ..quantization.bnb_4bit import prepare_4bit_modules
+from ..quantization.bnb_4bit import prepare_4bit_modules, refuse_8bit_modules
 from ..runtime.distributed import build_mesh, default_device
 from .compile import compile_layers, disable_cache_in_training, is_compiled
 from .groups import ShardPlan, apply_frozen_dtype, plan_groups, replicated_frozen_parameters, unwrap_peft
@@ -201,6 +201,7 @@ def shard_model(
         raise ValueError(f"{type(model).__name__} is already sharded; call `shard_model` once per model.")
     if config.is_auto_layout and mesh is not None:
         raise ValueError("`shard_size`='auto' chooses the device mesh itself; call shard_model without `mesh`.")
+    refuse_8bit_modules(model)
     on_meta = _is_meta(model)
     device = default_device()
     if not on_meta and device.type != "cpu":

@@ -315,6 +315,7 @@ def _check_fsdp_config(cfg: Mapping[str, Any], out: list[Finding]) -> _Fsdp:
             _warn(out, f"fsdp_config.{key}", f"also given as `{fsdp.given[name][0]}`; Accelerate keeps this later one.")
         fsdp.given[name] = (key, value)
 
+    _convert_fsdp1(fsdp, out)
     _check_fsdp_version(fsdp, out)
     for name in ("fsdp_reshard_after_forward", "fsdp_offload_params", "fsdp_activation_checkpointing",
                  "fsdp_activation_checkpointing_offload", "fsdp_cpu_ram_efficient_loading"):
@@ -342,6 +343,23 @@ def _unknown_fsdp_key_message(key: str, name: str) -> str:
                 f"hf_fsdp2.register({field}=...) or the HF_FSDP2_{field.upper()} environment variable.")
     close = _closest(name, FSDP_KEYS)
     return f"{message}; did you mean {close}?" if close else f"{message}; valid keys: {', '.join(sorted(FSDP_KEYS))}."
+
+
+def _convert_fsdp1(fsdp: _Fsdp, out: list[Finding]) -> None:
+    """An FSDP1 section (no `fsdp_version`, or 1) is checked as the FSDP2 section the backend runs it as."""
+    from ..integrations import fsdp1_configs
+
+    if not fsdp.given or not fsdp1_configs.is_fsdp1(fsdp.given.get("fsdp_version", (None, None))[1]):
+        return
+    try:
+        converted, notes = fsdp1_configs.convert_fsdp_config({name: value for name, (_, value) in fsdp.given.items()})
+    except ValueError as e:
+        _error(out, fsdp.key("fsdp_sharding_strategy"), str(e).split(": ", 1)[1])
+        return
+    _warn(out, fsdp.key("fsdp_version"), "an FSDP1 config: with hf_fsdp2.register() it runs as FSDP2, converted with "
+                                         "Accelerate's own mapping (accelerate to-fsdp2): "
+                                         + "; ".join(["fsdp_version: 1 -> 2"] + notes) + ".")
+    fsdp.given = {name: (fsdp.given[name][0] if name in fsdp.given else name, value) for name, value in converted.items()}
 
 
 def _check_fsdp_version(fsdp: _Fsdp, out: list[Finding]) -> None:

@@ -27,6 +27,9 @@ parser.add_argument("--load-state")
 parser.add_argument("--seed", type=int, default=0)
 parser.add_argument("--from-pretrained", help="load the base model with transformers' from_pretrained")
 parser.add_argument("--load-in-4bit", action="store_true", help="with --from-pretrained: stock bitsandbytes 4-bit load")
+parser.add_argument("--scramble-other-ranks", action="store_true",
+                    help="every rank but 0 changes its loaded weights before prepare (fsdp_cpu_ram_efficient_loading "
+                         "must give every shard rank 0's)")
 args = parser.parse_args()
 
 import hf_fsdp2  # noqa: E402
@@ -63,6 +66,18 @@ else:
     model = build_model(seed=args.seed)
 if args.lora:
     model = lora(model, seed=args.seed)
+if args.scramble_other_ranks and accelerator.process_index != 0:
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dtype.is_floating_point and p.dtype.itemsize >= 4:
+                p.add_(1.0)
+            else:  # packed 4-bit bytes (any quant_storage)
+                p.view(torch.uint8).bitwise_xor_(0x5A)
+            state = getattr(p, "quant_state", None)
+            if state is not None:  # 4-bit quantization state
+                (state.state2.absmax if state.nested else state.absmax).mul_(2)
+                if state.nested:
+                    state.offset += 1
 opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.01)
 sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
 rows_per_step = args.per_device_batch * accelerator.num_processes * args.accum

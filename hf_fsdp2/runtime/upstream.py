@@ -1,0 +1,199 @@
+"""Every place hf_fsdp2 replaces or extends another library's code: one table, one mechanism.
+
+`SEAMS` lists each one: the upstream target (import path, then attribute path), how we touch it, the
+hf_fsdp2 module that does, and why. Nothing else in the package assigns to another library's
+attributes or swaps an object's class (tests/test_upstream_contracts.py scans the source for it), so
+this table is the whole list. The same test records, per target, the signature and source hash of
+the upstream code on every version it was checked on (tests/upstream_contracts.json, with the
+versions) and fails naming the target when a release changes it: that, not the import, decides
+whether a new release still fits.
+
+How:
+- PATCHED: the attribute is replaced while its group is installed (`replace`) and put back with the
+  group (`restore`); `original` reaches the upstream function; `foreign` finds a replacement that a
+  framework rebound after us (axolotl's `patch_accelerate_fsdp2()` at model load).
+- SCOPED: replaced only inside a `with scoped(...)` block.
+- CLASS_SWAPPED: an instance's `__class__` set to a subclass (`set_class`); the subclass keeps the
+  name, so class-name lookups (`_no_split_modules`, conversion mappings) and isinstance hold.
+- SUBCLASSED: a private upstream class we subclass and hand to upstream code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib
+from typing import Any, Callable, Iterator
+
+PATCHED = "patched while installed"
+SCOPED = "patched inside a with-block"
+CLASS_SWAPPED = "instance class set to a subclass"
+SUBCLASSED = "private class subclassed"
+
+
+@dataclasses.dataclass(frozen=True)
+class Seam:
+    target: str
+    how: str
+    user: str  # the hf_fsdp2 module that does it
+    why: str
+
+
+_ACC = "integrations/accelerate.py"
+_TR = "integrations/trainer.py"
+SEAMS: tuple[Seam, ...] = (
+    # Accelerate (group "accelerate", installed by register()). Accelerate has no plugin registry.
+    Seam("accelerate.accelerator.fsdp2_prepare_model", PATCHED, _ACC,
+         "shard with hf_fsdp2 instead of Accelerate's root-level fully_shard"),
+    Seam("accelerate.accelerator.Accelerator.__init__", PATCHED, _ACC,
+         "CPU-only FSDP: Accelerate picks MULTI_CPU without a device; we turn it into FSDP on gloo"),
+    Seam("accelerate.accelerator.Accelerator._prepare_fsdp2", PATCHED, _ACC,
+         "layer names from a yaml string or the PEFT base's _no_split_modules; FP8 scale hook on optimizers"),
+    Seam("accelerate.accelerator.Accelerator._prepare_ao", PATCHED, _ACC,
+         "under FSDP2, FP8 conversion happens in shard_model (per layer group), not Accelerate's"),
+    Seam("accelerate.accelerator.Accelerator.save_model", PATCHED, _ACC,
+         "gather-free safetensors in Hugging Face format"),
+    Seam("accelerate.accelerator.Accelerator.save_state", PATCHED, _ACC,
+         "gather-free, atomic training state (optionally in the background)"),
+    Seam("accelerate.accelerator.Accelerator.load_state", PATCHED, _ACC,
+         "each rank reads only its own rows, whatever the saving mesh"),
+    Seam("accelerate.parallelism_config.ParallelismConfig._validate_accelerator", SCOPED, _ACC,
+         "it rejects the MULTI_CPU state that Accelerator.__init__ passes through before we make it FSDP"),
+    # The Transformers Trainer (group "trainer", installed by register()).
+    Seam("transformers.TrainingArguments.__post_init__", PATCHED, _TR,
+         "the Trainer flag: fsdp settings from the arguments, CPU-only FSDP allowed"),
+    Seam("transformers.Trainer.save_model", PATCHED, _TR, "gather-free save of a model we sharded"),
+    Seam("transformers.Trainer._save_checkpoint", PATCHED, _TR,
+         "checkpoints as safetensors training states (no optimizer.pt pickles), rotation kept"),
+    Seam("transformers.Trainer._load_from_checkpoint", PATCHED, _TR, "resume reads each rank's own rows"),
+    Seam("transformers.Trainer._load_optimizer_and_scheduler", PATCHED, _TR,
+         "the optimizer state comes from our training state"),
+    Seam("transformers.Trainer._load_rng_state", PATCHED, _TR, "RNG state from our training state"),
+    Seam("transformers.Trainer._load_scaler", PATCHED, _TR, "the grad scaler from our training state"),
+    Seam("transformers.Trainer._load_best_model", PATCHED, _TR, "load_best_model_at_end without gathering"),
+    # torch.
+    Seam("torch.distributed.destroy_process_group", PATCHED, "checkpoint/async_save.py",
+         "a background save still needs its agreement group: wait for it before the groups go"),
+    Seam("torch.nn.Module.register_parameter", SCOPED, "checkpoint/pretrained.py",
+         "build a model with parameters on meta but real buffers (rotary inv_freq is not in checkpoints)"),
+    Seam("torch.distributed.fsdp._fully_shard._fully_shard.fully_shard", CLASS_SWAPPED,
+         "checkpoint/key_conversion.py",
+         "fully_shard makes each module an FSDP<Name>(FSDPModule, Name); transformers finds weight "
+         "conversions by class name, so the lookup is shown the original classes"),
+    Seam("torch.distributed.fsdp._fully_shard._fsdp_collectives.DefaultAllGather.__call__", SUBCLASSED,
+         "quantization/fp8.py", "gloo has no float8 dtype: float8 all-gather inputs travel as bytes"),
+    # bitsandbytes.
+    Seam("bitsandbytes.nn.modules.Linear4bit.forward", CLASS_SWAPPED, "quantization/bnb_4bit.py",
+         "a sharded 4-bit layer dequantizes its gathered packed rows itself (bitsandbytes' forward "
+         "expects its own Params4bit and QuantState)"),
+)
+_BY_TARGET = {seam.target: seam for seam in SEAMS}
+
+# target -> (owner, name, original, replacement, group), in installation order
+_installed: dict[str, tuple[Any, str, Any, Any, str]] = {}
+
+
+def seam(target: str) -> Seam:
+    """The declared seam for `target`; an undeclared target is a programming error."""
+    if target not in _BY_TARGET:
+        raise AssertionError(f"{target} is not declared in hf_fsdp2/runtime/upstream.py SEAMS")
+    return _BY_TARGET[target]
+
+
+def resolve(target: str) -> tuple[Any, str]:
+    """'pkg.module.Class.attr' -> (the object holding the attribute, 'attr'): the longest importable
+    module prefix, then attributes."""
+    parts = target.split(".")
+    for cut in range(len(parts) - 1, 0, -1):
+        try:
+            owner = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for part in parts[cut:-1]:
+            owner = getattr(owner, part)
+        return owner, parts[-1]
+    raise ImportError(f"cannot import any module of {target}")
+
+
+def lookup(target: str) -> Any:
+    """The upstream object now at `target` (ours while patched)."""
+    owner, name = resolve(target)
+    return getattr(owner, name)
+
+
+def replace(target: str, replacement: Any, group: str) -> None:
+    """Install `replacement` at the PATCHED `target` as part of `group` (idempotent per target)."""
+    if seam(target).how != PATCHED:
+        raise AssertionError(f"{target} is declared {seam(target).how}, not {PATCHED}")
+    if target in _installed:
+        return
+    owner, name = resolve(target)
+    _installed[target] = (owner, name, getattr(owner, name), replacement, group)
+    setattr(owner, name, replacement)
+
+
+def installed(group: str | None = None) -> list[str]:
+    return [t for t, entry in _installed.items() if group is None or entry[4] == group]
+
+
+def original(target: str) -> Any:
+    """The upstream function a PATCHED `target` held before we replaced it."""
+    if target not in _installed:
+        raise AssertionError(f"{target} is not patched")
+    return _installed[target][2]
+
+
+def restore(group: str) -> None:
+    """Put back every attribute of `group`, last installed first."""
+    for target in reversed(installed(group)):
+        owner, name, previous, _, _ = _installed.pop(target)
+        setattr(owner, name, previous)
+
+
+def foreign(group: str) -> list[tuple[str, Any]]:
+    """(target, what it holds now) for each of `group`'s targets that someone rebound after us."""
+    out = []
+    for target in installed(group):
+        owner, name, _, ours, _ = _installed[target]
+        current = getattr(owner, name)
+        if current is not ours:
+            out.append((target, current))
+    return out
+
+
+def reinstate(target: str) -> None:
+    """Put our replacement back at `target` (after `foreign` found it rebound)."""
+    owner, name, _, ours, _ = _installed[target]
+    setattr(owner, name, ours)
+
+
+@contextlib.contextmanager
+def scoped(target: str, make_replacement: Callable[[Any], Any]) -> Iterator[None]:
+    """Inside the block, the SCOPED `target` holds `make_replacement(original)`."""
+    if seam(target).how != SCOPED:
+        raise AssertionError(f"{target} is declared {seam(target).how}, not {SCOPED}")
+    owner, name = resolve(target)
+    previous = getattr(owner, name)
+    setattr(owner, name, make_replacement(previous))
+    try:
+        yield
+    finally:
+        setattr(owner, name, previous)
+
+
+def set_class(obj: Any, cls: type, target: str) -> None:
+    """`obj.__class__ = cls` for the CLASS_SWAPPED seam `target` (a subclass of obj's class, or back
+    to one of its bases)."""
+    if seam(target).how != CLASS_SWAPPED:
+        raise AssertionError(f"{target} is declared {seam(target).how}, not {CLASS_SWAPPED}")
+    if not (issubclass(cls, type(obj)) or issubclass(type(obj), cls)):
+        raise AssertionError(f"{cls.__name__} is not a subclass or base of {type(obj).__name__}")
+    obj.__class__ = cls
+
+
+def subclass_base(target: str) -> type:
+    """The private upstream class a SUBCLASSED seam extends ('...Class.method' -> Class)."""
+    if seam(target).how != SUBCLASSED:
+        raise AssertionError(f"{target} is declared {seam(target).how}, not {SUBCLASSED}")
+    owner, _ = resolve(target)
+    return owner
