@@ -56,6 +56,15 @@ def _stack_input() -> torch.Tensor:
     return torch.randn(16, 32, generator=torch.Generator().manual_seed(1))
 
 
+def _probe_loss(model, rank, world) -> float:
+    """The loss of one fixed batch, averaged over ranks: what the next step would start from."""
+    ids = local_rows(batches(steps=1, seed=7)[0], rank, world)
+    with torch.no_grad():
+        loss = model(input_ids=ids, labels=ids).loss.detach().clone()
+    torch.distributed.all_reduce(loss)
+    return loss.item() / world
+
+
 def _worker(rank, world, out):
     import hf_fsdp2
     from hf_fsdp2.quantization import fp8
@@ -80,10 +89,15 @@ def _worker(rank, world, out):
             hf_fsdp2.save_pretrained(model, f"{out}/model")
             hf_fsdp2.save_state(f"{out}/state", model, opt, step=STEPS)
             report["params"] = full_params(model)
+            report["next_loss"] = _probe_loss(model, rank, world)
             resumed = build_model(seed=1, **MODEL)
             hf_fsdp2.shard_model(resumed, hf_fsdp2.FSDP2Config(param_dtype="bf16", fp8=True))
             resumed_opt = optimizer(resumed)
             hf_fsdp2.load_state(f"{out}/state", resumed, resumed_opt)
+            report["resumed_loss"] = _probe_loss(resumed, rank, world)  # first: before anything else gathers
+            from hf_fsdp2.checkpoint.tensor_export import reshard
+
+            reshard(resumed)
             report["resumed_params"] = full_params(resumed)
     # LoRA: the frozen base layers compute and gather in float8, the adapters stay fp32, one group.
     model = lora(build_model(**MODEL))
@@ -139,6 +153,9 @@ def test_fp8_all_gather_trains_like_bf16_with_ordinary_checkpoints(tmp_path):
     assert type(loaded.model.layers[0].self_attn.q_proj) is torch.nn.Linear
     for name, value in report["resumed_params"].items():
         assert torch.equal(value, params[name]), name
+    # The resumed model gathers with the saving run's scales: its first loss is the one the saving
+    # run would have computed next (before: the scales of the weights load_state replaced).
+    assert report["resumed_loss"] == report["next_loss"]
     # LoRA over FP8 base layers.
     assert report["lora_types"] == ["Float8Linear", "Linear"]
     assert report["lora_losses"][-1] < report["lora_losses"][0]

@@ -30,7 +30,7 @@ from .safetensors_io import (
     INDEX_SUFFIX, SINGLE_FILE, CheckpointError, CheckpointFiles, FileWriter, plan_checkpoint, write_json,
 )
 from ..sharding import shard_model
-from ..quantization import bnb_4bit
+from ..quantization import bnb_4bit, fp8
 from .lora_merge import base_model_name, merged_tensors
 from .tensor_export import (
     ExportTensor, adapter_tensors, is_peft_model, local_data, model_tensors, row_range, tied_aliases,
@@ -295,6 +295,7 @@ class WeightsPlan:
     """What `load_pretrained` will read, checked against the model, before anything changes."""
 
     def __init__(self, model: nn.Module, directory: Path, strict: bool = True):
+        self.model = model
         if is_peft_model(model) and ((directory / ADAPTER_FILE).exists()
                                      or (directory / (ADAPTER_FILE + INDEX_SUFFIX)).exists()):
             self.targets, self.files = adapter_tensors(model), CheckpointFiles(directory, ADAPTER_FILE)
@@ -350,6 +351,9 @@ class WeightsPlan:
                     start, stop = row_range(module.weight)
                     rows = self.files.read_rows(self.source_of[name], start, stop)
                     bnb_4bit.finish_quantization(module, bnb_4bit.quantize_rows(module, rows))
+            # FP8 weights' all-gather scales belong to the weights just read, not the ones they replaced:
+            # a resumed run's first step must gather as the saving run's next one would have.
+            fp8.precompute_scales(self.model)
         finally:
             self.close()
 
@@ -364,7 +368,7 @@ def load_pretrained(model: nn.Module, directory: str | os.PathLike, *, strict: b
     Reads what `save_pretrained` (ours or transformers') writes: one file or an index and shards.
     For a `PeftModel` and a directory with `adapter_model.safetensors`, loads the adapter only.
     Every key, shape and dtype is checked before any weight changes.
-    Collective: call on every rank (no communication; every rank reads its rows in parallel).
+    Collective: call on every rank (every rank reads its rows in parallel; FP8 models then all-reduce their scales).
     """
     async_save.wait_pending()  # a save still in flight may be of this very directory
     WeightsPlan(model, _existing_dir(Path(directory)), strict).read(progress)

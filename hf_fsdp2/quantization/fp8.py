@@ -101,8 +101,17 @@ def has_fp8(model: nn.Module) -> bool:
 
 @torch.no_grad()
 def precompute_scales(model: nn.Module) -> None:
-    """One all-reduce for the scales of every FP8 weight of `model`. Collective: call on every rank."""
+    """One all-reduce for the scales of every FP8 weight of `model`. Collective: call on every rank.
+
+    Every FSDP group is resharded first: torchao skips a `Float8Linear` whose weight is not a DTensor
+    (`precompute_float8_dynamic_scale_for_fsdp`), which is what a group left unsharded by a forward
+    without backward holds (the root, the last layer), so that group would keep stale scales."""
     if has_fp8(model):
+        from torch.distributed.fsdp import FSDPModule
+
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()  # only frees gathered copies; no communication
         import_torchao().precompute_float8_dynamic_scale_for_fsdp(model)
 
 
