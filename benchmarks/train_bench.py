@@ -531,7 +531,9 @@ def run_rank(rank: int, world: int, job: dict) -> dict:
                     hwm_ok = reset_hwm() and hwm_ok
                     sampler.max = 0
                     grads = []
-                    plan = getattr(model, "_hf_fsdp2_layout", None)
+                    from hf_fsdp2.sharding import record_of
+
+                    plan = getattr(record_of(model), "layout", None)
                     if plan is not None and plan.chosen is not None:
                         r["layout"] = {"budget_bytes": plan.budget_bytes, "chosen": plan.chosen.describe(),
                                        "estimated_peak_bytes": plan.chosen.needed_bytes}

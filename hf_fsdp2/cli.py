@@ -1,6 +1,6 @@
 """`hf-fsdp2`: command-line tools. One subcommand per `_add_<name>` function, each with its own handler.
 
-Handlers import their module lazily, so `hf-fsdp2 --help` does not pay for importing torch.
+Handlers import their module lazily (the package itself, and so torch, is imported by any command).
 """
 
 from __future__ import annotations

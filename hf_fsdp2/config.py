@@ -263,10 +263,6 @@ class FSDP2Config:
         return number
 
     @property
-    def is_hsdp(self) -> bool:
-        return self.replicate_size > 1
-
-    @property
     def is_auto_layout(self) -> bool:
         return self.shard_size == "auto"
 

@@ -67,6 +67,7 @@ def _probe_loss(model, rank, world) -> float:
 
 def _worker(rank, world, out):
     import hf_fsdp2
+    from hf_fsdp2.sharding import record_of
     from hf_fsdp2.quantization import fp8
 
     report = {}
@@ -82,7 +83,7 @@ def _worker(rank, world, out):
         report[name] = {"gathers": _gathered_bytes(model, rank, world),
                         "losses": sharded_train(model, batches(steps=STEPS), rank, world, opt=opt)}
         if fp8_on:
-            report["conversion"] = (model._hf_fsdp2_fp8.converted, model._hf_fsdp2_fp8.skipped)
+            report["conversion"] = (record_of(model).fp8.converted, record_of(model).fp8.skipped)
             layer = model.model.layers[0]
             report["types"] = [type(layer.self_attn.q_proj).__name__, type(layer.mlp.up_proj).__name__]
             report["scale_precomputed"] = layer.self_attn.q_proj.weight._local_tensor._precomputed_scale is not None

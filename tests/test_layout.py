@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from hf_fsdp2 import FSDP2Config
+from hf_fsdp2.sharding import record_of
 from hf_fsdp2.cli import main as cli_main
 from hf_fsdp2.sharding.layout import plan_layout
 from hf_fsdp2.sharding.memory import prepare_meta_model
@@ -95,16 +96,16 @@ def _auto_and_compile(rank: int, world: int, root: str) -> dict:
     plan_for = dict(plan_batch_size=GLOBAL_BATCH // world, plan_seq_len=SEQ)
     # An ample budget: replication (S=1, 2 replicas of 1 rank), the cheapest layout.
     model = shard_model(build_model(), FSDP2Config(shard_size="auto", memory_budget="20GB", **plan_for))
-    out["ample"] = model._hf_fsdp2_config.to_dict()
-    out["ample_mesh"] = tuple(model._hf_fsdp2_mesh.shape)
+    out["ample"] = record_of(model).config.to_dict()
+    out["ample_mesh"] = tuple(record_of(model).mesh.shape)
     out["losses"] = sharded_train(model, data, rank, world)
     save_pretrained(model, Path(root) / "auto")
     trained = full_params(model)
     # A budget only full sharding fits (the need of that candidate, from the plan itself).
-    need = next(c for c in model._hf_fsdp2_layout.candidates
+    need = next(c for c in record_of(model).layout.candidates
                 if c.shard_size == world and not (c.reshard_after_forward or c.activation_checkpointing)).needed_bytes
     other = shard_model(build_model(seed=3), FSDP2Config(shard_size="auto", memory_budget=need, **plan_for))
-    out["tight"] = other._hf_fsdp2_config.to_dict()
+    out["tight"] = record_of(other).config.to_dict()
     load_pretrained(other, Path(root) / "auto")  # written by the replicated layout, read by the sharded one
     out["resumed_equal"] = all(torch.equal(a, b) for a, b in zip(full_params(other).values(), trained.values()))
 

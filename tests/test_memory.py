@@ -13,8 +13,10 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from hf_fsdp2 import FSDP2Config, from_pretrained, shard_model
 from hf_fsdp2.cli import main
-from hf_fsdp2.sharding.memory import build_meta_model, estimate_memory, shard_rows, trace_activations
-from hf_fsdp2.sharding import apply_activation_checkpointing, find_layers, plan_groups
+from hf_fsdp2.sharding.activation_trace import trace_activations
+from hf_fsdp2.sharding.memory import estimate_memory, shard_rows
+from hf_fsdp2.sharding.meta_model import build_meta_model
+from hf_fsdp2.sharding import apply_activation_checkpointing, find_layers, plan_groups, record_of
 
 from .common import batches, build_model, local_rows, lora, optimizer, tiny_config
 from .dist_harness import run_ranks
@@ -119,7 +121,7 @@ def _measure(rank, world, names, group_names, checkpoints):
         else:
             model = _model(lora_r, overrides)
             shard_model(model, FSDP2Config(**config_kwargs))
-        mesh = model._hf_fsdp2_mesh
+        mesh = record_of(model).mesh
         shard_rank = mesh.get_local_rank("dp_shard") if mesh.ndim > 1 else rank
         gathered = _record_gathered(model, group_names[name])
         ids = local_rows(batches(steps=1, vocab=MODEL["vocab_size"])[0], rank, world)

@@ -23,6 +23,7 @@ from transformers import AutoModelForCausalLM, BitsAndBytesConfig, LlamaForCausa
 
 from hf_fsdp2.quantization.bnb_4bit import (  # noqa: E402
     dequantize_rows, finish_quantization, prepare_4bit_modules, quant_state, quantize_rows)
+from hf_fsdp2.quantization.bnb_4bit import spec_of as bnb_4bit_spec_of  # noqa: E402
 from tests.common import (  # noqa: E402
     batches, count_collectives, full_params, local_rows, optimizer, plain_params, reference_train, sharded_train,
     tiny_config)
@@ -67,7 +68,7 @@ def lora_config() -> LoraConfig:
 def dequantized(module) -> torch.Tensor:
     """The dequantized weight of a stock `Linear4bit` or of a sharded one (while its group is gathered)."""
     base = getattr(module, "base_layer", module)
-    if hasattr(base, "_hf_fsdp2_4bit"):
+    if bnb_4bit_spec_of(base) is not None:
         return F.dequantize_4bit(base.weight.reshape(-1, 1), quant_state(base))
     return F.dequantize_4bit(base.weight, base.weight.quant_state)
 

@@ -194,8 +194,10 @@ def start(directory: Path, commit: Callable[..., None], items: dict[str, Sequenc
     except BaseException as error:
         # The other ranks' background commits are already on their way to the agreement: this rank's
         # commit goes there too and fails it, so they raise promptly instead of waiting for a timeout.
+        cause = error  # `error` is unbound when the except block ends; the background thread raises later
+
         def fail(staging: Path) -> None:
-            raise error
+            raise cause
 
         submit(directory, lambda group: commit(*staged, fail, group))._reported = True  # raised here, now
         raise

@@ -86,12 +86,9 @@ def _original_classes(model: nn.Module) -> Iterator[None]:
 
 def _conversions(model: nn.Module) -> list | None:
     """Transformers' reversed converters for `model` as `revert_weight_conversion` builds them, or None
-    (transformers 4, no mapping, or not a PreTrainedModel)."""
-    try:  # transformers >= 5
-        from transformers.conversion_mapping import get_model_conversion_mapping
-    except ImportError:  # transformers 4.x: checkpoints are stored as in memory
-        return None
+    (no mapping, or not a PreTrainedModel)."""
     from transformers import PreTrainedModel
+    from transformers.conversion_mapping import get_model_conversion_mapping
 
     if not isinstance(model, PreTrainedModel):
         return None

@@ -23,7 +23,8 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from ..quantization import bnb_4bit
-from .tensor_export import ExportTensor, local_data, model_tensors, row_range
+from .tensor_export import ExportTensor, model_tensors, row_range
+from ..runtime.distributed import local_tensor
 
 RowsDelta = Callable[[int, int], torch.Tensor]  # (first row, stop row) -> float32 delta of those rows
 
@@ -105,7 +106,7 @@ def merged_tensors(model: nn.Module, dtype: torch.dtype | None) -> list[ExportTe
             continue
         if id(tensor) in quantized:  # written dequantized: a plain model, as PEFT's merge gives before requantizing
             module = quantized[id(tensor)]
-            spec = module._hf_fsdp2_4bit
+            spec = bnb_4bit.spec_of(module)
             out_dtype = dtype if dtype is not None else spec.dtype
             items.append(ExportTensor(hf_name, tensor, out_dtype, _dequantized_rows(module, deltas.get(id(tensor))),
                                       shape=(spec.out_features, spec.in_features)))
@@ -121,7 +122,7 @@ def _dequantized_rows(module: nn.Module, delta: RowsDelta | None) -> Callable[[]
     quantization blocks, see quantization/bnb_4bit.py), plus the adapter's delta of those rows."""
     def compute() -> torch.Tensor:
         start, stop = row_range(module.weight)
-        w = bnb_4bit.dequantize_rows(module, local_data(module.weight), local_data(module.weight_absmax), start)
+        w = bnb_4bit.dequantize_rows(module, local_tensor(module.weight), local_tensor(module.weight_absmax), start)
         return w if delta is None else (w.float() + delta(start, stop).to(w.device)).to(w.dtype)
 
     return compute
@@ -131,7 +132,7 @@ def _merged_rows(weight: torch.Tensor, delta: RowsDelta, cache: dict) -> Callabl
     def compute() -> torch.Tensor:
         if cache.get("weight") is not weight:
             start, stop = row_range(weight)
-            w = local_data(weight)
+            w = local_tensor(weight)
             cache["weight"], cache["block"] = weight, (w.float() + delta(start, stop).to(w.device)).to(w.dtype)
         return cache["block"]
 

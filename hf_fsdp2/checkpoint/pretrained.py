@@ -25,6 +25,7 @@ from .atomic_dir import committed_directory
 from .key_conversion import DiskView, disk_views
 from ..config import FSDP2Config, parse_dtype
 from ..runtime import collectives, upstream
+from ..runtime.distributed import local_tensor
 from ..runtime.distributed import build_mesh
 from .safetensors_io import (
     INDEX_SUFFIX, SINGLE_FILE, CheckpointError, CheckpointFiles, FileWriter, plan_checkpoint, write_json,
@@ -33,11 +34,10 @@ from ..sharding import shard_model
 from ..quantization import bnb_4bit, fp8
 from .lora_merge import base_model_name, merged_tensors
 from .tensor_export import (
-    ExportTensor, adapter_tensors, is_peft_model, local_data, model_tensors, row_range, tied_aliases,
+    ExportTensor, adapter_tensors, is_peft_model, model_tensors, row_range, tied_aliases,
 )
 
 ADAPTER_FILE = "adapter_model.safetensors"
-ADAPTER_CONFIG = "adapter_config.json"
 PROGRESS_MIN_BYTES = 1 << 30  # progress bars for checkpoints of 1 GiB and more
 
 
@@ -268,7 +268,7 @@ def read_tensors(targets: dict[str, torch.Tensor], files: CheckpointFiles, sourc
         for name, source in source_of.items():
             view, target = views[name] if views and name in views else (None, targets[name])
             start, stop = row_range(target)
-            local = local_data(target)
+            local = local_tensor(target)
             where = slice(None)
             if view is not None:
                 start, stop, where = view.rows_from(start, stop)
@@ -326,7 +326,7 @@ class WeightsPlan:
             module = modules.get(id(tensor))
             if module is None:
                 continue
-            spec = module._hf_fsdp2_4bit
+            spec = bnb_4bit.spec_of(module)
             self.quantized[name] = module
             self.targets[name] = torch.empty(spec.out_features, spec.in_features, dtype=spec.dtype, device="meta")
             del self.targets[name + "_absmax"]

@@ -16,8 +16,9 @@ import torch.nn as nn
 from ..config import FSDP2Config
 from ..quantization import bnb_4bit
 from ..runtime import collectives
+from ..runtime.distributed import local_tensor
 from ..sharding import shard_model
-from .tensor_export import local_data, model_tensors, row_range
+from .tensor_export import model_tensors, row_range
 
 # What a 4-bit layer dequantizes to, as one number rank 0 broadcasts (meta layers have no QuantState).
 _DEQUANT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -52,7 +53,7 @@ def shard_from_rank0(model: nn.Module, config: FSDP2Config, mesh) -> nn.Module:
                     else torch.empty(target.shape, dtype=target.dtype, device=device))
             collectives.broadcast_from_first(full, mesh)
             start, stop = row_range(target)
-            local = local_data(target)
+            local = local_tensor(target)
             local.copy_(full[start:stop] if full.dim() else full)
     return model
 

@@ -123,10 +123,6 @@ class FileLayout:
         spec = self.specs[name]
         return self.begins[name] + row * spec.row_bytes
 
-    @property
-    def data_bytes(self) -> int:
-        return self.size - len(self.header)
-
 
 def dtype_name(dtype: torch.dtype) -> str:
     if dtype not in _DTYPES:

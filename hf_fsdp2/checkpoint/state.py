@@ -25,7 +25,6 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
@@ -35,16 +34,13 @@ from .atomic_dir import committed_directory, old_path, staging_path
 from .pretrained import ADAPTER_FILE, WeightsPlan, export_items, load_tensors, write_configs, write_tensors
 from .safetensors_io import CheckpointError, CheckpointFiles, TensorSpec, read_json_file, write_json
 from .tensor_export import ExportTensor, model_tensors
+from ..runtime import collectives
 
 logger = logging.getLogger(__name__)
 FORMAT = "hf_fsdp2.state/1"  # on-disk format id: never renamed with the module
 MARKER = "COMPLETE.json"
 MANIFEST = "hf_fsdp2_state.json"  # not trainer_state.json: the Trainer writes its own beside it
 OPTIMIZER_FILE = "optimizer.safetensors"
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -253,7 +249,7 @@ def save_state(directory: str | os.PathLike, model: nn.Module, optimizer: torch.
         "format": FORMAT,
         "step": step,
         "extra": _to_json(extra or {}, "`extra`"),
-        "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+        "world_size": collectives.world_size(),
         "weights": ADAPTER_FILE if is_adapter else "model.safetensors",
         "optimizer_class": type(optimizer).__name__,
         "param_groups": _to_json(groups, "optimizer param groups"),
@@ -283,8 +279,8 @@ def save_state(directory: str | os.PathLike, model: nn.Module, optimizer: torch.
             if opt_items:
                 write_tensors(opt_items, staging, weights_name=OPTIMIZER_FILE, progress=progress, durable=durable)
             (staging / "rng").mkdir(exist_ok=True)
-            write_json(staging / "rng" / f"rank-{_rank():05d}.json", rng, durable=durable)
-            if _rank() == 0:
+            write_json(staging / "rng" / f"rank-{collectives.rank():05d}.json", rng, durable=durable)
+            if collectives.rank() == 0:
                 small_files(staging)
                 write_json(staging / MANIFEST, manifest, durable=durable)
                 write_json(staging / MARKER, {"format": FORMAT, "step": step}, durable=durable)
@@ -377,7 +373,7 @@ def load_state(directory: str | os.PathLike, model: nn.Module, optimizer: torch.
 
 def _rng_file(directory: Path) -> Path:
     """Rank r's saved RNG states (rank 0's when the checkpoint had fewer ranks)."""
-    rng_file = directory / "rng" / f"rank-{_rank():05d}.json"
+    rng_file = directory / "rng" / f"rank-{collectives.rank():05d}.json"
     return rng_file if rng_file.exists() else directory / "rng" / "rank-00000.json"
 
 

@@ -12,13 +12,14 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from .key_conversion import DiskView
 from .safetensors_io import TensorSpec
+from ..runtime import collectives
+from ..runtime.distributed import local_tensor
 from ..sharding import canonical_name
 
 
@@ -51,7 +52,7 @@ class ExportTensor:
 
     def block(self) -> torch.Tensor:
         """This rank's rows of the file tensor (those `rows()` names)."""
-        data = self.local_rows() if self.local_rows is not None else local_data(self.tensor)
+        data = self.local_rows() if self.local_rows is not None else local_tensor(self.tensor)
         if self.view is None:
             return data
         return data[self.view.rows_from(*row_range(self.tensor))[2]]
@@ -74,15 +75,11 @@ def row_range(tensor: torch.Tensor) -> tuple[int, int]:
 def is_writer(tensor: torch.Tensor) -> bool:
     """Exactly one copy of every row is written: replicas other than coordinate 0 stay silent."""
     if not isinstance(tensor, DTensor):
-        return not dist.is_initialized() or dist.get_rank() == 0
+        return collectives.rank() == 0
     coords = tensor.device_mesh.get_coordinate()
     if coords is None:
         return False
     return all(c == 0 for c, p in zip(coords, tensor.placements) if isinstance(p, Replicate))
-
-
-def local_data(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def persistent_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:

@@ -29,8 +29,9 @@ from ..runtime.distributed import build_mesh
 from ..checkpoint.pretrained import save_pretrained
 from ..checkpoint.rank0_loading import shard_from_rank0
 from . import fsdp1_configs
+from .accelerate_settings import AccelerateSettings, fsdp2_values, layer_names
 from ..quantization import fp8
-from ..sharding import shard_model, unwrap_peft
+from ..sharding import is_sharded, record_of, shard_model, unwrap_peft
 from ..sharding.layout import resolve_auto_layout
 from ..checkpoint.errors import CheckpointError
 from ..runtime import upstream, versions
@@ -115,20 +116,11 @@ def _original(owner_name: str, name: str):
 
 def _is_ours(accelerator) -> bool:
     return getattr(accelerator, "is_fsdp2", False) and any(
-        hasattr(m, "_hf_fsdp2_mesh") for m in getattr(accelerator, "_models", []))
+        is_sharded(m) for m in getattr(accelerator, "_models", []))
 
 
 # ---------------------------------------------------------------------------------------------
 # Turning Accelerate's settings into an FSDP2Config
-
-
-def _layer_names(raw: Any) -> list[str] | None:
-    """Class names from the plugin: a comma string, a list, or the launcher's mangled `str(list)`."""
-    if raw is None:
-        return None
-    items = raw.split(",") if isinstance(raw, str) else list(raw)
-    names = [str(item).strip().strip("[]").strip().strip("'\"").strip() for item in items]
-    return [n for n in names if n] or None
 
 
 # Every field of Accelerate's `FullyShardedDataParallelPlugin` and what becomes of it with hf_fsdp2, so
@@ -175,30 +167,24 @@ def config_from_accelerator(accelerator) -> FSDP2Config:
     from torch.distributed.fsdp import CPUOffloadPolicy
 
     _refuse_fsdp1_only(plugin)
-    values: dict[str, Any] = {
-        **_wrap_policy(plugin),
-        "layer_cls_names": _layer_names(plugin.transformer_cls_names_to_wrap),
-        "reshard_after_forward": plugin.reshard_after_forward,
-        "cpu_offload": isinstance(plugin.cpu_offload, CPUOffloadPolicy) or plugin.cpu_offload is True,
-        # Accelerate already wrapped the layers (fsdp2_apply_ac) when its yaml asked for it.
-        "activation_checkpointing": False,
-        # Gradients are reduced in fp32 whatever the compute dtype (Accelerate would reduce in bf16).
-        "param_dtype": {"bf16": "bf16", "fp16": "fp16", "fp8": "bf16"}.get(str(accelerator.mixed_precision)),
-    }
     if str(accelerator.mixed_precision) == "fp8":
         # Accelerate's FP8 with the torchao backend is ours: the layers' linears in FP8, FP8 all-gather.
         backend = str(getattr(accelerator, "fp8_backend", ""))
         if not backend.endswith("AO"):
             raise ValueError(f"`mixed_precision: fp8` with the {backend or 'default'} backend: hf_fsdp2 runs FP8 "
                              "through torchao only; set `fp8_config: backend: AO` (or AORecipeKwargs).")
-        values["fp8"] = True
+    pc = getattr(accelerator, "parallelism_config", None)
+    values = fsdp2_values(AccelerateSettings(
+        **_wrap_policy(plugin),
+        layer_names=plugin.transformer_cls_names_to_wrap,
+        reshard_after_forward=plugin.reshard_after_forward,
+        cpu_offload=isinstance(plugin.cpu_offload, CPUOffloadPolicy) or plugin.cpu_offload is True,
+        mixed_precision=str(accelerator.mixed_precision),
+        replicate_size=getattr(pc, "dp_replicate_size", 1) if pc is not None else 1,
+        shard_size=getattr(pc, "dp_shard_size", 1) if pc is not None else 1))
     policy = getattr(plugin, _USER_POLICY, None)
     if policy is not None:
         values.update(_policy_dtypes(policy))
-    pc = getattr(accelerator, "parallelism_config", None)
-    if pc is not None and getattr(pc, "dp_replicate_size", 1) > 1:
-        values["replicate_size"] = pc.dp_replicate_size
-        values["shard_size"] = pc.dp_shard_size if getattr(pc, "dp_shard_size", 1) > 1 else None
     values.update(_overrides)
     values.update(env_overrides())
     return FSDP2Config.from_dict(values, source="Accelerate config")
@@ -314,7 +300,7 @@ def _prepare_fsdp2(self, *args):
     _refuse_bitsandbytes_optimizers(args)
     plugin = self.state.fsdp_plugin
     model = next((a for a in args if isinstance(a, nn.Module)), None)
-    names = _layer_names(plugin.transformer_cls_names_to_wrap)
+    names = layer_names(plugin.transformer_cls_names_to_wrap)
     if names is None and model is not None:
         names = list(getattr(unwrap_peft(model), "_no_split_modules", None) or []) or None
     plugin.transformer_cls_names_to_wrap = names
@@ -349,7 +335,7 @@ def _prepare_ao(self, *args):
 
 def _fsdp2_prepare_model(accelerator, model: nn.Module) -> nn.Module:
     """Replaces `accelerate.utils.fsdp_utils.fsdp2_prepare_model`: shard with hf_fsdp2."""
-    if hasattr(model, "_hf_fsdp2_mesh"):
+    if is_sharded(model):
         return model
     config = config_from_accelerator(accelerator)
     ignored = accelerator.state.fsdp_plugin.ignored_modules
@@ -414,7 +400,7 @@ def _save_state(self, output_dir=None, safe_serialization=True, **kwargs):
         raise ValueError("hf_fsdp2's save_state needs the optimizer prepared with the model.")
     keep = config.total_limit if config.automatic_checkpoint_naming else None
     save_state(output_dir, model, optimizer, step=self.save_iteration, extra=_accelerate_extra(self),
-               keep_last=keep, blocking=not model._hf_fsdp2_config.async_save)
+               keep_last=keep, blocking=not record_of(model).config.async_save)
     config.iteration += 1
     return output_dir
 

@@ -18,6 +18,7 @@ from ..checkpoint import async_save
 from ..checkpoint.pretrained import load_pretrained, save_pretrained
 from ..checkpoint.state import MANIFEST, load_rng_state, load_state, save_state
 from ..runtime import upstream
+from ..sharding import is_sharded, record_of
 
 GROUP = "trainer"
 
@@ -77,7 +78,7 @@ def _post_init(self):
 
 
 def _ours(trainer) -> bool:
-    return hasattr(trainer.model, "_hf_fsdp2_mesh")
+    return is_sharded(trainer.model)
 
 
 def _extra_files(trainer, with_state: bool):
@@ -135,7 +136,7 @@ def _save_checkpoint(self, model, trial) -> None:
 
     # The last checkpoint of the run is saved blocking: nothing is left to overlap, and the Trainer's
     # end-of-training bookkeeping (best model, deleting checkpoints over the limit) must see it.
-    blocking = not self.model._hf_fsdp2_config.async_save or self.state.global_step >= self.state.max_steps
+    blocking = not record_of(self.model).config.async_save or self.state.global_step >= self.state.max_steps
     if self.args.save_only_model:  # the weights and trainer_state.json; nothing to resume training from
         save_pretrained(self.model, output_dir, write_extra=_extra_files(self, with_state=True),
                         blocking=blocking, after_commit=rotate)

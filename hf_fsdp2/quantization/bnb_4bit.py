@@ -39,8 +39,10 @@ import torch
 import torch.nn as nn
 
 from ..runtime import upstream
+from ..runtime.distributed import local_tensor
 
 INSTALL_HINT = "pip install 'hf_fsdp2[qlora]' (bitsandbytes >= 0.50)"
+_SPEC = "_hf_fsdp2_4bit"  # where a prepared layer keeps its Quant4bitSpec (read through spec_of)
 NESTED_BLOCKSIZE = 256  # bitsandbytes' double quantization: quantize_blockwise(absmax, blocksize=256)
 
 
@@ -70,7 +72,12 @@ def refuse_8bit_modules(model: nn.Module) -> None:
 
 
 def is_sharded_4bit(module: nn.Module) -> bool:
-    return getattr(module, "_hf_fsdp2_4bit", None) is not None
+    return spec_of(module) is not None
+
+
+def spec_of(module: nn.Module) -> Quant4bitSpec | None:
+    """The spec of a `Linear4bit` that `prepare_4bit_modules` gave the row layout (else None)."""
+    return module.__dict__.get(_SPEC)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,7 +192,7 @@ def _install(module: nn.Module, spec: Quant4bitSpec, packed: torch.Tensor, absma
         module.register_buffer("weight_nested_quant_map", nested_code, persistent=False)
         module.register_buffer("weight_offset", torch.as_tensor(offset, dtype=torch.float32), persistent=False)
     module.quant_state = None  # the old state's tensors are now ours; drop bitsandbytes' reference
-    module._hf_fsdp2_4bit = spec
+    module.__dict__[_SPEC] = spec
     upstream.set_class(module, _sharded_class(type(module)), "bitsandbytes.nn.modules.Linear4bit.forward")
 
 
@@ -205,7 +212,7 @@ def quant_state(module: nn.Module, packed: torch.Tensor | None = None, absmax: t
     `first_row` (whole blocks, so the nested absmax codes are decoded by their global block index)."""
     import bitsandbytes.functional as F
 
-    spec: Quant4bitSpec = module._hf_fsdp2_4bit
+    spec: Quant4bitSpec = spec_of(module)
     packed = module.weight if packed is None else packed
     absmax = module.weight_absmax if absmax is None else absmax
     rows = packed.shape[0]
@@ -248,7 +255,7 @@ def dequantize_rows(module: nn.Module, packed: torch.Tensor, absmax: torch.Tenso
     import bitsandbytes.functional as F
 
     if packed.shape[0] == 0:
-        return torch.empty(0, module._hf_fsdp2_4bit.in_features, dtype=module._hf_fsdp2_4bit.dtype)
+        return torch.empty(0, spec_of(module).in_features, dtype=spec_of(module).dtype)
     return F.dequantize_4bit(packed.reshape(-1, 1), quant_state(module, packed, absmax, first_row))
 
 
@@ -261,10 +268,6 @@ def sharded_4bit_weights(model: nn.Module) -> dict[int, nn.Module]:
     return {id(m.weight): m for m in model.modules() if is_sharded_4bit(m)}
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
 def quantize_rows(module: nn.Module, rows: torch.Tensor) -> torch.Tensor:
     """Quantize `rows` (this rank's [r, in] rows of the float weight) into the module's local packed
     shard; returns their fp32 absmax (one per block), which `finish_quantization` stores.
@@ -274,8 +277,8 @@ def quantize_rows(module: nn.Module, rows: torch.Tensor) -> torch.Tensor:
     weight's quantization."""
     import bitsandbytes.functional as F
 
-    spec: Quant4bitSpec = module._hf_fsdp2_4bit
-    packed = _local(module.weight)
+    spec: Quant4bitSpec = spec_of(module)
+    packed = local_tensor(module.weight)
     if rows.shape[0] == 0:
         return torch.empty(0, dtype=torch.float32)
     quantized, state = F.quantize_4bit(rows.to(spec.dtype).contiguous(), blocksize=spec.blocksize,
@@ -294,8 +297,8 @@ def finish_quantization(module: nn.Module, absmax: torch.Tensor) -> None:
 
     from ..runtime import collectives
 
-    spec: Quant4bitSpec = module._hf_fsdp2_4bit
-    local = _local(module.weight_absmax)
+    spec: Quant4bitSpec = spec_of(module)
+    local = local_tensor(module.weight_absmax)
     rows = absmax.numel() // (spec.in_features // spec.blocksize)
     if not spec.nested:
         local[:rows].copy_(absmax.view(torch.uint8).view(rows, -1))

@@ -12,6 +12,11 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from ..config import FSDP2Config
 from . import collectives
 
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a DTensor (FSDP2's sharded parameters); any other tensor as it is."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
 SHARD_DIM = "dp_shard"
 REPLICATE_DIM = "dp_replicate"
 # A rank that dies inside a collective leaves the others waiting; this bounds the wait.

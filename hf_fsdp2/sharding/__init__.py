@@ -1,8 +1,9 @@
 """Sharding: groups.py decides which modules become which `fully_shard` group, memory.py computes what
 a layout costs per rank, layout.py picks the cheapest layout that fits (`shard_size="auto"`),
-compile.py compiles each decoder layer, and engine.py applies it all (`shard_model`).
+compile.py compiles each decoder layer, engine.py applies it all (`shard_model`), and record.py holds
+what hf_fsdp2 knows about a model it sharded (`record_of`).
 
-Dependencies point one way: groups <- memory <- layout <- engine; compile <- engine.
+Dependencies point one way: groups <- memory <- layout <- engine; compile <- engine; record <- all.
 """
 
 from .engine import (  
@@ -13,6 +14,7 @@ from .engine import (
     no_sync,
     shard_model,
 )
+from .record import ShardedModel, is_sharded, record_of
 from .groups import (  
     ShardPlan,
     apply_frozen_dtype,
@@ -27,7 +29,7 @@ from .groups import (
 )
 
 __all__ = [
-    "ShardPlan", "apply_activation_checkpointing", "apply_fp8", "apply_frozen_dtype", "apply_fsdp", "canonical_name",
+    "ShardPlan", "ShardedModel", "is_sharded", "record_of", "apply_activation_checkpointing", "apply_fp8", "apply_frozen_dtype", "apply_fsdp", "canonical_name",
     "find_layers", "ignored_parameters", "materialize", "no_sync", "plan_groups", "resolve_layer_class_names",
     "resolve_shared_parameters", "shard_model", "size_based_groups", "unwrap_peft",
 ]

@@ -25,6 +25,7 @@ from typing import Any
 import torch.nn as nn
 
 from .groups import unwrap_peft
+from .record import record_of
 
 
 def is_compiled(module: nn.Module) -> bool:
@@ -46,9 +47,10 @@ def disable_cache_in_training(model: nn.Module) -> None:
     would specialise a compiled layer's graph per layer. Evaluation and `generate` keep the cache, and
     the config is untouched, so a saved config.json is what stock writes. A model whose forward takes
     no `use_cache` argument gets `config.use_cache = False` instead (text config too). Idempotent."""
-    if getattr(model, "_hf_fsdp2_no_cache_in_training", False):
+    record = record_of(model, create=True)
+    if record.no_cache_in_training:
         return
-    model._hf_fsdp2_no_cache_in_training = True
+    record.no_cache_in_training = True
     base = unwrap_peft(model)
     if "use_cache" not in inspect.signature(base.forward).parameters:
         config = getattr(base, "config", None)

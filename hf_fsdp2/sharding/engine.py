@@ -24,10 +24,12 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from ..config import FSDP2Config
 from ..quantization import fp8
 from ..quantization.bnb_4bit import prepare_4bit_modules, refuse_8bit_modules
-from ..runtime.distributed import build_mesh, default_device
+from ..runtime import collectives
+from ..runtime.distributed import build_mesh, default_device, local_tensor
 from .compile import compile_layers, disable_cache_in_training, is_compiled
 from .groups import ShardPlan, apply_frozen_dtype, plan_groups, replicated_frozen_parameters, unwrap_peft
 from .layout import resolve_auto_layout
+from .record import record_of
 
 
 # ---------------------------------------------------------------------------------------------
@@ -36,11 +38,11 @@ from .layout import resolve_auto_layout
 
 def apply_fp8(model: nn.Module, plan: ShardPlan) -> fp8.Fp8Conversion:
     """The decoder layers' linears to torchao Float8Linear with FP8 all-gather; what was kept and why
-    is logged on rank 0 and kept on the model (`_hf_fsdp2_fp8`)."""
+    is logged on rank 0 and kept in the model's record (`record_of(model).fp8`)."""
     conversion = fp8.convert(model, plan.layers)
-    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+    if collectives.rank() == 0:
         logging.getLogger("hf_fsdp2").warning(conversion.summary())
-    model._hf_fsdp2_fp8 = conversion
+    record_of(model, create=True).fp8 = conversion
     return conversion
 
 
@@ -155,11 +157,8 @@ def materialize(model: nn.Module, device: torch.device, *, init_weights: bool = 
     computed) are kept and put back. transformers' `_init_weights` fills the rest and recomputes
     non-persistent buffers such as rotary `inv_freq` (modeling_utils.PreTrainedModel._init_weights).
     """
-    def local(t: torch.Tensor) -> torch.Tensor:
-        return t.to_local() if hasattr(t, "to_local") else t
-
-    real = {name: local(t).detach().clone() for name, t in [*model.named_parameters(), *model.named_buffers()]
-            if not local(t).is_meta}
+    real = {name: local_tensor(t).detach().clone() for name, t in [*model.named_parameters(), *model.named_buffers()]
+            if not local_tensor(t).is_meta}
     model.to_empty(device=device)
     with torch.no_grad():
         if init_weights:
@@ -172,7 +171,7 @@ def materialize(model: nn.Module, device: torch.device, *, init_weights: bool = 
                     module.reset_parameters()
         for name, t in [*model.named_parameters(), *model.named_buffers()]:
             if name in real:
-                local(t).copy_(real[name])
+                local_tensor(t).copy_(real[name])
 
 
 def _is_meta(model: nn.Module) -> bool:
@@ -228,8 +227,8 @@ def shard_model(
         materialize(model, torch.device("cpu") if config.cpu_offload else device, init_weights=init_weights)
     if config.fp8 and (init_weights or not on_meta):  # else the loader's weights come later: the
         fp8.precompute_scales(model)  # first all-gather then computes its scales itself
-    model._hf_fsdp2_config = config  # read by the checkpoint code: mesh, dtypes
-    model._hf_fsdp2_mesh = mesh
+    record = record_of(model, create=True)
+    record.config, record.mesh = config, mesh
     return model
 
 

@@ -29,7 +29,8 @@ import torch.nn as nn
 
 from ..config import FSDP2Config
 from .groups import unwrap_peft
-from .memory import MemoryEstimate, MetaTrainingModel, format_bytes, prepare_meta_model
+from .memory import MemoryEstimate, MetaTrainingModel, prepare_meta_model
+from .memory_report import format_bytes
 
 CUDA_BUDGET_FRACTION = 0.85
 CPU_BUDGET_FRACTION = 0.75
@@ -208,8 +209,8 @@ def resolve_auto_layout(model: nn.Module, config: FSDP2Config) -> FSDP2Config:
     """`config` with `shard_size="auto"` resolved for `model` on this process group (else unchanged).
 
     Every rank computes the same plan from the same model; a default budget is agreed on (the
-    smallest over ranks) first. The decision is logged on rank 0 and kept on the model
-    (`_hf_fsdp2_layout`). Collective when the budget is the default: call on every rank.
+    smallest over ranks) first. The decision is logged on rank 0 and kept in the model's record
+    (`record_of(model).layout`). Collective when the budget is the default: call on every rank.
     """
     if not config.is_auto_layout:
         return config
@@ -237,7 +238,9 @@ def resolve_auto_layout(model: nn.Module, config: FSDP2Config) -> FSDP2Config:
     if collectives.rank() == 0:
         logger.warning(plan.summary())
     resolved = plan.config(config)
-    model._hf_fsdp2_layout = plan
+    from .record import record_of
+
+    record_of(model, create=True).layout = plan
     return resolved
 
 

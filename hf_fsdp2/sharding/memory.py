@@ -63,242 +63,22 @@ the CUDA caching allocator's fragmentation, the CUDA context or NCCL buffers.
 
 from __future__ import annotations
 
-import copy
-import dataclasses
-import json
 import math
-import warnings
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_leaves
 
-from ..config import FSDP2Config, parse_dtype
-from ..runtime import user_files
+from ..config import FSDP2Config
 from ..quantization import bnb_4bit, fp8
+from .activation_trace import trace_activations
 from .groups import ShardPlan, apply_frozen_dtype, plan_groups, replicated_frozen_parameters, unwrap_peft
+from .memory_report import ActivationMemory, GroupMemory, MemoryEstimate
+from .meta_model import DEFAULT_LORA_TARGETS, add_lora, build_meta_model, meta_copy
 
 ADAM_STATES = ("exp_avg", "exp_avg_sq")
 STEP_BYTES = 4  # AdamW's `step`: a 0-dim fp32 tensor per trainable parameter
-DEFAULT_LORA_TARGETS = ("q_proj", "v_proj")
-
-
-# ---------------------------------------------------------------------------------------------
-# Results
-
-
-@dataclass(frozen=True)
-class GroupMemory:
-    """One `fully_shard` group, unsharded."""
-
-    name: str
-    numel: int
-    trainable_numel: int
-    gathered_bytes: int  # all-gather output: padded rows, compute dtype
-    reduce_scatter_bytes: int  # unsharded grads (compute dtype) + reduce-scatter input (reduce dtype, padded)
-
-
-@dataclass(frozen=True)
-class ActivationMemory:
-    """Activations of one rank's micro-batch (see the module docstring for what is counted)."""
-
-    batch_size: int
-    seq_len: int
-    checkpointing: bool
-    peak_bytes: int  # what the estimate adds: all saved tensors, or the checkpointed steady state + one layer
-    saved_bytes: int  # without checkpointing: every saved storage + the logits
-    outside_layers_bytes: int  # saved by the embedding, final norm, lm_head and loss, + the logits
-    layer_inputs_bytes: int  # all decoder layers' inputs: what checkpointing keeps per layer
-    largest_layer_bytes: int  # one decoder layer's saved activations (recomputed during backward with AC)
-
-    def with_checkpointing(self, checkpointing: bool) -> "ActivationMemory":
-        """The same trace, its peak with or without activation checkpointing: everything outside the
-        layers + every layer's inputs + one layer recomputed, or everything saved."""
-        peak = (self.outside_layers_bytes + self.layer_inputs_bytes + self.largest_layer_bytes
-                if checkpointing else self.saved_bytes)
-        return dataclasses.replace(self, checkpointing=checkpointing, peak_bytes=peak)
-
-
-@dataclass(frozen=True)
-class MemoryEstimate:
-    """Bytes per rank. `*_per_rank` lists hold the unpadded local shard (`to_local()`) of each of the
-    `shard_size` ranks of one replica; the scalar properties are the max over ranks (rank 0), which
-    for parameters and gradients is also what every rank allocates (FSDP2 pre-pads shards)."""
-
-    model_type: str
-    world_size: int
-    replicate_size: int
-    shard_size: int
-    num_params: int
-    num_trainable_params: int
-    num_trainable_tensors: int
-    storage_dtypes: dict[str, int]  # dtype -> number of parameters stored in it
-    trainable_dtypes: dict[str, int]
-    param_dtype: str | None
-    reduce_dtype: str | None
-    cpu_offload: bool
-    lora_r: int | None
-    lora_targets: tuple[str, ...] | None
-    param_bytes_per_rank: tuple[int, ...]
-    grad_bytes_per_rank: tuple[int, ...]
-    optimizer_bytes_per_rank: tuple[int, ...]  # moments + step scalars
-    buffer_bytes: int
-    groups: tuple[GroupMemory, ...]
-    gather_window: int  # groups in flight at once
-    gathered_peak_bytes: int
-    gathered_peak_groups: tuple[str, ...]
-    reduce_scatter_peak_bytes: int
-    activations: ActivationMemory | None
-    activations_error: str | None = None
-    notes: tuple[str, ...] = field(default=())
-    load_in_4bit: bool = False
-    double_quant: bool = False
-    dequantized_peak_bytes: int = 0  # 4-bit: the largest weight bitsandbytes dequantizes for a matmul
-
-    # ---- max over ranks
-    @property
-    def param_bytes(self) -> int:
-        return max(self.param_bytes_per_rank)
-
-    @property
-    def grad_bytes(self) -> int:
-        return max(self.grad_bytes_per_rank)
-
-    @property
-    def optimizer_bytes(self) -> int:
-        return max(self.optimizer_bytes_per_rank)
-
-    @property
-    def state_bytes(self) -> int:
-        """Persistent training state on one rank: parameters + gradients + optimizer + buffers."""
-        return self.param_bytes + self.grad_bytes + self.optimizer_bytes + self.buffer_bytes
-
-    @property
-    def largest_group(self) -> GroupMemory:
-        return max(self.groups, key=lambda g: g.gathered_bytes)
-
-    @property
-    def activation_bytes(self) -> int:
-        return self.activations.peak_bytes if self.activations is not None else 0
-
-    @property
-    def device_bytes(self) -> int:
-        """Estimated accelerator peak (an upper bound of the concurrent parts)."""
-        state = 0 if self.cpu_offload else self.state_bytes
-        return (state + self.gathered_peak_bytes + self.reduce_scatter_peak_bytes + self.activation_bytes
-                + self.dequantized_peak_bytes)
-
-    @property
-    def host_bytes(self) -> int:
-        """Host (CPU) memory for the training state; the process's own RSS is not included."""
-        return self.state_bytes if self.cpu_offload else 0
-
-    def setup(self) -> str:
-        """The FSDP2 setup the numbers describe, in one line."""
-        storage = " + ".join(f"{d} ({_count(n)} params)" for d, n in self.storage_dtypes.items())
-        mp = (f"MixedPrecisionPolicy(param_dtype={self.param_dtype}, reduce_dtype={self.reduce_dtype})"
-              if self.param_dtype
-              else f"no param_dtype (gathered in the storage dtype), reduce_dtype={self.reduce_dtype}")
-        offload = "CPUOffloadPolicy" if self.cpu_offload else "no offload"
-        return f"sharded params stored in {storage}; {mp}; AdamW; {offload}"
-
-    def rows(self) -> list[tuple[str, int, int]]:
-        """(label, accelerator bytes, host bytes) per line of the table."""
-        def place(n: int) -> tuple[int, int]:
-            return (0, n) if self.cpu_offload else (n, 0)
-
-        s = self.shard_size
-        storage = "/".join(self.storage_dtypes)
-        trainable = "/".join(self.trainable_dtypes) or "-"
-        compute = self.param_dtype or storage
-        rows = [
-            (f"parameters, sharded 1/{s} ({storage})", *place(self.param_bytes)),
-            (f"gradients, sharded 1/{s} ({trainable}, trainable only)", *place(self.grad_bytes)),
-            (f"AdamW exp_avg + exp_avg_sq ({trainable}) + step", *place(self.optimizer_bytes)),
-            ("buffers (replicated)", *place(self.buffer_bytes)),
-        ]
-        largest = self.largest_group
-        compute += " + 4-bit uint8" if self.load_in_4bit else ""
-        rows.append((f"all-gather: {self.gather_window} groups in flight ({compute}; largest "
-                     f"{largest.name} {format_bytes(largest.gathered_bytes)})", self.gathered_peak_bytes, 0))
-        rows.append((f"reduce-scatter: unsharded grads + {self.reduce_dtype or compute} buffer",
-                     self.reduce_scatter_peak_bytes, 0))
-        if self.load_in_4bit:
-            rows.append(("4-bit: largest weight dequantized for its matmul", self.dequantized_peak_bytes, 0))
-        a = self.activations
-        if a is not None:
-            ac = "with activation checkpointing" if a.checkpointing else "no checkpointing"
-            rows.append((f"activations: batch {a.batch_size} x seq {a.seq_len}, {ac}", a.peak_bytes, 0))
-        return rows
-
-    def format_table(self) -> str:
-        rows = self.rows()
-        width = max(len(r[0]) for r in rows) + 2
-        mesh = (f"{self.world_size} ranks = {self.replicate_size} replicas x {self.shard_size} shards (HSDP)"
-                if self.replicate_size > 1 else f"{self.world_size} ranks")
-        lora = f", LoRA r={self.lora_r} on {','.join(self.lora_targets or ())}" if self.lora_r else ""
-        if self.load_in_4bit:
-            lora += f" over a 4-bit base{' (double quantization)' if self.double_quant else ''}"
-        lines = [
-            f"{self.model_type}: {self.num_params / 1e9:.3f} B parameters, {self.num_trainable_params / 1e9:.3f} B "
-            f"trainable{lora}; {mesh}; memory per rank (max over ranks)",
-            f"setup: {self.setup()}",
-            f"{'':{width}}{'GPU':>12}{'CPU':>12}",
-        ]
-        for label, dev, host in rows:
-            lines.append(f"{label:{width}}{_cell(dev):>12}{_cell(host):>12}")
-        lines.append(f"{'-' * width}{'-' * 24}")
-        lines.append(f"{'persistent state (params + grads + optimizer + buffers)':{width}}"
-                     f"{_cell(0 if self.cpu_offload else self.state_bytes):>12}"
-                     f"{_cell(self.host_bytes):>12}")
-        lines.append(f"{'estimated peak (sum of all rows above)':{width}}"
-                     f"{_cell(self.device_bytes):>12}{_cell(self.host_bytes):>12}")
-        if self.activations is None and self.activations_error:
-            lines.append(f"activations not estimated: {self.activations_error}")
-        lines.extend(f"note: {n}" for n in self.notes)
-        return "\n".join(lines)
-
-    def to_dict(self) -> dict[str, Any]:
-        out = asdict(self)
-        out["lora_targets"] = list(self.lora_targets) if self.lora_targets else None
-        out["per_rank_max"] = {
-            "param_bytes": self.param_bytes, "grad_bytes": self.grad_bytes, "optimizer_bytes": self.optimizer_bytes,
-            "buffer_bytes": self.buffer_bytes, "state_bytes": self.state_bytes,
-            "gathered_peak_bytes": self.gathered_peak_bytes,
-            "reduce_scatter_peak_bytes": self.reduce_scatter_peak_bytes,
-            "activation_bytes": self.activation_bytes, "dequantized_peak_bytes": self.dequantized_peak_bytes,
-            "device_bytes": self.device_bytes,
-            "host_bytes": self.host_bytes,
-        }
-        return out
-
-    def to_json(self, **kwargs: Any) -> str:
-        return json.dumps(self.to_dict(), **kwargs)
-
-
-def format_bytes(n: int) -> str:
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{n} B"
-
-
-def _count(n: int) -> str:
-    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if n >= size:
-            return f"{n / size:.2f} {unit}"
-    return str(n)
-
-
-def _cell(n: int) -> str:
-    return format_bytes(n) if n else "-"
-
-
 # ---------------------------------------------------------------------------------------------
 # Sharding arithmetic
 
@@ -324,95 +104,6 @@ def _itemsize(dtype: torch.dtype) -> int:
 def _dtype_name(dtype: torch.dtype) -> str:
     return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(
         dtype, str(dtype).removeprefix("torch."))
-
-
-# ---------------------------------------------------------------------------------------------
-# The model on the meta device
-
-
-def load_hf_config(path: str | Path):
-    """A transformers config from a model directory or a config.json file (local paths only)."""
-    from transformers import AutoConfig
-
-    p = Path(path)
-    if not p.exists():
-        raise ValueError(f"`model`={str(path)!r}: no such file or directory; pass a model directory or "
-                         f"its config.json.")
-    try:
-        if p.is_dir():
-            if not (p / "config.json").is_file():
-                raise ValueError(f"`model`={str(path)!r} is a directory without a config.json.")
-            return AutoConfig.from_pretrained(str(p))
-        values = user_files.load_json(p, "a Hugging Face config.json")  # bounded: size, nesting, UTF-8
-        if not isinstance(values, dict) or "model_type" not in values:
-            raise ValueError(f"`model`={str(path)!r} has no `model_type`; is it a Hugging Face config.json?")
-        values = dict(values)
-        return AutoConfig.for_model(values.pop("model_type"), **values)
-    except user_files.UserFileError as e:
-        raise ValueError(f"`model`={str(path)!r}: {e}") from None
-    except (KeyError, OSError, TypeError) as e:  # unknown model_type, unreadable file, bad field
-        raise ValueError(f"`model`={str(path)!r}: could not read a Hugging Face config: {e}") from None
-
-
-def meta_copy(module: nn.Module) -> nn.Module:
-    """A deep copy of `module` whose parameters and buffers live on the meta device (no data copied);
-    tied parameters stay tied."""
-    memo: dict[int, Any] = {}
-    for p in module.parameters():
-        memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
-    for b in module.buffers():
-        memo[id(b)] = torch.empty_like(b, device="meta")
-    return copy.deepcopy(module, memo)
-
-
-def build_meta_model(source: Any, *, dtype: torch.dtype | str | None = None) -> nn.Module:
-    """The causal LM `source` describes, on the meta device.
-
-    `source`: a transformers config, a model directory or config.json path, or an `nn.Module` (copied
-    to meta; the original is untouched). `dtype`: the parameters' storage dtype; None keeps a module's
-    dtypes and uses fp32 for a config (fp32 master weights, as mixed-precision training keeps them).
-    """
-    dtype = parse_dtype(dtype, "dtype")
-    if isinstance(source, nn.Module):
-        from torch.distributed.fsdp import FSDPModule
-
-        if isinstance(source, FSDPModule) or any(isinstance(m, FSDPModule) for m in source.modules()):
-            raise ValueError("`model` is already sharded; estimate from its config or the unsharded model.")
-        model = meta_copy(source)
-        if dtype is not None:
-            model.to(dtype)
-        return model
-    if isinstance(source, (str, Path)):
-        source = load_hf_config(source)
-    from transformers import AutoModelForCausalLM, PretrainedConfig
-
-    if not isinstance(source, PretrainedConfig):
-        raise TypeError(f"`model` must be a transformers config, a path or an nn.Module, got {type(source).__name__}.")
-    try:
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(source, dtype=dtype or torch.float32)
-    except ValueError as e:  # a config with no causal-LM class
-        raise ValueError(f"`model`: {type(source).__name__} has no causal LM class in transformers: {e}") from None
-    return model
-
-
-def add_lora(model: nn.Module, r: int, targets: Sequence[str] = DEFAULT_LORA_TARGETS) -> nn.Module:
-    """`get_peft_model` with LoRA rank `r` on `targets`, on the meta device: base weights frozen."""
-    from peft import LoraConfig, get_peft_model
-
-    if isinstance(r, bool) or not isinstance(r, int) or r < 1:
-        raise ValueError(f"`lora_r`={r!r} must be a positive integer.")
-    targets = [t.strip() for t in targets if t and t.strip()]
-    if not targets:
-        raise ValueError("`lora_targets` is empty; name the modules to adapt, e.g. q_proj,v_proj.")
-    try:
-        # peft calls transformers' deprecated `is_gradient_checkpointing`: noise for an estimate's user
-        with torch.device("meta"), warnings.catch_warnings():
-            warnings.simplefilter("ignore", FutureWarning)
-            return get_peft_model(model, LoraConfig(r=r, lora_alpha=2 * r, target_modules=targets))
-    except ValueError as e:
-        names = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)})
-        raise ValueError(f"`lora_targets`={targets}: {e} Linear modules in this model: {', '.join(names)}.") from None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -631,7 +322,7 @@ def _quantized_params(model: nn.Module) -> dict[int, tuple[str, int]]:
     out = {}
     for module in model.modules():
         if bnb_4bit.is_sharded_4bit(module):
-            spec = module._hf_fsdp2_4bit
+            spec = bnb_4bit.spec_of(module)
             out[id(module.weight)] = (spec.quant_type, spec.out_features * spec.in_features)
             out[id(module.weight_absmax)] = (spec.quant_type, 0)
     return out
@@ -650,7 +341,7 @@ def _dequantized_peak(model: nn.Module, param_dtype: torch.dtype | None) -> int:
     for module in model.modules():
         if not bnb_4bit.is_sharded_4bit(module):
             continue
-        spec = module._hf_fsdp2_4bit
+        spec = bnb_4bit.spec_of(module)
         compute = module.compute_dtype or param_dtype or spec.dtype
         numel = spec.out_features * spec.in_features
         weight = numel * (_itemsize(spec.dtype) + (_itemsize(compute) if compute != spec.dtype else 0))
@@ -738,117 +429,7 @@ def _gathered_peak(groups: list[GroupMemory], plan: ShardPlan, config: FSDP2Conf
     return best, best_names
 
 
-# ---------------------------------------------------------------------------------------------
-# Activations, measured on the meta device
-
-
-class _FusedAttention(torch.autograd.Function):
-    """Shapes-only stand-in for a fused SDPA kernel: saves what flash attention saves (q, k, v, the
-    output in (batch, seq, heads, dim) layout, and an fp32 log-sum-exp per query row)."""
-
-    @staticmethod
-    def forward(ctx, q, k, v):  # noqa: D401
-        out = q.new_empty((*q.shape[:-3], q.shape[-2], q.shape[-3], v.shape[-1])).transpose(-3, -2)
-        lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
-        ctx.save_for_backward(q, k, v, out, lse)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):  # pragma: no cover - the trace never runs backward
-        raise NotImplementedError("shape-only attention used by the memory estimate")
-
-
-class _FusedAttentionMode(TorchFunctionMode):
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func is F.scaled_dot_product_attention:
-            q, k, v = args[:3]
-            return _FusedAttention.apply(q, k, v)
-        return func(*args, **(kwargs or {}))
-
-
-def _storage_key(t: torch.Tensor):
-    from torch.multiprocessing.reductions import StorageWeakRef
-
-    return StorageWeakRef(t.untyped_storage())
-
-
-def trace_activations(model: nn.Module, layers: Sequence[nn.Module], batch_size: int, seq_len: int, *,
-                      compute_dtype: torch.dtype | None = None, checkpointing: bool = False) -> ActivationMemory:
-    """Run one training forward (with labels) on the meta device and measure what autograd saves.
-
-    `model` must be on the meta device; it is cast in place to `compute_dtype` (as FSDP2's
-    `param_dtype` would gather it). `layers` are the decoder layers checkpointing would wrap.
-    """
-    if any(not t.is_meta for t in model.parameters()):
-        raise ValueError("`trace_activations` needs a model on the meta device (see `build_meta_model`).")
-    if compute_dtype is not None:
-        for p in model.parameters():
-            if p.is_floating_point() and p.dtype != compute_dtype:
-                p.data = p.data.to(compute_dtype)
-    model.train()
-    param_keys = {_storage_key(p) for p in model.parameters()}
-    keep: list[torch.Tensor] = []  # holds every seen tensor, so no storage address is reused mid-trace
-    sizes: dict[Any, int] = {}
-    owner: dict[Any, int] = {}  # storage -> index of the layer that saved it first (-1: outside layers)
-    inputs: set = set()
-    active: list[int] = []
-
-    def key_of(t: torch.Tensor):
-        keep.append(t)
-        k = _storage_key(t)
-        sizes.setdefault(k, t.untyped_storage().nbytes())
-        return k
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        if isinstance(t, torch.Tensor):
-            k = key_of(t)
-            if k not in param_keys:
-                owner.setdefault(k, active[-1] if active else -1)
-        return t
-
-    def pre_hook(index: int):
-        def hook(module, args, kwargs):
-            active.append(index)
-            for t in tree_leaves((args, kwargs)):
-                if isinstance(t, torch.Tensor):
-                    k = key_of(t)
-                    if k not in param_keys:
-                        inputs.add(k)
-        return hook
-
-    def post_hook(module, args, kwargs, output):
-        active.pop()
-
-    handles = []
-    for i, layer in enumerate(layers):
-        handles.append(layer.register_forward_pre_hook(pre_hook(i), with_kwargs=True))
-        handles.append(layer.register_forward_hook(post_hook, with_kwargs=True))
-    ids = torch.zeros(batch_size, seq_len, dtype=torch.long, device="meta")
-    try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _FusedAttentionMode():
-            out = model(input_ids=ids, labels=ids)
-    finally:
-        for h in handles:
-            h.remove()
-    logits = getattr(out, "logits", None)
-    if isinstance(logits, torch.Tensor):
-        owner.setdefault(key_of(logits), -1)
-
-    def total(keys: Iterable) -> int:
-        return sum(sizes[k] for k in keys)
-
-    saved = total(owner)
-    outside = {k for k, o in owner.items() if o == -1}
-    per_layer = [total(k for k, o in owner.items() if o == i and k not in inputs) for i in range(len(layers))]
-    largest = max(per_layer, default=0)
-    return ActivationMemory(
-        batch_size=batch_size, seq_len=seq_len, checkpointing=False, peak_bytes=saved, saved_bytes=saved,
-        outside_layers_bytes=total(outside), layer_inputs_bytes=total(inputs - outside),
-        largest_layer_bytes=largest,
-    ).with_checkpointing(checkpointing)
-
-
 __all__ = [
-    "ActivationMemory", "GroupMemory", "MemoryEstimate", "add_lora", "build_meta_model", "estimate_memory",
-    "format_bytes", "load_hf_config", "meta_copy", "shard_rows", "trace_activations",
+    "ActivationMemory", "GroupMemory", "MemoryEstimate", "MetaTrainingModel", "estimate_memory", "prepare_meta_model",
+    "shard_rows",
 ]

@@ -21,14 +21,13 @@ replays without importing Accelerate (pinned to the versions `integrations.accel
 from __future__ import annotations
 
 import difflib
-import json
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Literal, Mapping
 
 from ..runtime import user_files
 from ..config import FSDP2Config
-from ..integrations.accelerate import _layer_names
+from ..integrations import accelerate_settings
 
 # ---------------------------------------------------------------------------------------------
 # What Accelerate (>= 1.10, < 1.16) knows. Checked against the installed version by the tests.
@@ -557,26 +556,17 @@ def fsdp2_values(cfg: Mapping[str, Any]) -> dict[str, Any]:
     mp = cfg.get("mixed_precision")
     if mp is None and cfg.get("fp16"):
         mp = "fp16"
-    values: dict[str, Any] = {
-        "wrap_policy": policy,
-        "layer_cls_names": _layer_names(plugin_names),
-        "reshard_after_forward": _launcher_bool(fsdp.raw("fsdp_reshard_after_forward")),
-        "cpu_offload": bool(_launcher_bool(fsdp.raw("fsdp_offload_params"))),
-        "activation_checkpointing": False,  # Accelerate applies its own before hf_fsdp2 shards
-        "param_dtype": {"bf16": "bf16", "fp16": "fp16", "fp8": "bf16"}.get(str(mp).lower()),
-        "fp8": str(mp).lower() == "fp8",
-    }
-    if policy == "SIZE_BASED_WRAP":
-        values["min_num_params"] = _int(fsdp.raw("fsdp_min_num_params")) or 0
-    if fsdp.raw("fsdp_ignored_modules"):
-        values["ignored_modules"] = str(fsdp.raw("fsdp_ignored_modules"))
     sizes = cfg.get("parallelism_config") or {}
-    replicate = _int(sizes.get("parallelism_config_dp_replicate_size", 1)) or 1
-    shard = _int(sizes.get("parallelism_config_dp_shard_size", 1)) or 1
-    if replicate > 1:
-        values["replicate_size"] = replicate
-        values["shard_size"] = shard if shard > 1 else None
-    return values
+    return accelerate_settings.fsdp2_values(accelerate_settings.AccelerateSettings(
+        wrap_policy=policy,
+        layer_names=plugin_names,
+        min_num_params=_int(fsdp.raw("fsdp_min_num_params")) or 0,
+        ignored_modules=str(fsdp.raw("fsdp_ignored_modules")) if fsdp.raw("fsdp_ignored_modules") else None,
+        reshard_after_forward=_launcher_bool(fsdp.raw("fsdp_reshard_after_forward")),
+        cpu_offload=bool(_launcher_bool(fsdp.raw("fsdp_offload_params"))),
+        mixed_precision=str(mp),
+        replicate_size=_int(sizes.get("parallelism_config_dp_replicate_size", 1)) or 1,
+        shard_size=_int(sizes.get("parallelism_config_dp_shard_size", 1)) or 1))
 
 
 def _check_fsdp2_config(cfg: Mapping[str, Any], fsdp: _Fsdp, parallel: _Parallel, out: list[Finding]) -> None:

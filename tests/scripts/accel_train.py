@@ -33,6 +33,7 @@ parser.add_argument("--scramble-other-ranks", action="store_true",
 args = parser.parse_args()
 
 import hf_fsdp2  # noqa: E402
+from hf_fsdp2.sharding import record_of  # noqa: E402
 from tests import nccl_like  # noqa: E402
 
 nccl_like.init_if_asked()  # TEST_DEFAULT_BACKEND=cuda:gloo: GPU process-group semantics (tests/test_gpu_semantics.py)
@@ -110,14 +111,14 @@ report = {
     "opt_params_are_model_params": {id(p) for g in opt.param_groups for p in g["params"]}
     <= {id(p) for p in model.parameters()},
     "world": accelerator.num_processes,
-    "async_save": getattr(getattr(model, "_hf_fsdp2_config", None), "async_save", None),  # None: not ours
+    "async_save": getattr(getattr(record_of(model), "config", None), "async_save", None),  # None: not ours
     "fp8_linears": sum(type(m).__name__ == "Float8Linear" for m in model.modules()),
     "fp8_scales_precomputed": all(getattr(m.weight._local_tensor, "_precomputed_scale", None) is not None
                                   for m in model.modules() if type(m).__name__ == "Float8Linear"),
     "packed_4bit_rows": [[p.to_local().shape[0], p.shape[0]] for p in model.parameters() if p.dtype == torch.uint8],
     "mesh": list(getattr(next(iter(model.parameters())), "device_mesh", torch.zeros(0)).shape),
     "compiled_modules": sum(getattr(m, "_compiled_call_impl", None) is not None for m in model.modules()),
-    "reshard_after_forward": getattr(getattr(model, "_hf_fsdp2_config", None), "reshard_after_forward", None),
+    "reshard_after_forward": getattr(getattr(record_of(model), "config", None), "reshard_after_forward", None),
 }
 from tests.common import count_collectives  # noqa: E402
 

@@ -12,6 +12,7 @@ import torch  # noqa: E402
 from transformers import HfArgumentParser, Trainer, TrainingArguments  # noqa: E402
 
 import hf_fsdp2  # noqa: E402
+from hf_fsdp2.sharding import record_of  # noqa: E402
 from tests import nccl_like  # noqa: E402
 
 nccl_like.init_if_asked()  # TEST_DEFAULT_BACKEND=cuda:gloo: GPU process-group semantics (tests/test_gpu_semantics.py)
@@ -62,7 +63,7 @@ def main():
             "world": trainer.args.world_size,
             "packed_4bit_rows": [[p.to_local().shape[0], p.shape[0]] for p in model.parameters()
                                  if p.dtype == torch.uint8 and isinstance(p, DTensor)], "offload": all(isinstance(g.offload_policy, CPUOffloadPolicy) for g in groups),
-            "async_save": getattr(getattr(model, "_hf_fsdp2_config", None), "async_save", None),
+            "async_save": getattr(getattr(record_of(model), "config", None), "async_save", None),
             "reshard_after_forward": any(g.post_forward_mesh_info is not None for g in groups), "best_model_checkpoint": trainer.state.best_model_checkpoint,
             "eval_losses": {h["step"]: h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h}}))
 

@@ -1,0 +1,61 @@
+"""Accelerate's FSDP settings -> `FSDP2Config` fields, defined once.
+
+The backend reads the settings from Accelerate's plugin and accelerator (integrations/accelerate.py:
+`config_from_accelerator`), `check-config` from the yaml as the launcher passes it on
+(tools/check_config.py: `fsdp2_values`); both then map them here, so the file check and the launched
+run cannot disagree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+# Compute dtype per Accelerate `mixed_precision`; gradients are reduced in fp32 whatever it is
+# (Accelerate would reduce in bf16). fp8: the layers' linears in FP8 (torchao), the rest in bf16.
+PARAM_DTYPES = {"bf16": "bf16", "fp16": "fp16", "fp8": "bf16"}
+
+
+@dataclasses.dataclass(frozen=True)
+class AccelerateSettings:
+    wrap_policy: str  # as FSDP2Config takes it: transformer / size / none (or Accelerate's names)
+    layer_names: Any = None  # transformer_cls_names_to_wrap: a list, a comma string, or the launcher's str(list)
+    min_num_params: int = 0
+    ignored_modules: str | None = None  # a regex of module names
+    reshard_after_forward: bool | None = None
+    cpu_offload: bool = False
+    mixed_precision: str = "no"
+    replicate_size: int = 1  # parallelism_config dp_replicate_size / dp_shard_size
+    shard_size: int = 1
+
+
+def layer_names(raw: Any) -> list[str] | None:
+    """Class names from the plugin: a comma string, a list, or the launcher's mangled `str(list)`."""
+    if raw is None:
+        return None
+    items = raw.split(",") if isinstance(raw, str) else list(raw)
+    names = [str(item).strip().strip("[]").strip().strip("'\"").strip() for item in items]
+    return [n for n in names if n] or None
+
+
+def fsdp2_values(settings: AccelerateSettings) -> dict[str, Any]:
+    """The FSDP2Config fields these settings give (before register() overrides and HF_FSDP2_* variables)."""
+    precision = str(settings.mixed_precision).lower()
+    values: dict[str, Any] = {
+        "wrap_policy": settings.wrap_policy,
+        "layer_cls_names": layer_names(settings.layer_names),
+        "reshard_after_forward": settings.reshard_after_forward,
+        "cpu_offload": settings.cpu_offload,
+        "activation_checkpointing": False,  # Accelerate applies its own (fsdp2_apply_ac) before hf_fsdp2 shards
+        "param_dtype": PARAM_DTYPES.get(precision),
+    }
+    if precision == "fp8":
+        values["fp8"] = True
+    if str(settings.wrap_policy).lower() in ("size", "size_based_wrap"):
+        values["min_num_params"] = settings.min_num_params or 0
+    if settings.ignored_modules:
+        values["ignored_modules"] = settings.ignored_modules
+    if settings.replicate_size > 1:
+        values["replicate_size"] = settings.replicate_size
+        values["shard_size"] = settings.shard_size if settings.shard_size > 1 else None
+    return values

@@ -1,0 +1,123 @@
+"""Activations, measured on the meta device: one forward with labels under saved-tensor hooks
+(see memory.py's docstring for what is counted)."""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Sequence
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
+
+from .memory_report import ActivationMemory
+
+
+class _FusedAttention(torch.autograd.Function):
+    """Shapes-only stand-in for a fused SDPA kernel: saves what flash attention saves (q, k, v, the
+    output in (batch, seq, heads, dim) layout, and an fp32 log-sum-exp per query row)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):  # noqa: D401
+        out = q.new_empty((*q.shape[:-3], q.shape[-2], q.shape[-3], v.shape[-1])).transpose(-3, -2)
+        lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):  # pragma: no cover - the trace never runs backward
+        raise NotImplementedError("shape-only attention used by the memory estimate")
+
+
+class _FusedAttentionMode(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is F.scaled_dot_product_attention:
+            q, k, v = args[:3]
+            return _FusedAttention.apply(q, k, v)
+        return func(*args, **(kwargs or {}))
+
+
+def _storage_key(t: torch.Tensor):
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    return StorageWeakRef(t.untyped_storage())
+
+
+def trace_activations(model: nn.Module, layers: Sequence[nn.Module], batch_size: int, seq_len: int, *,
+                      compute_dtype: torch.dtype | None = None, checkpointing: bool = False) -> ActivationMemory:
+    """Run one training forward (with labels) on the meta device and measure what autograd saves.
+
+    `model` must be on the meta device; it is cast in place to `compute_dtype` (as FSDP2's
+    `param_dtype` would gather it). `layers` are the decoder layers checkpointing would wrap.
+    """
+    if any(not t.is_meta for t in model.parameters()):
+        raise ValueError("`trace_activations` needs a model on the meta device (see `build_meta_model`).")
+    if compute_dtype is not None:
+        for p in model.parameters():
+            if p.is_floating_point() and p.dtype != compute_dtype:
+                p.data = p.data.to(compute_dtype)
+    model.train()
+    param_keys = {_storage_key(p) for p in model.parameters()}
+    keep: list[torch.Tensor] = []  # holds every seen tensor, so no storage address is reused mid-trace
+    sizes: dict[Any, int] = {}
+    owner: dict[Any, int] = {}  # storage -> index of the layer that saved it first (-1: outside layers)
+    inputs: set = set()
+    active: list[int] = []
+
+    def key_of(t: torch.Tensor):
+        keep.append(t)
+        k = _storage_key(t)
+        sizes.setdefault(k, t.untyped_storage().nbytes())
+        return k
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if isinstance(t, torch.Tensor):
+            k = key_of(t)
+            if k not in param_keys:
+                owner.setdefault(k, active[-1] if active else -1)
+        return t
+
+    def pre_hook(index: int):
+        def hook(module, args, kwargs):
+            active.append(index)
+            for t in tree_leaves((args, kwargs)):
+                if isinstance(t, torch.Tensor):
+                    k = key_of(t)
+                    if k not in param_keys:
+                        inputs.add(k)
+        return hook
+
+    def post_hook(module, args, kwargs, output):
+        active.pop()
+
+    handles = []
+    for i, layer in enumerate(layers):
+        handles.append(layer.register_forward_pre_hook(pre_hook(i), with_kwargs=True))
+        handles.append(layer.register_forward_hook(post_hook, with_kwargs=True))
+    ids = torch.zeros(batch_size, seq_len, dtype=torch.long, device="meta")
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _FusedAttentionMode():
+            out = model(input_ids=ids, labels=ids)
+    finally:
+        for h in handles:
+            h.remove()
+    logits = getattr(out, "logits", None)
+    if isinstance(logits, torch.Tensor):
+        owner.setdefault(key_of(logits), -1)
+
+    def total(keys: Iterable) -> int:
+        return sum(sizes[k] for k in keys)
+
+    saved = total(owner)
+    outside = {k for k, o in owner.items() if o == -1}
+    per_layer = [total(k for k, o in owner.items() if o == i and k not in inputs) for i in range(len(layers))]
+    largest = max(per_layer, default=0)
+    return ActivationMemory(
+        batch_size=batch_size, seq_len=seq_len, checkpointing=False, peak_bytes=saved, saved_bytes=saved,
+        outside_layers_bytes=total(outside), layer_inputs_bytes=total(inputs - outside),
+        largest_layer_bytes=largest,
+    ).with_checkpointing(checkpointing)
+
+
+__all__ = ["trace_activations"]

@@ -1,0 +1,216 @@
+"""What `estimate_memory` reports: per-rank bytes by kind, per group, and the activations; formatted
+as the `estimate-memory` table (the accounting is in memory.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class GroupMemory:
+    """One `fully_shard` group, unsharded."""
+
+    name: str
+    numel: int
+    trainable_numel: int
+    gathered_bytes: int  # all-gather output: padded rows, compute dtype
+    reduce_scatter_bytes: int  # unsharded grads (compute dtype) + reduce-scatter input (reduce dtype, padded)
+
+
+@dataclass(frozen=True)
+class ActivationMemory:
+    """Activations of one rank's micro-batch (see the module docstring for what is counted)."""
+
+    batch_size: int
+    seq_len: int
+    checkpointing: bool
+    peak_bytes: int  # what the estimate adds: all saved tensors, or the checkpointed steady state + one layer
+    saved_bytes: int  # without checkpointing: every saved storage + the logits
+    outside_layers_bytes: int  # saved by the embedding, final norm, lm_head and loss, + the logits
+    layer_inputs_bytes: int  # all decoder layers' inputs: what checkpointing keeps per layer
+    largest_layer_bytes: int  # one decoder layer's saved activations (recomputed during backward with AC)
+
+    def with_checkpointing(self, checkpointing: bool) -> "ActivationMemory":
+        """The same trace, its peak with or without activation checkpointing: everything outside the
+        layers + every layer's inputs + one layer recomputed, or everything saved."""
+        peak = (self.outside_layers_bytes + self.layer_inputs_bytes + self.largest_layer_bytes
+                if checkpointing else self.saved_bytes)
+        return dataclasses.replace(self, checkpointing=checkpointing, peak_bytes=peak)
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes per rank. `*_per_rank` lists hold the unpadded local shard (`to_local()`) of each of the
+    `shard_size` ranks of one replica; the scalar properties are the max over ranks (rank 0), which
+    for parameters and gradients is also what every rank allocates (FSDP2 pre-pads shards)."""
+
+    model_type: str
+    world_size: int
+    replicate_size: int
+    shard_size: int
+    num_params: int
+    num_trainable_params: int
+    num_trainable_tensors: int
+    storage_dtypes: dict[str, int]  # dtype -> number of parameters stored in it
+    trainable_dtypes: dict[str, int]
+    param_dtype: str | None
+    reduce_dtype: str | None
+    cpu_offload: bool
+    lora_r: int | None
+    lora_targets: tuple[str, ...] | None
+    param_bytes_per_rank: tuple[int, ...]
+    grad_bytes_per_rank: tuple[int, ...]
+    optimizer_bytes_per_rank: tuple[int, ...]  # moments + step scalars
+    buffer_bytes: int
+    groups: tuple[GroupMemory, ...]
+    gather_window: int  # groups in flight at once
+    gathered_peak_bytes: int
+    gathered_peak_groups: tuple[str, ...]
+    reduce_scatter_peak_bytes: int
+    activations: ActivationMemory | None
+    activations_error: str | None = None
+    notes: tuple[str, ...] = field(default=())
+    load_in_4bit: bool = False
+    double_quant: bool = False
+    dequantized_peak_bytes: int = 0  # 4-bit: the largest weight bitsandbytes dequantizes for a matmul
+
+    # ---- max over ranks
+    @property
+    def param_bytes(self) -> int:
+        return max(self.param_bytes_per_rank)
+
+    @property
+    def grad_bytes(self) -> int:
+        return max(self.grad_bytes_per_rank)
+
+    @property
+    def optimizer_bytes(self) -> int:
+        return max(self.optimizer_bytes_per_rank)
+
+    @property
+    def state_bytes(self) -> int:
+        """Persistent training state on one rank: parameters + gradients + optimizer + buffers."""
+        return self.param_bytes + self.grad_bytes + self.optimizer_bytes + self.buffer_bytes
+
+    @property
+    def largest_group(self) -> GroupMemory:
+        return max(self.groups, key=lambda g: g.gathered_bytes)
+
+    @property
+    def activation_bytes(self) -> int:
+        return self.activations.peak_bytes if self.activations is not None else 0
+
+    @property
+    def device_bytes(self) -> int:
+        """Estimated accelerator peak (an upper bound of the concurrent parts)."""
+        state = 0 if self.cpu_offload else self.state_bytes
+        return (state + self.gathered_peak_bytes + self.reduce_scatter_peak_bytes + self.activation_bytes
+                + self.dequantized_peak_bytes)
+
+    @property
+    def host_bytes(self) -> int:
+        """Host (CPU) memory for the training state; the process's own RSS is not included."""
+        return self.state_bytes if self.cpu_offload else 0
+
+    def setup(self) -> str:
+        """The FSDP2 setup the numbers describe, in one line."""
+        storage = " + ".join(f"{d} ({_count(n)} params)" for d, n in self.storage_dtypes.items())
+        mp = (f"MixedPrecisionPolicy(param_dtype={self.param_dtype}, reduce_dtype={self.reduce_dtype})"
+              if self.param_dtype
+              else f"no param_dtype (gathered in the storage dtype), reduce_dtype={self.reduce_dtype}")
+        offload = "CPUOffloadPolicy" if self.cpu_offload else "no offload"
+        return f"sharded params stored in {storage}; {mp}; AdamW; {offload}"
+
+    def rows(self) -> list[tuple[str, int, int]]:
+        """(label, accelerator bytes, host bytes) per line of the table."""
+        def place(n: int) -> tuple[int, int]:
+            return (0, n) if self.cpu_offload else (n, 0)
+
+        s = self.shard_size
+        storage = "/".join(self.storage_dtypes)
+        trainable = "/".join(self.trainable_dtypes) or "-"
+        compute = self.param_dtype or storage
+        rows = [
+            (f"parameters, sharded 1/{s} ({storage})", *place(self.param_bytes)),
+            (f"gradients, sharded 1/{s} ({trainable}, trainable only)", *place(self.grad_bytes)),
+            (f"AdamW exp_avg + exp_avg_sq ({trainable}) + step", *place(self.optimizer_bytes)),
+            ("buffers (replicated)", *place(self.buffer_bytes)),
+        ]
+        largest = self.largest_group
+        compute += " + 4-bit uint8" if self.load_in_4bit else ""
+        rows.append((f"all-gather: {self.gather_window} groups in flight ({compute}; largest "
+                     f"{largest.name} {format_bytes(largest.gathered_bytes)})", self.gathered_peak_bytes, 0))
+        rows.append((f"reduce-scatter: unsharded grads + {self.reduce_dtype or compute} buffer",
+                     self.reduce_scatter_peak_bytes, 0))
+        if self.load_in_4bit:
+            rows.append(("4-bit: largest weight dequantized for its matmul", self.dequantized_peak_bytes, 0))
+        a = self.activations
+        if a is not None:
+            ac = "with activation checkpointing" if a.checkpointing else "no checkpointing"
+            rows.append((f"activations: batch {a.batch_size} x seq {a.seq_len}, {ac}", a.peak_bytes, 0))
+        return rows
+
+    def format_table(self) -> str:
+        rows = self.rows()
+        width = max(len(r[0]) for r in rows) + 2
+        mesh = (f"{self.world_size} ranks = {self.replicate_size} replicas x {self.shard_size} shards (HSDP)"
+                if self.replicate_size > 1 else f"{self.world_size} ranks")
+        lora = f", LoRA r={self.lora_r} on {','.join(self.lora_targets or ())}" if self.lora_r else ""
+        if self.load_in_4bit:
+            lora += f" over a 4-bit base{' (double quantization)' if self.double_quant else ''}"
+        lines = [
+            f"{self.model_type}: {self.num_params / 1e9:.3f} B parameters, {self.num_trainable_params / 1e9:.3f} B "
+            f"trainable{lora}; {mesh}; memory per rank (max over ranks)",
+            f"setup: {self.setup()}",
+            f"{'':{width}}{'GPU':>12}{'CPU':>12}",
+        ]
+        for label, dev, host in rows:
+            lines.append(f"{label:{width}}{_cell(dev):>12}{_cell(host):>12}")
+        lines.append(f"{'-' * width}{'-' * 24}")
+        lines.append(f"{'persistent state (params + grads + optimizer + buffers)':{width}}"
+                     f"{_cell(0 if self.cpu_offload else self.state_bytes):>12}"
+                     f"{_cell(self.host_bytes):>12}")
+        lines.append(f"{'estimated peak (sum of all rows above)':{width}}"
+                     f"{_cell(self.device_bytes):>12}{_cell(self.host_bytes):>12}")
+        if self.activations is None and self.activations_error:
+            lines.append(f"activations not estimated: {self.activations_error}")
+        lines.extend(f"note: {n}" for n in self.notes)
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["lora_targets"] = list(self.lora_targets) if self.lora_targets else None
+        out["per_rank_max"] = {
+            "param_bytes": self.param_bytes, "grad_bytes": self.grad_bytes, "optimizer_bytes": self.optimizer_bytes,
+            "buffer_bytes": self.buffer_bytes, "state_bytes": self.state_bytes,
+            "gathered_peak_bytes": self.gathered_peak_bytes,
+            "reduce_scatter_peak_bytes": self.reduce_scatter_peak_bytes,
+            "activation_bytes": self.activation_bytes, "dequantized_peak_bytes": self.dequantized_peak_bytes,
+            "device_bytes": self.device_bytes,
+            "host_bytes": self.host_bytes,
+        }
+        return out
+
+    def to_json(self, **kwargs: Any) -> str:
+        return json.dumps(self.to_dict(), **kwargs)
+
+
+def format_bytes(n: int) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
+
+
+def _count(n: int) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return str(n)
+
+
+def _cell(n: int) -> str:
+    return format_bytes(n) if n else "-"

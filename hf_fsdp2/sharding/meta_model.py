@@ -1,0 +1,102 @@
+"""The model on the meta device: from a config, a config.json, a model directory or a meta copy of
+a module, with peft LoRA added; what memory.py costs and layout.py plans on."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+import torch.nn as nn
+
+from ..config import parse_dtype
+from ..runtime import user_files
+
+
+DEFAULT_LORA_TARGETS = ("q_proj", "v_proj")
+
+def load_hf_config(path: str | Path):
+    """A transformers config from a model directory or a config.json file (local paths only)."""
+    from transformers import AutoConfig
+
+    p = Path(path)
+    if not p.exists():
+        raise ValueError(f"`model`={str(path)!r}: no such file or directory; pass a model directory or "
+                         f"its config.json.")
+    try:
+        if p.is_dir():
+            if not (p / "config.json").is_file():
+                raise ValueError(f"`model`={str(path)!r} is a directory without a config.json.")
+            return AutoConfig.from_pretrained(str(p))
+        values = user_files.load_json(p, "a Hugging Face config.json")  # bounded: size, nesting, UTF-8
+        if not isinstance(values, dict) or "model_type" not in values:
+            raise ValueError(f"`model`={str(path)!r} has no `model_type`; is it a Hugging Face config.json?")
+        values = dict(values)
+        return AutoConfig.for_model(values.pop("model_type"), **values)
+    except user_files.UserFileError as e:
+        raise ValueError(f"`model`={str(path)!r}: {e}") from None
+    except (KeyError, OSError, TypeError) as e:  # unknown model_type, unreadable file, bad field
+        raise ValueError(f"`model`={str(path)!r}: could not read a Hugging Face config: {e}") from None
+
+
+def meta_copy(module: nn.Module) -> nn.Module:
+    """A deep copy of `module` whose parameters and buffers live on the meta device (no data copied);
+    tied parameters stay tied."""
+    memo: dict[int, Any] = {}
+    for p in module.parameters():
+        memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+    for b in module.buffers():
+        memo[id(b)] = torch.empty_like(b, device="meta")
+    return copy.deepcopy(module, memo)
+
+
+def build_meta_model(source: Any, *, dtype: torch.dtype | str | None = None) -> nn.Module:
+    """The causal LM `source` describes, on the meta device.
+
+    `source`: a transformers config, a model directory or config.json path, or an `nn.Module` (copied
+    to meta; the original is untouched). `dtype`: the parameters' storage dtype; None keeps a module's
+    dtypes and uses fp32 for a config (fp32 master weights, as mixed-precision training keeps them).
+    """
+    dtype = parse_dtype(dtype, "dtype")
+    if isinstance(source, nn.Module):
+        from torch.distributed.fsdp import FSDPModule
+
+        if isinstance(source, FSDPModule) or any(isinstance(m, FSDPModule) for m in source.modules()):
+            raise ValueError("`model` is already sharded; estimate from its config or the unsharded model.")
+        model = meta_copy(source)
+        if dtype is not None:
+            model.to(dtype)
+        return model
+    if isinstance(source, (str, Path)):
+        source = load_hf_config(source)
+    from transformers import AutoModelForCausalLM, PretrainedConfig
+
+    if not isinstance(source, PretrainedConfig):
+        raise TypeError(f"`model` must be a transformers config, a path or an nn.Module, got {type(source).__name__}.")
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(source, dtype=dtype or torch.float32)
+    except ValueError as e:  # a config with no causal-LM class
+        raise ValueError(f"`model`: {type(source).__name__} has no causal LM class in transformers: {e}") from None
+    return model
+
+
+def add_lora(model: nn.Module, r: int, targets: Sequence[str] = DEFAULT_LORA_TARGETS) -> nn.Module:
+    """`get_peft_model` with LoRA rank `r` on `targets`, on the meta device: base weights frozen."""
+    from peft import LoraConfig, get_peft_model
+
+    if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+        raise ValueError(f"`lora_r`={r!r} must be a positive integer.")
+    targets = [t.strip() for t in targets if t and t.strip()]
+    if not targets:
+        raise ValueError("`lora_targets` is empty; name the modules to adapt, e.g. q_proj,v_proj.")
+    try:
+        # peft calls transformers' deprecated `is_gradient_checkpointing`: noise for an estimate's user
+        with torch.device("meta"), warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            return get_peft_model(model, LoraConfig(r=r, lora_alpha=2 * r, target_modules=targets))
+    except ValueError as e:
+        names = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)})
+        raise ValueError(f"`lora_targets`={targets}: {e} Linear modules in this model: {', '.join(names)}.") from None

@@ -1,0 +1,46 @@
+"""What hf_fsdp2 knows about a model it sharded, in one typed record attached in one place.
+
+`shard_model` attaches it; every other module reads it through `record_of` / `is_sharded`, never
+through attributes of its own on the user's model. Fields fill in as the model goes through
+sharding: the auto layout is chosen before the mesh exists, the mesh and config come with
+`fully_shard`. (Per-module facts stay with the module that owns them: a 4-bit layer's spec,
+`quantization.bnb_4bit.spec_of`.)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+import torch.nn as nn
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from ..config import FSDP2Config
+
+_ATTRIBUTE = "_hf_fsdp2"  # the one attribute hf_fsdp2 sets on a user's model
+
+
+@dataclasses.dataclass
+class ShardedModel:
+    config: FSDP2Config | None = None  # the resolved config it was sharded with
+    mesh: DeviceMesh | None = None  # set once fully_shard has run: the model is hf_fsdp2's
+    layout: Any = None  # sharding.layout.LayoutPlan, when shard_size="auto" chose the layout
+    fp8: Any = None  # quantization.fp8.Fp8Conversion, when config.fp8: what was converted and why not
+    no_cache_in_training: bool = False  # compile.disable_cache_in_training ran
+
+
+def record_of(model: nn.Module, create: bool = False) -> ShardedModel | None:
+    """The model's record (None if it has none and not `create`)."""
+    record = model.__dict__.get(_ATTRIBUTE)
+    if record is None and create:
+        record = ShardedModel()
+        model.__dict__[_ATTRIBUTE] = record  # nn.Module.__setattr__ would not register a dataclass anyway
+    return record
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """Sharded by hf_fsdp2 (`shard_model` finished)."""
+    record = record_of(model)
+    return record is not None and record.mesh is not None
