@@ -4,8 +4,8 @@
 #                                                     # sharding, save/load of every architecture, the Accelerate
 #                                                     # launch, the Trainer flag, the main job, the upstream contracts
 #   bash benchmarks/oldest_versions.sh SET            # the whole suite
-# SET names a pin file: oldest -> constraints-min.txt (the oldest versions we support),
-# NAME -> constraints-NAME.txt (e.g. llamafactory: the pins LLaMA-Factory 0.9.5 allows).
+# SET names a pin file: oldest (= llamafactory) -> constraints-min.txt (the oldest versions we support:
+# LLaMA-Factory 0.9.5's caps), NAME -> constraints-NAME.txt (torch215: torch 2.15, not in CI: several GB).
 # Extra arguments go to pytest. The environment is (re)built when its pin file changes. It sees the main
 # environment's packages (--system-site-packages) and installs over them only what the pin file pins
 # differently: no second multi-GB torch.
@@ -13,7 +13,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 SET="${1:-}"
 case "$SET" in
-    oldest) PINS=constraints-min.txt ;;
+    oldest|llamafactory) PINS=constraints-min.txt ;;  # the oldest supported set is LLaMA-Factory 0.9.5's caps
     ""|-*) echo "usage: bash benchmarks/oldest_versions.sh SET [--subset] [pytest args]; SET: oldest, or NAME for constraints-NAME.txt" >&2; exit 2 ;;
     *) PINS="constraints-$SET.txt" ;;
 esac
@@ -24,7 +24,8 @@ STAMP="$VENV/$(basename "$PINS")"
 if [ ! -x "$VENV/bin/python" ] || ! cmp -s "$PINS" "$STAMP"; then
     rm -rf "$VENV"
     python -m venv --system-site-packages "$VENV"
-    "$VENV/bin/python" -m pip install -q -c "$PINS" -e ".[test]"
+    # PIP_CONSTRAINT: the pin file replaces any machine-wide constraint (one here caps torch at 2.14.1).
+    PIP_CONSTRAINT="$PINS" "$VENV/bin/python" -m pip install -q -c "$PINS" -e ".[test]"
     cp "$PINS" "$STAMP"
 fi
 "$VENV/bin/python" -m pip install -q --no-deps -e .  # this checkout, wherever the environment was made

@@ -142,17 +142,30 @@ def test_register_installs_and_unregister_restores_every_patched_seam():
     import hf_fsdp2
     from hf_fsdp2.runtime import upstream
 
+    import types
+
+    import trl.models.utils  # TRL's seam is installed once TRL is imported
+
+    # A module that bound the name at import, as TRL's trainers do (`from ..models.utils import prepare_fsdp`).
+    dpo = types.ModuleType("trl._hf_fsdp2_probe")
+    dpo.prepare_fsdp = trl.models.utils.prepare_fsdp
+    sys.modules[dpo.__name__] = dpo
+
     patched = [s.target for s in upstream.SEAMS if s.how == upstream.PATCHED
                and s.target != "torch.distributed.destroy_process_group"]  # installed by the first background save
     before = {t: upstream.lookup(t) for t in patched}
     hf_fsdp2.register()
     try:
-        assert sorted(upstream.installed("accelerate") + upstream.installed("trainer")) == sorted(patched)
+        installed = upstream.installed("accelerate") + upstream.installed("trainer") + upstream.installed("trl")
+        assert sorted(installed) == sorted(patched)
         assert all(upstream.lookup(t) is not before[t] for t in patched)
+        assert dpo.prepare_fsdp is upstream.lookup("trl.models.utils.prepare_fsdp")  # rebound where TRL imported it
     finally:
         hf_fsdp2.unregister()
     assert {t: upstream.lookup(t) for t in patched} == before
+    assert dpo.prepare_fsdp is before["trl.models.utils.prepare_fsdp"]
     assert upstream.installed() == []
+    del sys.modules[dpo.__name__]
 
 
 def test_undeclared_or_misused_seams_are_refused():

@@ -49,8 +49,10 @@ def _delta_of(module: nn.Module, adapter: str) -> tuple[torch.Tensor, RowsDelta]
             return module.get_param(), lambda lo, hi: (b[lo:hi] @ a) * scaling
         experts = module.num_experts
         a3, b3 = a.reshape(experts, -1, a.shape[-1]), b.reshape(b.shape[0], -1, experts)
-        # PEFT swaps in/out for [experts, out, in] parameters (`_did_swap_in_out_features`).
-        equation = "o r e, e r i -> e o i" if module._did_swap_in_out_features else "o r e, e r i -> e i o"
+        # PEFT swaps in/out for [experts, out, in] parameters (`_did_swap_in_out_features`); PEFT < 0.19 never
+        # swaps (no such attribute) and its get_delta_weight is always "-> e i o".
+        swapped = getattr(module, "_did_swap_in_out_features", False)
+        equation = "o r e, e r i -> e o i" if swapped else "o r e, e r i -> e i o"
         return module.get_param(), lambda lo, hi: torch.einsum(equation, b3[:, :, lo:hi], a3[lo:hi]) * scaling
     if isinstance(module, Linear) or bnb_4bit.is_sharded_4bit(module.get_base_layer()):
         # PEFT's 4-bit LoRA layer (peft/tuners/lora/bnb.py: Linear4bit.get_delta_weight) is Linear's delta.

@@ -13,6 +13,7 @@ comes from `register(**overrides)` and then `HF_FSDP2_<FIELD>` environment varia
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
@@ -29,6 +30,7 @@ from ..runtime.distributed import build_mesh
 from ..checkpoint.pretrained import save_pretrained
 from ..checkpoint.rank0_loading import shard_from_rank0
 from . import fsdp1_configs
+from . import trl as trl_backend
 from .accelerate_settings import AccelerateSettings, fsdp2_values, layer_names
 from ..quantization import fp8
 from ..sharding import is_sharded, record_of, shard_model, unwrap_peft
@@ -85,10 +87,12 @@ def register(**overrides: Any) -> None:
                           ("save_state", _save_state), ("load_state", _load_state)):
         upstream.replace(f"accelerate.accelerator.Accelerator.{name}",
                          functools.wraps(getattr(Accelerator, name))(wrapper), GROUP)
+    trl_backend.install_if_imported()
 
 
 def unregister() -> None:
-    """Restore Accelerate's own behaviour."""
+    """Restore Accelerate's own behaviour (and TRL's)."""
+    trl_backend.uninstall()
     upstream.restore(GROUP)
     _overrides.clear()
 
@@ -245,6 +249,7 @@ def _init(self, *args, **kwargs):
     from accelerate.state import PartialState
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 
+    trl_backend.install_if_imported()  # a TRL trainer builds its Accelerator before preparing its other models
     given = kwargs.get("fsdp_plugin")
     if given is None:  # Accelerate builds its plugin from the FSDP_* variables: an FSDP1 config runs as FSDP2
         converted = fsdp1_configs.convert_environment()
@@ -304,12 +309,36 @@ def _prepare_fsdp2(self, *args):
     if names is None and model is not None:
         names = list(getattr(unwrap_peft(model), "_no_split_modules", None) or []) or None
     plugin.transformer_cls_names_to_wrap = names
-    result = _original("Accelerator", "_prepare_fsdp2")(self, *args)
+    with _regional_compilation_in_place():
+        result = _original("Accelerator", "_prepare_fsdp2")(self, *args)
     prepared = next((r for r in result if isinstance(r, nn.Module)), None)
     if prepared is not None and fp8.has_fp8(prepared):  # FP8 scales after every step of the prepared optimizers
         for optimizer in (r for r in result if isinstance(r, torch.optim.Optimizer)):
             fp8.attach_to_optimizer(prepared, optimizer)
     return result
+
+
+@contextlib.contextmanager
+def _regional_compilation_in_place():
+    """Accelerate < 1.14's `_prepare_fsdp2` compiles regions with `compile_regions`, which wraps each block
+    in an `OptimizedModule`: parameter names gain `._orig_mod.` (a saved model then loads with random
+    weights, silently) and shard_size="auto" traces compiled layers on meta. Accelerate >= 1.14 calls
+    `compile_regions_fsdp2` (in place, as `compile_regions_deepspeed` does): the older ones get that."""
+    import accelerate.accelerator as acc_module
+
+    if hasattr(acc_module, "compile_regions_fsdp2") or not hasattr(acc_module, "compile_regions"):
+        yield
+        return
+    from accelerate.utils import compile_regions_deepspeed
+
+    def in_place(original):
+        def compile_regions(module: nn.Module, **compile_kwargs: Any) -> nn.Module:
+            compile_regions_deepspeed(module, **compile_kwargs)
+            return module
+        return compile_regions
+
+    with upstream.scoped("accelerate.accelerator.compile_regions", in_place):
+        yield
 
 
 def _refuse_bitsandbytes_optimizers(args) -> None:

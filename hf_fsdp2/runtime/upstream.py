@@ -16,6 +16,8 @@ How:
 - CLASS_SWAPPED: an instance's `__class__` set to a subclass (`set_class`); the subclass keeps the
   name, so class-name lookups (`_no_split_modules`, conversion mappings) and isinstance hold.
 - SUBCLASSED: a private upstream class we subclass and hand to upstream code.
+- INSTANCE_WRAPPED: a method wrapped on one object hf_fsdp2 sharded (`wrap_instance_method`), its
+  class untouched.
 """
 
 from __future__ import annotations
@@ -23,12 +25,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib
+import sys
 from typing import Any, Callable, Iterator
 
 PATCHED = "patched while installed"
 SCOPED = "patched inside a with-block"
 CLASS_SWAPPED = "instance class set to a subclass"
 SUBCLASSED = "private class subclassed"
+INSTANCE_WRAPPED = "method wrapped on one instance"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +41,9 @@ class Seam:
     how: str
     user: str  # the hf_fsdp2 module that does it
     why: str
+    # Modules under this prefix that bound the target's name at import (`from x import f`) are
+    # rebound too, now and at restore (TRL's trainers import `prepare_fsdp` that way).
+    rebind_prefix: str | None = None
 
 
 _ACC = "integrations/accelerate.py"
@@ -57,6 +64,9 @@ SEAMS: tuple[Seam, ...] = (
          "gather-free, atomic training state (optionally in the background)"),
     Seam("accelerate.accelerator.Accelerator.load_state", PATCHED, _ACC,
          "each rank reads only its own rows, whatever the saving mesh"),
+    Seam("accelerate.accelerator.compile_regions", SCOPED, _ACC,
+         "Accelerate < 1.14 compiles regions by wrapping blocks (`._orig_mod.` in every saved name); during "
+         "_prepare_fsdp2 it compiles in place, as >= 1.14's compile_regions_fsdp2 does"),
     Seam("accelerate.parallelism_config.ParallelismConfig._validate_accelerator", SCOPED, _ACC,
          "it rejects the MULTI_CPU state that Accelerator.__init__ passes through before we make it FSDP"),
     # The Transformers Trainer (group "trainer", installed by register()).
@@ -82,6 +92,13 @@ SEAMS: tuple[Seam, ...] = (
          "conversions by class name, so the lookup is shown the original classes"),
     Seam("torch.distributed.fsdp._fully_shard._fsdp_collectives.DefaultAllGather.__call__", SUBCLASSED,
          "quantization/fp8.py", "gloo has no float8 dtype: float8 all-gather inputs travel as bytes"),
+    Seam("transformers.generation.utils.GenerationMixin.generate", INSTANCE_WRAPPED, "sharding/generation.py",
+         "on a model hf_fsdp2 sharded, each group is gathered once per generate() call, not once per token"),
+    # TRL (group "trl", installed when trl is imported: importing it costs seconds, so not before).
+    Seam("trl.models.utils.prepare_fsdp", PATCHED, "integrations/trl.py",
+         "TRL shards reference, teacher and reward models with one fully_shard at the root (a whole-model "
+         "all-gather per forward): hf_fsdp2 shards them per layer, frozen, in the policy's settings",
+         rebind_prefix="trl."),
     # bitsandbytes.
     Seam("bitsandbytes.nn.modules.Linear4bit.forward", CLASS_SWAPPED, "quantization/bnb_4bit.py",
          "a sharded 4-bit layer dequantizes its gathered packed rows itself (bitsandbytes' forward "
@@ -128,8 +145,22 @@ def replace(target: str, replacement: Any, group: str) -> None:
     if target in _installed:
         return
     owner, name = resolve(target)
-    _installed[target] = (owner, name, getattr(owner, name), replacement, group)
+    previous = getattr(owner, name)
+    _installed[target] = (owner, name, previous, replacement, group)
     setattr(owner, name, replacement)
+    _rebind(target, previous, replacement)
+
+
+def _rebind(target: str, old: Any, new: Any) -> None:
+    """Where the seam says so, every loaded module under its prefix that holds `old` under the
+    target's name gets `new` (modules imported later import the patched name by themselves)."""
+    prefix = seam(target).rebind_prefix
+    if prefix is None:
+        return
+    name = target.rsplit(".", 1)[1]
+    for module_name, module in list(sys.modules.items()):
+        if module_name.startswith(prefix) and module is not None and module.__dict__.get(name) is old:
+            setattr(module, name, new)
 
 
 def installed(group: str | None = None) -> list[str]:
@@ -146,8 +177,9 @@ def original(target: str) -> Any:
 def restore(group: str) -> None:
     """Put back every attribute of `group`, last installed first."""
     for target in reversed(installed(group)):
-        owner, name, previous, _, _ = _installed.pop(target)
+        owner, name, previous, ours, _ = _installed.pop(target)
         setattr(owner, name, previous)
+        _rebind(target, ours, previous)
 
 
 def foreign(group: str) -> list[tuple[str, Any]]:
@@ -189,6 +221,17 @@ def set_class(obj: Any, cls: type, target: str) -> None:
     if not (issubclass(cls, type(obj)) or issubclass(type(obj), cls)):
         raise AssertionError(f"{cls.__name__} is not a subclass or base of {type(obj).__name__}")
     obj.__class__ = cls
+
+
+def wrap_instance_method(obj: Any, name: str, target: str, make_wrapper: Callable[[Any], Any]) -> None:
+    """`obj.name` becomes `make_wrapper(bound original)` on this object only (idempotent)."""
+    if seam(target).how != INSTANCE_WRAPPED:
+        raise AssertionError(f"{target} is declared {seam(target).how}, not {INSTANCE_WRAPPED}")
+    if getattr(obj.__dict__.get(name), "_hf_fsdp2_seam", None) == target:
+        return
+    wrapper = make_wrapper(getattr(obj, name))
+    wrapper._hf_fsdp2_seam = target
+    object.__setattr__(obj, name, wrapper)  # the instance's __dict__; nn.Module.__setattr__ is for tensors/modules
 
 
 def subclass_base(target: str) -> type:

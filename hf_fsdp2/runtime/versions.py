@@ -15,10 +15,11 @@ from importlib.metadata import PackageNotFoundError, version
 
 # package -> (oldest supported (major, minor), newest tested (major, minor))
 SUPPORTED: dict[str, tuple[tuple[int, int], tuple[int, int]]] = {
-    "torch": ((2, 13), (2, 13)),  # the only torch with a CPU wheel here: older ones are untested, so refused
-    "transformers": ((5, 12), (5, 23)),  # 4.57 and 5.0 fail tests (README "Supported versions")
-    "accelerate": ((1, 15), (1, 15)),  # the backend follows Accelerate's internals; 1.12 differs
-    "peft": ((0, 20), (0, 21)),  # 0.19 cannot reload a MoE adapter with transformers 5.12
+    "torch": ((2, 13), (2, 15)),  # the only torch with a CPU wheel here: older ones are untested, so refused
+    # The oldest: LLaMA-Factory 0.9.5's caps (constraints-min.txt); 4.57 and 5.0 fail tests (README).
+    "transformers": ((5, 6), (5, 23)),
+    "accelerate": ((1, 11), (1, 15)),
+    "peft": ((0, 18), (0, 21)),
 }
 _warned = False
 
@@ -61,6 +62,18 @@ def untested(found: dict[str, str | None] | None = None) -> list[str]:
             if found.get(package) is not None and parse(found[package]) > high]
 
 
+def conflicts(found: dict[str, str | None] | None = None) -> list[str]:
+    """Known-bad combinations of supported versions, each with what breaks and the way out."""
+    found = {p: installed(p) for p in ("peft", "torchao")} if found is None else found
+    out = []
+    peft, torchao = found.get("peft"), found.get("torchao")
+    if peft and torchao and parse(peft) < (0, 19) and parse(torchao) >= (0, 18):
+        out.append(f"peft {peft} with torchao {torchao} cannot create any LoRA model (peft < 0.19 imports "
+                   "torchao's LinearActivationQuantizedTensor, which torchao 0.18 removed): install "
+                   "'torchao<=0.17' or 'peft>=0.19'")
+    return out
+
+
 def check(found: dict[str, str | None] | None = None) -> None:
     """Raise one `RuntimeError` line naming every missing or too old version and the supported range;
     warn once about versions newer than tested."""
@@ -69,6 +82,8 @@ def check(found: dict[str, str | None] | None = None) -> None:
     if bad:
         raise RuntimeError("hf_fsdp2 does not support the installed versions: " + "; ".join(bad)
                            + ". Install a supported set, e.g. `pip install -c constraints.txt -e .`.")
+    for conflict in conflicts(found):
+        warnings.warn("hf_fsdp2: " + conflict, stacklevel=2)
     new = untested(found)
     if new and not _warned:
         _warned = True

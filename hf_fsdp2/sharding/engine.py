@@ -29,6 +29,7 @@ from ..runtime.distributed import build_mesh, default_device, local_tensor
 from .compile import compile_layers, disable_cache_in_training, is_compiled
 from .groups import ShardPlan, apply_frozen_dtype, plan_groups, replicated_frozen_parameters, unwrap_peft
 from .layout import resolve_auto_layout
+from .generation import wrap_generate
 from .record import record_of
 
 
@@ -229,6 +230,7 @@ def shard_model(
         fp8.precompute_scales(model)  # first all-gather then computes its scales itself
     record = record_of(model, create=True)
     record.config, record.mesh = config, mesh
+    wrap_generate(model)  # each group gathered once per generate() call
     return model
 
 

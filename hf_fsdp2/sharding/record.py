@@ -29,6 +29,7 @@ class ShardedModel:
     layout: Any = None  # sharding.layout.LayoutPlan, when shard_size="auto" chose the layout
     fp8: Any = None  # quantization.fp8.Fp8Conversion, when config.fp8: what was converted and why not
     no_cache_in_training: bool = False  # compile.disable_cache_in_training ran
+    generating: bool = False  # inside generation.gathered_for_generation
 
 
 def record_of(model: nn.Module, create: bool = False) -> ShardedModel | None:

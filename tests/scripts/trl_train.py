@@ -1,0 +1,81 @@
+"""TRL trainers (DPO with a reference model, GRPO with beta > 0) under `accelerate launch` with
+`hf_fsdp2.register()` (or without, `--no-register`). Run by tests/test_trl.py."""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import torch  # noqa: E402
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--trainer", choices=["dpo", "grpo"], required=True)
+parser.add_argument("--model", required=True, help="a saved model directory with its tokenizer")
+parser.add_argument("--out", required=True)
+parser.add_argument("--output-dir", required=True)
+parser.add_argument("--steps", type=int, default=2)
+parser.add_argument("--per-device-batch", type=int, default=2)
+parser.add_argument("--lora", action="store_true")
+parser.add_argument("--no-register", action="store_true")
+args = parser.parse_args()
+
+if not args.no_register:
+    import hf_fsdp2
+
+    hf_fsdp2.register()
+from datasets import Dataset  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+
+WORDS = [line.split() for line in (Path(__file__).resolve().parents[2] / "examples" / "data" / "train.txt")
+         .read_text().splitlines() if len(line.split()) >= 6][:16]
+tokenizer = AutoTokenizer.from_pretrained(args.model)
+model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+peft_config = None
+if args.lora:
+    from peft import LoraConfig
+
+    peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+common = dict(output_dir=args.output_dir, max_steps=args.steps, per_device_train_batch_size=args.per_device_batch,
+              learning_rate=1e-3, logging_steps=1, report_to=[], save_strategy="no", seed=0, data_seed=0,
+              gradient_checkpointing=False, bf16=False)
+if args.trainer == "dpo":
+    from trl import DPOConfig, DPOTrainer
+
+    data = Dataset.from_list([{"prompt": " ".join(w[:3]), "chosen": " " + " ".join(w[3:6]),
+                               "rejected": " " + " ".join(reversed(w[3:6]))} for w in WORDS])
+    trainer = DPOTrainer(model=model, args=DPOConfig(beta=0.1, max_length=32, **common), train_dataset=data,
+                         processing_class=tokenizer, peft_config=peft_config)
+else:
+    from trl import GRPOConfig, GRPOTrainer
+
+    def reward(completions, **kwargs):
+        return [float(len(c)) for c in completions]
+
+    data = Dataset.from_list([{"prompt": " ".join(w[:4])} for w in WORDS])
+    trainer = GRPOTrainer(model=model, reward_funcs=reward, train_dataset=data, processing_class=tokenizer,
+                          peft_config=peft_config,
+                          args=GRPOConfig(beta=0.1, num_generations=2, max_completion_length=4, temperature=1.0,
+                                          model_init_kwargs={"dtype": torch.float32}, **common))
+trainer.train()
+
+from torch.distributed.tensor import DTensor  # noqa: E402
+
+ref = trainer.ref_model
+report = {
+    "world": trainer.accelerator.num_processes,
+    "losses": [e["loss"] for e in trainer.state.log_history if "loss" in e],
+    "logs": [e for e in trainer.state.log_history if "loss" in e],
+    "policy_dtensor": all(isinstance(p, DTensor) for p in trainer.model.parameters()),
+    "ref_model": None if ref is None else {
+        "class": type(ref).__name__,
+        "frozen": all(not p.requires_grad for p in ref.parameters()),
+        "dtensor": all(isinstance(p, DTensor) for p in ref.parameters()),
+        "groups": sum(type(m).__name__.startswith("FSDP") for m in ref.modules()),
+        "grads": sum(p.grad is not None for p in ref.parameters()),
+    },
+}
+if trainer.accelerator.is_main_process:
+    Path(args.out).write_text(json.dumps(report))
+trainer.accelerator.wait_for_everyone()

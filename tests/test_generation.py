@@ -1,0 +1,62 @@
+"""Generation on a sharded model (sharding/generation.py): each group is all-gathered once per
+`generate()` call, however many tokens it decodes; greedy output equals one process's; memory bounds
+how many groups stay gathered; training afterwards sees sharded groups again."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.common import batches, build_model, count_collectives, optimizer, reference_train, sharded_train
+from tests.dist_harness import run_ranks
+
+PROMPT = torch.tensor([[5, 9, 13, 17, 21, 25], [3, 6, 9, 12, 15, 18]])
+
+
+def _generate(model, tokens: int):
+    with count_collectives() as counts, torch.no_grad():
+        out = model.generate(input_ids=PROMPT, attention_mask=torch.ones_like(PROMPT), max_new_tokens=tokens,
+                             min_new_tokens=tokens, do_sample=False)
+    return out, counts["all_gather_single"]
+
+
+def _worker(rank, world):
+    import hf_fsdp2
+    from hf_fsdp2.sharding import generation
+
+    model = build_model()
+    hf_fsdp2.shard_model(model, hf_fsdp2.FSDP2Config())
+    groups = sum(g._get_fsdp_state()._fsdp_param_group is not None for g in generation._groups(model))  # 5
+    report = {"groups": groups}
+    report["out4"], report["gathers4"] = _generate(model, 4)
+    report["out12"], report["gathers12"] = _generate(model, 12)
+    # A budget for no group at all: FSDP2's own behaviour, every group again for every token.
+    original = generation.FREE_MEMORY_FRACTION
+    generation.FREE_MEMORY_FRACTION = 0.0
+    try:
+        report["out4_unkept"], report["gathers4_unkept"] = _generate(model, 4)
+    finally:
+        generation.FREE_MEMORY_FRACTION = original
+    # Afterwards every group is sharded again and training goes on as before.
+    from torch.distributed.tensor import DTensor
+
+    report["sharded_after"] = all(isinstance(p, DTensor) for p in model.parameters())
+    report["losses"] = sharded_train(model, batches(steps=2), rank, world, opt=optimizer(model))
+    return report
+
+
+def test_generate_gathers_each_group_once_per_call_and_matches_one_process():
+    report = run_ranks(_worker, 2)[0]
+    reference = build_model()
+    with torch.no_grad():
+        expected4 = reference.generate(input_ids=PROMPT, attention_mask=torch.ones_like(PROMPT), max_new_tokens=4,
+                                       min_new_tokens=4, do_sample=False)
+        expected12 = reference.generate(input_ids=PROMPT, attention_mask=torch.ones_like(PROMPT), max_new_tokens=12,
+                                        min_new_tokens=12, do_sample=False)
+    assert torch.equal(report["out4"], expected4) and torch.equal(report["out12"], expected12)
+    assert torch.equal(report["out4_unkept"], expected4)
+    groups = report["groups"]
+    assert report["gathers4"] == report["gathers12"] == groups  # once per group, independent of the tokens
+    assert report["gathers4_unkept"] >= 4 * 3  # FSDP2 alone: the 3 layers again for every token
+    assert report["sharded_after"]
+    assert report["losses"] == pytest.approx(reference_train(build_model(), batches(steps=2)), abs=1e-4)

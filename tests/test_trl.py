@@ -1,0 +1,73 @@
+"""TRL's trainers with `hf_fsdp2.register()` under `accelerate launch` on 2 CPU ranks
+(tests/scripts/trl_train.py): the reference model TRL builds is sharded by hf_fsdp2 per layer and
+frozen (integrations/trl.py), a LoRA policy's adapter-disabled reference needs no second model, and
+generation gathers each group once per generate() call (sharding/generation.py; counted in
+tests/test_generation.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("trl")
+
+from tests.dist_harness import free_port  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "tests" / "scripts" / "trl_train.py"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """The bundled tiny Llama's config, randomly initialised (seed 0), with its tokenizer."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    directory = tmp_path_factory.mktemp("trl-model")
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(ROOT / "examples" / "tiny-llama")).save_pretrained(
+        directory)
+    AutoTokenizer.from_pretrained(ROOT / "examples" / "tiny-llama").save_pretrained(directory)
+    return directory
+
+
+def run(tmp_path: Path, processes: int, *script_args: str) -> dict:
+    out = tmp_path / f"report-{processes}-{len(list(tmp_path.glob('report-*')))}.json"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+           str(ROOT / "accelerate_configs" / "fsdp2.yaml"), "--num_processes", str(processes),
+           "--main_process_port", str(free_port()), str(SCRIPT), "--out", str(out),
+           "--output-dir", str(tmp_path / "out"), *script_args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=ROOT,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return json.loads(out.read_text())
+
+
+def test_dpo_reference_model_is_sharded_per_layer_and_losses_equal_one_process(model_dir, tmp_path):
+    sharded = run(tmp_path, 2, "--trainer", "dpo", "--model", str(model_dir), "--per-device-batch", "2")
+    single = run(tmp_path, 1, "--trainer", "dpo", "--model", str(model_dir), "--per-device-batch", "4",
+                 "--no-register")
+    assert sharded["world"] == 2 and sharded["policy_dtensor"]
+    ref = sharded["ref_model"]
+    # Per-layer groups (4 layers, embedding, [norm, head], root), every weight a shard, frozen, no grads;
+    # TRL's own prepare_fsdp would have made one root group.
+    assert ref["groups"] >= 6 and ref["dtensor"] and ref["frozen"] and ref["grads"] == 0
+    assert sharded["losses"] == pytest.approx(single["losses"], abs=1e-5)
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_grpo_with_a_kl_penalty_shards_its_reference_model(model_dir, tmp_path, lora):
+    report = run(tmp_path, 2, "--trainer", "grpo", "--model", str(model_dir), *(["--lora"] if lora else []))
+    assert report["world"] == 2 and report["policy_dtensor"]
+    kl = [entry["kl"] for entry in report["logs"]]
+    assert kl[0] == 0.0 and kl[1] > 0  # the reference equals the policy until the first step changes it
+    if lora:
+        assert report["ref_model"] is None  # the adapter-disabled policy is the reference
+    else:
+        ref = report["ref_model"]
+        assert ref["groups"] >= 6 and ref["dtensor"] and ref["frozen"] and ref["grads"] == 0
