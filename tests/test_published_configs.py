@@ -62,7 +62,7 @@ def test_fsdp1_launch_environment_becomes_fsdp2(path, reshard, monkeypatch):
     assert isinstance(plugin.cpu_offload, CPUOffloadPolicy) == ("offload_params: true" in path.read_text())
 
 
-@pytest.mark.parametrize("strategy", ["HYBRID_SHARD", "NO_SHARD", "5"])
+@pytest.mark.parametrize("strategy", ["HYBRID_SHARD", "NO_SHARD", "5", "FOO", ""])
 def test_fsdp1_strategies_without_an_fsdp2_meaning_are_refused_by_name(strategy):
     from hf_fsdp2.integrations.fsdp1_configs import convert_environment
 
