@@ -54,9 +54,8 @@ from pathlib import Path
 import harness
 from harness import RssSampler, hwm_bytes, malloc_trim, reset_hwm, rss_bytes
 
-REPO = Path(__file__).resolve().parent.parent
-RESULTS_DIR = REPO / "benchmarks" / "results"
-TMP_ROOT = RESULTS_DIR / "tmp"  # gitignored, on the same disk as the repo
+REPO, RESULTS_DIR = harness.REPO, harness.RESULTS_DIR
+TMP_ROOT = harness.TMP_ROOT
 MiB = 1 << 20
 RSS_TARGET_BYTES = 64 * MiB  # the "64 MB", read as MiB
 SPEEDUP_TARGET = 5.0
@@ -429,11 +428,6 @@ class PhaseTimer:
 def run_job(rank: int, world: int, job: dict) -> dict:
     import torch.distributed as dist
 
-    if job.get("run") == "loop":  # --training-loop: benchmarks/checkpoint_loop.py
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
-        import checkpoint_loop
-
-        return checkpoint_loop.run_job(rank, world, job)
     tmp = Path(job["tmp"])
     repeats, interval = job["repeats"], job["sample_interval"]
     out = {"rank": rank, "save": {}, "load": {}, "profile": None}
@@ -708,16 +702,6 @@ def plot(results: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def git_state() -> dict:
-    def git(*args):
-        try:
-            return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=20).stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            return ""
-
-    return {"commit": git("rev-parse", "HEAD"), "hf_fsdp2_dirty": bool(git("status", "--porcelain", "hf_fsdp2"))}
-
-
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if "--training-loop" in argv:  # saves inside a training loop (async vs sync vs DCP async_save)
@@ -755,7 +739,7 @@ def main(argv=None) -> int:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     import torch
 
-    meta = {"timestamp": stamp, "argv": sys.argv[1:], "git": git_state(), "python": platform.python_version(),
+    meta = {"timestamp": stamp, "argv": sys.argv[1:], "git": harness.git_state(), "python": platform.python_version(),
             "torch": torch.__version__, "cpus": os.cpu_count(), "platform": platform.platform(),
             "mem_total_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
             "page_cache": ("warm: one untimed warm-up round, then timed rounds with the methods interleaved; saves "

@@ -152,7 +152,11 @@ def summarize(ranks: list[dict]) -> dict:
 
 
 def main(argv=None) -> int:
-    from checkpoint_bench import RESULTS_DIR, TMP_ROOT, run_ranks  # the same spawner as the save/load benchmark
+    from harness import RESULTS_DIR, TMP_ROOT
+    from harness import run_ranks as spawn
+
+    def run_ranks(world: int, job: dict, timeout: float) -> list[dict]:  # the spawner the other benchmarks use
+        return spawn(run_job, world, job, timeout)
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--world-size", type=int, default=2)

@@ -13,9 +13,26 @@ import multiprocessing as mp
 import os
 import queue
 import socket
+import subprocess
 import threading
 import traceback
+from pathlib import Path
 from typing import Any, Callable
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS_DIR = REPO / "benchmarks" / "results"
+TMP_ROOT = RESULTS_DIR / "tmp"  # gitignored, on the same disk as the repo
+
+
+def git_state() -> dict:
+    """The commit results were measured on, and whether hf_fsdp2/ had uncommitted changes."""
+    def git(*args):
+        try:
+            return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=20).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+
+    return {"commit": git("rev-parse", "HEAD"), "hf_fsdp2_dirty": bool(git("status", "--porcelain", "hf_fsdp2"))}
 
 # ---------------------------------------------------------------------------------------------
 # Memory probes

@@ -67,8 +67,7 @@ from pathlib import Path
 import harness
 from harness import RssSampler, hwm_bytes, malloc_trim, reset_hwm, status_bytes
 
-REPO = Path(__file__).resolve().parent.parent
-RESULTS_DIR = REPO / "benchmarks" / "results"
+REPO, RESULTS_DIR = harness.REPO, harness.RESULTS_DIR
 MiB = 1 << 20
 METHODS = ("ours", "ours_after_stock_load", "replicated_base", "single_process")
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -421,16 +420,6 @@ def print_ratios(rows: list[dict]) -> None:
         print(f"{'N=' + str(row['world_size']) + ' ours / ' + row['vs']:<32}{cells}")
 
 
-def git_state() -> dict:
-    def git(*args):
-        try:
-            return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=20).stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            return ""
-
-    return {"commit": git("rev-parse", "HEAD"), "hf_fsdp2_dirty": bool(git("status", "--porcelain", "hf_fsdp2"))}
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -496,7 +485,7 @@ def main(argv=None) -> int:
     total = time.perf_counter() - t_start
     print(f"\ntotal {total:.0f} s")
 
-    meta = {"timestamp": stamp, "argv": sys.argv[1:] if argv is None else list(argv), "git": git_state(),
+    meta = {"timestamp": stamp, "argv": sys.argv[1:] if argv is None else list(argv), "git": harness.git_state(),
             "python": platform.python_version(), "torch": torch.__version__,
             "versions": {name: __import__(name).__version__ for name in ("transformers", "peft", "bitsandbytes")},
             "cpus": os.cpu_count(), "platform": platform.platform(),

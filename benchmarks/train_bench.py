@@ -103,10 +103,10 @@ import traceback
 import warnings
 from pathlib import Path
 
+import harness
 from harness import RssSampler, hwm_bytes, malloc_trim, reset_hwm, rss_bytes, run_ranks
 
-REPO = Path(__file__).resolve().parent.parent
-RESULTS_DIR = REPO / "benchmarks" / "results"
+REPO, RESULTS_DIR = harness.REPO, harness.RESULTS_DIR
 MiB = 1 << 20
 CONTESTANTS = ("ours", "accelerate", "fsdp1", "ddp")
 EXTRA = ("ours_zero2", "ours_plain", "ours_bf16", "ours_fp8", "ours_auto", "ours_auto_tight", "ours_compile")  # opt-in settings of ours: not peers, not in the targets
@@ -861,16 +861,6 @@ def plot(results: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def git_state() -> dict:
-    def git(*args):
-        try:
-            return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=20).stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            return ""
-
-    return {"commit": git("rev-parse", "HEAD"), "hf_fsdp2_dirty": bool(git("status", "--porcelain", "hf_fsdp2"))}
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -920,7 +910,7 @@ def main(argv=None) -> int:
     stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     args.out_dir.mkdir(parents=True, exist_ok=True)
     contestants = ["ours"] + [c for c in args.contestants if c != "ours"]  # ours is the reference
-    meta = {"timestamp": stamp, "argv": sys.argv[1:], "git": git_state(), "python": platform.python_version(),
+    meta = {"timestamp": stamp, "argv": sys.argv[1:], "git": harness.git_state(), "python": platform.python_version(),
             "torch": torch.__version__, "cpus": os.cpu_count(), "platform": platform.platform(),
             "cuda": cuda, "cuda_device": torch.cuda.get_device_name(0) if cuda else None,
             "peak_tflops_per_gpu": peak_tflops, "load_average_at_start": os.getloadavg(),

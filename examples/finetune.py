@@ -68,7 +68,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="train a LoRA adapter on all linear layers (and `lm_head` of the embedded model)")
     p.add_argument("--load-in-4bit", action="store_true",
                    help="QLoRA (implies --lora): the base loaded by transformers in bitsandbytes NF4 with double "
-                        "quantization; prepare() shards the 4-bit weights (needs `pip install 'hf_fsdp2[qlora]'`)")
+                        "quantization; prepare() shards the 4-bit weights (needs bitsandbytes: `pip install -e '.[qlora]'` in the checkout)")
     p.add_argument("--fp8", action="store_true",
                    help="FP8 training with FP8 all-gather (torchao float8 on the decoder layers' linears; "
                         "needs `pip install 'hf_fsdp2[fp8]'`); same as `mixed_precision: fp8` in the yaml")

@@ -207,8 +207,11 @@ class FSDP2Config:
         self.layer_cls_names = _parse_names(self.layer_cls_names)
         self.min_num_params = _parse_int(self.min_num_params, "min_num_params", 0)
         if self.ignored_modules is not None:
-            if not isinstance(self.ignored_modules, str) or not self.ignored_modules:
+            if not isinstance(self.ignored_modules, str):
                 raise TypeError(f"`ignored_modules` must be a regular expression string, got {self.ignored_modules!r}.")
+            if not self.ignored_modules:
+                raise ValueError("`ignored_modules` is empty: give a regular expression of module names, or leave it "
+                                 "unset.")
             try:
                 re.compile(self.ignored_modules)
             except re.error as e:

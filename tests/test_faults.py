@@ -225,7 +225,7 @@ def test_unsupported_accelerate_version_is_refused_with_the_working_range(monkey
 
     real = versions.installed
     monkeypatch.setattr(versions, "installed", lambda p: "0.34.2" if p == "accelerate" else real(p))
-    with pytest.raises(RuntimeError, match=r"accelerate 0\.34\.2 is installed \(supported: accelerate>=1\.15 \(tested up to 1\.15\)\)"):
+    with pytest.raises(RuntimeError, match=r"accelerate 0\.34\.2 is installed \(supported: accelerate>=1\.11 \(tested up to 1\.15\)\)"):
         hf_fsdp2.register()
     assert not backend.is_registered()
 
@@ -233,11 +233,11 @@ def test_unsupported_accelerate_version_is_refused_with_the_working_range(monkey
 def test_versions_outside_the_supported_range_are_named_in_one_line():
     from hf_fsdp2.runtime import versions
 
-    good = {"torch": "2.13.0+cpu", "transformers": "5.12.1", "accelerate": "1.15.0", "peft": "0.20.0"}
+    good = {"torch": "2.13.0+cpu", "transformers": "5.6.0", "accelerate": "1.11.0", "peft": "0.18.1"}
     versions.check(good)
     versions.check({**good, "transformers": "5.23.0", "peft": "0.21.2", "accelerate": "1.15.0"})
-    for package, bad in [("torch", "2.6.0"), ("transformers", "4.57.6"), ("transformers", "5.0.0"),
-                         ("peft", "0.19.1"), ("accelerate", "1.12.0"), ("peft", None)]:
+    for package, bad in [("torch", "2.6.0"), ("transformers", "4.57.6"), ("transformers", "5.5.4"),
+                         ("peft", "0.17.1"), ("accelerate", "1.10.1"), ("peft", None)]:
         with pytest.raises(RuntimeError) as info:
             versions.check({**good, package: bad})
         message = str(info.value)
@@ -249,9 +249,9 @@ def test_newer_releases_than_tested_warn_once_and_are_not_refused(monkeypatch):
     versions warn once (tests/test_upstream_contracts.py decides whether they still fit)."""
     from hf_fsdp2.runtime import versions
 
-    good = {"torch": "2.15.0", "transformers": "6.0.0", "accelerate": "1.16.0", "peft": "0.21.2"}
+    good = {"torch": "2.16.0", "transformers": "6.0.0", "accelerate": "1.16.0", "peft": "0.21.2"}
     monkeypatch.setattr(versions, "_warned", False)
-    with pytest.warns(UserWarning, match=r"not been tested with torch 2\.15\.0 .*transformers 6\.0\.0 .*accelerate 1\.16\.0"):
+    with pytest.warns(UserWarning, match=r"not been tested with torch 2\.16\.0 .*transformers 6\.0\.0 .*accelerate 1\.16\.0"):
         versions.check(good)
     import warnings
 
@@ -271,7 +271,7 @@ def test_import_refuses_an_unsupported_version(tmp_path):
     assert result.returncode == 1
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("RuntimeError: hf_fsdp2 does not support the installed versions: peft 0.17.1 is installed "
-                           "(supported: peft>=0.20 (tested up to 0.21))"), result.stderr
+                           "(supported: peft>=0.18 (tested up to 0.21))"), result.stderr
 
 
 @pytest.mark.parametrize("seed, blocking", [(3, True), (20, True), (2, False), (15, False)])
