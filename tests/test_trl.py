@@ -1,6 +1,6 @@
 """TRL's trainers with `hf_fsdp2.register()` under `accelerate launch` on 2 CPU ranks
 (tests/scripts/trl_train.py): the reference model TRL builds is sharded by hf_fsdp2 per layer and
-frozen (integrations/trl.py), a LoRA policy's adapter-disabled reference needs no second model, and
+frozen (integrations/trl.py), so is a reward model (Accelerate's prepare_model in evaluation mode), a LoRA policy's adapter-disabled reference needs no second model, and
 generation gathers each group once per generate() call (sharding/generation.py; counted in
 tests/test_generation.py)."""
 
@@ -36,6 +36,19 @@ def model_dir(tmp_path_factory):
     return directory
 
 
+@pytest.fixture(scope="module")
+def reward_dir(tmp_path_factory):
+    """A sequence-classification reward model of the same tiny config (one label)."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+
+    directory = tmp_path_factory.mktemp("trl-reward")
+    torch.manual_seed(1)
+    AutoModelForSequenceClassification.from_config(
+        AutoConfig.from_pretrained(ROOT / "examples" / "tiny-llama", num_labels=1)).save_pretrained(directory)
+    AutoTokenizer.from_pretrained(ROOT / "examples" / "tiny-llama").save_pretrained(directory)
+    return directory
+
+
 def run(tmp_path: Path, processes: int, *script_args: str) -> dict:
     out = tmp_path / f"report-{processes}-{len(list(tmp_path.glob('report-*')))}.json"
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
@@ -61,13 +74,17 @@ def test_dpo_reference_model_is_sharded_per_layer_and_losses_equal_one_process(m
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-def test_grpo_with_a_kl_penalty_shards_its_reference_model(model_dir, tmp_path, lora):
-    report = run(tmp_path, 2, "--trainer", "grpo", "--model", str(model_dir), *(["--lora"] if lora else []))
+def test_grpo_with_a_kl_penalty_shards_its_reference_and_reward_models(model_dir, reward_dir, tmp_path, lora):
+    """GRPO with beta > 0; the full run also scores with a reward model, which TRL prepares with
+    Accelerate's prepare_model(evaluation_mode=True): stock FSDP2 would keep it whole on every rank."""
+    extra = ["--lora"] if lora else ["--reward-model", str(reward_dir)]
+    report = run(tmp_path, 2, "--trainer", "grpo", "--model", str(model_dir), *extra)
     assert report["world"] == 2 and report["policy_dtensor"]
     kl = [entry["kl"] for entry in report["logs"]]
     assert kl[0] == 0.0 and kl[1] > 0  # the reference equals the policy until the first step changes it
     if lora:
         assert report["ref_model"] is None  # the adapter-disabled policy is the reference
     else:
-        ref = report["ref_model"]
-        assert ref["groups"] >= 6 and ref["dtensor"] and ref["frozen"] and ref["grads"] == 0
+        for frozen in (report["ref_model"], *report["reward_models"]):
+            assert frozen["groups"] >= 6 and frozen["dtensor"] and frozen["frozen"] and frozen["grads"] == 0
+        assert [m["class"] for m in report["reward_models"]] == ["FSDPLlamaForSequenceClassification"]

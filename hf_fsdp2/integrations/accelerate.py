@@ -83,7 +83,7 @@ def register(**overrides: Any) -> None:
 
     upstream.replace("accelerate.accelerator.fsdp2_prepare_model", _fsdp2_prepare_model, GROUP)
     for name, wrapper in (("__init__", _init), ("_prepare_fsdp2", _prepare_fsdp2), ("_prepare_ao", _prepare_ao),
-                          ("save_model", _save_model),
+                          ("save_model", _save_model), ("prepare_model", _prepare_model),
                           ("save_state", _save_state), ("load_state", _load_state)):
         upstream.replace(f"accelerate.accelerator.Accelerator.{name}",
                          functools.wraps(getattr(Accelerator, name))(wrapper), GROUP)
@@ -360,6 +360,27 @@ def _prepare_ao(self, *args):
     if getattr(self, "is_fsdp2", False):
         return args
     return _original("Accelerator", "_prepare_ao")(self, *args)
+
+
+def prepare_for_inference(accelerator, model: nn.Module) -> nn.Module:
+    """A model that only runs forwards (a reference, teacher, reward or value model, an eval-only
+    model): sharded like the trained one (per-layer groups, the config's precision and layout), frozen
+    (no gradients, no optimizer state), and every group resharded after its forward (no backward
+    follows, so nothing is kept gathered between steps). Collective: call on every rank."""
+    if not is_sharded(model):
+        model.requires_grad_(False)
+        _fsdp2_prepare_model(accelerator, model)
+        model.set_reshard_after_forward(True)
+    model.eval()
+    return model
+
+
+def _prepare_model(self, model, device_placement=None, evaluation_mode=False):
+    """`prepare_model(model, evaluation_mode=True)` (TRL's reward models, eval-only models): stock FSDP2
+    only places such a model, a full replica on every rank; under hf_fsdp2 it is sharded for inference."""
+    if evaluation_mode and getattr(self, "is_fsdp2", False) and isinstance(model, nn.Module):
+        return prepare_for_inference(self, model)
+    return _original("Accelerator", "prepare_model")(self, model, device_placement, evaluation_mode)
 
 
 def _fsdp2_prepare_model(accelerator, model: nn.Module) -> nn.Module:

@@ -8,7 +8,8 @@ the Accelerate config's precision and layout, frozen (no gradients, no optimizer
 only ever run under no_grad), and every group resharded after its forward (nothing stays gathered
 between steps). A PEFT policy's "adapter disabled" reference needs no second model and
 is untouched. Generation on them (and on the policy) gathers each group once per `generate()` call
-(sharding/generation.py).
+(sharding/generation.py). Reward models TRL prepares with Accelerate's `prepare_model(...,
+evaluation_mode=True)` get the same treatment there (integrations/accelerate.py `_prepare_model`).
 
 Installed by the Accelerate backend when a trainer builds its Accelerator and TRL is imported
 (runtime/upstream.py seam `trl.models.utils.prepare_fsdp`, rebound in TRL's trainer modules).
@@ -21,7 +22,6 @@ import sys
 import torch.nn as nn
 
 from ..runtime import upstream
-from ..sharding import is_sharded
 
 GROUP = "trl"
 TARGET = "trl.models.utils.prepare_fsdp"
@@ -42,11 +42,4 @@ def _prepare_fsdp(model: nn.Module, accelerator):
 
     if not getattr(accelerator, "is_fsdp2", False) or not backend.is_registered():
         return upstream.original(TARGET)(model, accelerator)
-    if not is_sharded(model):
-        model.requires_grad_(False)  # a reference/teacher/reward model: inference only
-        backend._fsdp2_prepare_model(accelerator, model)
-        # No backward follows its forwards: free every group after its forward, the last layer and the
-        # head too (which shard_model keeps gathered for the backward of a trained model).
-        model.set_reshard_after_forward(True)
-    model.eval()
-    return model
+    return backend.prepare_for_inference(accelerator, model)

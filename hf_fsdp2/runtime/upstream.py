@@ -58,6 +58,9 @@ SEAMS: tuple[Seam, ...] = (
          "layer names from a yaml string or the PEFT base's _no_split_modules; FP8 scale hook on optimizers"),
     Seam("accelerate.accelerator.Accelerator._prepare_ao", PATCHED, _ACC,
          "under FSDP2, FP8 conversion happens in shard_model (per layer group), not Accelerate's"),
+    Seam("accelerate.accelerator.Accelerator.prepare_model", PATCHED, _ACC,
+         "evaluation_mode=True (reward, eval-only models): stock FSDP2 keeps a full replica per rank; "
+         "hf_fsdp2 shards it for inference"),
     Seam("accelerate.accelerator.Accelerator.save_model", PATCHED, _ACC,
          "gather-free safetensors in Hugging Face format"),
     Seam("accelerate.accelerator.Accelerator.save_state", PATCHED, _ACC,

@@ -19,6 +19,7 @@ parser.add_argument("--steps", type=int, default=2)
 parser.add_argument("--per-device-batch", type=int, default=2)
 parser.add_argument("--lora", action="store_true")
 parser.add_argument("--no-register", action="store_true")
+parser.add_argument("--reward-model", help="GRPO: a sequence-classification model directory as a second reward")
 args = parser.parse_args()
 
 if not args.no_register:
@@ -54,7 +55,12 @@ else:
         return [float(len(c)) for c in completions]
 
     data = Dataset.from_list([{"prompt": " ".join(w[:4])} for w in WORDS])
-    trainer = GRPOTrainer(model=model, reward_funcs=reward, train_dataset=data, processing_class=tokenizer,
+    rewards = [reward]
+    if args.reward_model:
+        from transformers import AutoModelForSequenceClassification
+
+        rewards.append(AutoModelForSequenceClassification.from_pretrained(args.reward_model, dtype=torch.float32))
+    trainer = GRPOTrainer(model=model, reward_funcs=rewards, train_dataset=data, processing_class=tokenizer,
                           peft_config=peft_config,
                           args=GRPOConfig(beta=0.1, num_generations=2, max_completion_length=4, temperature=1.0,
                                           model_init_kwargs={"dtype": torch.float32}, **common))
@@ -62,19 +68,24 @@ trainer.train()
 
 from torch.distributed.tensor import DTensor  # noqa: E402
 
-ref = trainer.ref_model
+def describe(m):
+    return None if m is None else {
+        "class": type(m).__name__,
+        "frozen": all(not p.requires_grad for p in m.parameters()),
+        "dtensor": all(isinstance(p, DTensor) for p in m.parameters()),
+        "groups": sum(type(x).__name__.startswith("FSDP") for x in m.modules()),
+        "grads": sum(p.grad is not None for p in m.parameters()),
+    }
+
+
+ref = getattr(trainer, "ref_model", None)
 report = {
+    "reward_models": [describe(f) for f in getattr(trainer, "reward_funcs", []) if isinstance(f, torch.nn.Module)],
     "world": trainer.accelerator.num_processes,
     "losses": [e["loss"] for e in trainer.state.log_history if "loss" in e],
     "logs": [e for e in trainer.state.log_history if "loss" in e],
     "policy_dtensor": all(isinstance(p, DTensor) for p in trainer.model.parameters()),
-    "ref_model": None if ref is None else {
-        "class": type(ref).__name__,
-        "frozen": all(not p.requires_grad for p in ref.parameters()),
-        "dtensor": all(isinstance(p, DTensor) for p in ref.parameters()),
-        "groups": sum(type(m).__name__.startswith("FSDP") for m in ref.modules()),
-        "grads": sum(p.grad is not None for p in ref.parameters()),
-    },
+    "ref_model": describe(ref),
 }
 if trainer.accelerator.is_main_process:
     Path(args.out).write_text(json.dumps(report))
