@@ -108,8 +108,8 @@ def parse_bytes(value: Any, field_name: str) -> int:
         raise TypeError(f"`{field_name}` must be a number of bytes or a size string such as \"80GB\", got {value!r}.")
     if not math.isfinite(number) or number >= MAX_BYTES:
         raise ValueError(f"`{field_name}`={value!r} is not a finite size below 8 EiB; use bytes or e.g. \"80GB\".")
-    if number <= 0:
-        raise ValueError(f"`{field_name}`={value!r} must be positive.")
+    if int(number) <= 0:
+        raise ValueError(f"`{field_name}`={value!r} must be at least one byte.")
     return int(number)
 
 

@@ -7,6 +7,8 @@ import os
 import pickle
 import queue
 import socket
+import subprocess
+import sys
 import time
 import traceback
 from datetime import timedelta
@@ -22,6 +24,36 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+# ---------------------------------------------------------------------------------------------
+# Launchers: every test that starts `accelerate launch` or torchrun builds its command here.
+
+
+def accelerate_launch(config, *launch_args: str, processes: int | None = None, port: int | None = None) -> list[str]:
+    """`accelerate launch --config_file config` with this interpreter, on a free port; append the script."""
+    cmd = [sys.executable, "-m", "accelerate.commands.launch"]
+    if config is not None:
+        cmd += ["--config_file", str(config)]
+    if processes is not None:
+        cmd += ["--num_processes", str(processes)]
+    return cmd + ["--main_process_port", str(port if port is not None else free_port()), *launch_args]
+
+
+def torchrun(processes: int, *launch_args: str) -> list[str]:
+    """`torchrun` (python -m torch.distributed.run: no launcher on PATH needed), on a free port."""
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes),
+            "--master_port", str(free_port()), *launch_args]
+
+
+def run_launched(cmd: list[str], *, cwd, env: dict | None = None, timeout: float = 400,
+                 check: bool = True) -> subprocess.CompletedProcess:
+    """Run a launcher command (one thread per process); with `check`, fail with its output's tail."""
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=cwd,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+    if check:
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return proc
 
 
 def _entry(fn, rank, world_size, port, results, args, kwargs, pg_timeout, backend):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from .common import batches, build_model, lora
-from .dist_harness import free_port
+from .dist_harness import accelerate_launch, free_port, run_launched
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "scripts" / "accel_train.py"
@@ -22,12 +22,9 @@ GLOBAL_BATCH = 8
 
 def launch(config: str, processes: int, out: Path, *script_args: str, launch_args: tuple = (), env=None,
            timeout: int = 300) -> dict:
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / config),
-           "--num_processes", str(processes), "--main_process_port", str(free_port()), *launch_args,
-           str(SCRIPT), "--out", str(out), "--per-device-batch", str(GLOBAL_BATCH // processes), *script_args]
-    run_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=run_env, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    cmd = accelerate_launch(CONFIGS / config, *launch_args, processes=processes) + [
+        str(SCRIPT), "--out", str(out), "--per-device-batch", str(GLOBAL_BATCH // processes), *script_args]
+    run_launched(cmd, cwd=ROOT, env=env, timeout=timeout)
     return json.loads(out.read_text())
 
 
@@ -133,13 +130,12 @@ def test_hsdp_yaml_as_2x2_on_one_machine_and_as_two_machines(tmp_path):
     assert out["mesh"] == [2, 2] and out["world"] == 4
     assert out["losses"] == pytest.approx(reference, abs=1e-4)
     # Two `accelerate launch` invocations, machine ranks 0 and 1, rendezvous on loopback.
-    port = str(free_port())
+    port = free_port()
     procs = []
     for machine in (0, 1):
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / "hsdp.yaml"),
-               "--num_machines", "2", "--num_processes", "4", "--machine_rank", str(machine),
-               "--main_process_ip", "127.0.0.1", "--main_process_port", port, str(SCRIPT),
-               "--out", str(tmp_path / f"m{machine}.json"), "--per-device-batch", "2", "--steps", "3"]
+        cmd = accelerate_launch(CONFIGS / "hsdp.yaml", "--num_machines", "2", "--machine_rank", str(machine),
+                                "--main_process_ip", "127.0.0.1", processes=4, port=port) + [
+            str(SCRIPT), "--out", str(tmp_path / f"m{machine}.json"), "--per-device-batch", "2", "--steps", "3"]
         procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
                                       env={**os.environ, "OMP_NUM_THREADS": "1"}))
     logs = [p.communicate(timeout=300)[0] for p in procs]

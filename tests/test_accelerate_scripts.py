@@ -21,13 +21,12 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import accelerate
 import pytest
 
-from .dist_harness import free_port
+from .dist_harness import accelerate_launch, run_launched
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = Path(accelerate.__file__).parent / "test_utils" / "scripts"
@@ -52,11 +51,9 @@ def run_script(script: Path, tmp_path: Path, *args: str, config: Path | None = N
     if config is None:
         config = tmp_path / "no_wrap.yaml"
         config.write_text(NO_WRAP)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {}),
+    env = {**(env or {}),
            "PYTHONPATH": os.pathsep.join([str(ROOT / "tests" / "accelerate_inject"), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
-                           "--main_process_port", str(free_port()), *launch, str(script), *args],
-                          capture_output=True, text=True, timeout=400, env=env, cwd=tmp_path)
+    return run_launched(accelerate_launch(config, *launch) + [str(script), *args], cwd=tmp_path, env=env, check=False)
 
 
 def test_accelerate_test_ops_passes_with_register(tmp_path):

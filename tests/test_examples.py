@@ -7,7 +7,6 @@ user gets with no flags.
 
 from __future__ import annotations
 
-import os
 import re
 import shlex
 import subprocess
@@ -17,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from .dist_harness import free_port
+from .dist_harness import accelerate_launch, run_launched
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "finetune.py"
@@ -35,11 +34,7 @@ def readme_main_job() -> list[str]:
 def launch(cmd: list[str], *, timeout: int = 300) -> subprocess.CompletedProcess:
     """Run an `accelerate launch ...` command line with this interpreter, on a free port."""
     assert cmd[:2] == ["accelerate", "launch"], cmd
-    full = [sys.executable, "-m", "accelerate.commands.launch", "--main_process_port", str(free_port()), *cmd[2:]]
-    proc = subprocess.run(full, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return proc
+    return run_launched(accelerate_launch(None) + cmd[2:], cwd=ROOT, timeout=timeout)
 
 
 def finetune(*args: str, config: str = "fsdp2.yaml", processes: int | None = None) -> subprocess.CompletedProcess:

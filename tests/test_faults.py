@@ -168,19 +168,14 @@ def test_a_peer_that_never_arrives_times_out_instead_of_hanging():
 def _torchrun_restart(tmp, name, crash_at):
     from pathlib import Path
 
-    from .dist_harness import free_port
+    from .dist_harness import run_launched, torchrun
 
     root = Path(__file__).resolve().parents[1]
     log = tmp / f"{name}.jsonl"
-    import sys
-
-    # `python -m torch.distributed.run` is torchrun, with this interpreter (no launcher on PATH needed).
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--max-restarts", "1", "--master_port", str(free_port()),
-           str(root / "tests" / "scripts" / "restart_train.py"), "--root", str(tmp / name), "--loss-file", str(log),
-           "--crash-at-step", str(crash_at)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=root,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-5000:]
+    cmd = torchrun(2, "--max-restarts", "1") + [
+        str(root / "tests" / "scripts" / "restart_train.py"), "--root", str(tmp / name), "--loss-file", str(log),
+        "--crash-at-step", str(crash_at)]
+    run_launched(cmd, cwd=root)
     import json
 
     records = [json.loads(line) for line in log.read_text().splitlines()]

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from .common import saved_tensors
-from .dist_harness import free_port
+from .dist_harness import accelerate_launch, run_launched, torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "scripts" / "trainer_train.py"
@@ -26,9 +25,7 @@ def run_script(launcher: list[str], report: Path, output_dir: Path, processes: i
            "--max_steps", str(max_steps), "--per_device_train_batch_size", str(GLOBAL_BATCH // processes),
            "--learning_rate", "1e-2", "--lr_scheduler_type", "constant", "--logging_steps", "1",
            "--report_to", "none", "--disable_tqdm", "true", *extra]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
+    run_launched(cmd, cwd=ROOT, env=env, timeout=300)
     out = json.loads(report.read_text())
     out["losses"] = [out["losses"][str(i)] for i in range(1, max_steps + 1)]
     return out
@@ -36,8 +33,7 @@ def run_script(launcher: list[str], report: Path, output_dir: Path, processes: i
 
 def train(tmp: Path, name: str, processes: int, max_steps: int, *extra: str, env: dict | None = None) -> dict:
     """torchrun with the Trainer's own flag: `--fsdp full_shard --fsdp_config accelerate_configs/fsdp2.json`."""
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes),
-                "--master_port", str(free_port())]
+    launcher = torchrun(processes)
     return run_script(launcher, tmp / f"{name}.json", tmp / "out", processes, max_steps, "--fsdp", "full_shard",
                       "--fsdp_config", str(ROOT / "accelerate_configs" / "fsdp2.json"), *extra, env=env)
 
@@ -75,9 +71,7 @@ def launch_trainer(tmp: Path, name: str, max_steps: int, *extra: str, launch_arg
                    env: dict | None = None) -> dict:
     """The same Trainer script under `accelerate launch --config_file accelerate_configs/fsdp2.yaml`
     and no `--fsdp` flag: how libraries built on the Trainer document FSDP."""
-    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-                str(ROOT / "accelerate_configs" / "fsdp2.yaml"), "--num_processes", "2",
-                "--main_process_port", str(free_port()), *launch_args]
+    launcher = accelerate_launch(ROOT / "accelerate_configs" / "fsdp2.yaml", *launch_args, processes=2)
     return run_script(launcher, tmp / f"{name}.json", tmp / name, 2, max_steps, "--save_strategy", "no", *extra,
                       env=env)
 

@@ -7,9 +7,6 @@ tests/test_generation.py)."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,7 +14,7 @@ import torch
 
 pytest.importorskip("trl")
 
-from tests.dist_harness import free_port  # noqa: E402
+from tests.dist_harness import accelerate_launch, run_launched  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "scripts" / "trl_train.py"
@@ -51,13 +48,9 @@ def reward_dir(tmp_path_factory):
 
 def run(tmp_path: Path, processes: int, *script_args: str) -> dict:
     out = tmp_path / f"report-{processes}-{len(list(tmp_path.glob('report-*')))}.json"
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-           str(ROOT / "accelerate_configs" / "fsdp2.yaml"), "--num_processes", str(processes),
-           "--main_process_port", str(free_port()), str(SCRIPT), "--out", str(out),
-           "--output-dir", str(tmp_path / "out"), *script_args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=ROOT,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    cmd = accelerate_launch(ROOT / "accelerate_configs" / "fsdp2.yaml", processes=processes) + [
+        str(SCRIPT), "--out", str(out), "--output-dir", str(tmp_path / "out"), *script_args]
+    run_launched(cmd, cwd=ROOT)
     return json.loads(out.read_text())
 
 

@@ -17,7 +17,6 @@ import gc
 import json
 import math
 import os
-import re
 import stat
 import struct
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ from typing import Iterable, Mapping, NamedTuple, Sequence
 
 import torch
 
+from ..config import parse_bytes
 from .errors import CheckpointError
 from .header import LIMIT, parse_header
 
@@ -151,21 +151,9 @@ def plan_file(filename: str, specs: Sequence[TensorSpec], metadata: Mapping[str,
 
 
 def parse_size(size: int | str) -> int:
-    """"5GB" -> 5 * 10**9, "500MiB" -> 500 * 2**20, ints pass through (the units transformers uses)."""
-    if isinstance(size, int):
-        if size <= 0:
-            raise ValueError(f"`max_shard_size`={size} must be positive.")
-        return size
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*", str(size), flags=re.IGNORECASE)
-    if not match:
-        raise ValueError(f"`max_shard_size`={size!r} is not a size; use e.g. '5GB', '500MiB' or a byte count.")
-    number, unit = float(match.group(1)), (match.group(2) or "B").upper()
-    scale = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-             "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}[unit]
-    value = int(number * scale)
-    if value <= 0:
-        raise ValueError(f"`max_shard_size`={size!r} must be positive.")
-    return value
+    """"5GB" -> 5 * 10**9, "500MiB" -> 500 * 2**20, ints pass through (the units transformers uses);
+    config.parse_bytes, the one size parser."""
+    return parse_bytes(size, "max_shard_size")
 
 
 def plan_checkpoint(specs: Sequence[TensorSpec], max_shard_size: int | str = "5GB",
