@@ -81,3 +81,17 @@ def test_grpo_with_a_kl_penalty_shards_its_reference_and_reward_models(model_dir
         for frozen in (report["ref_model"], *report["reward_models"]):
             assert frozen["groups"] >= 6 and frozen["dtensor"] and frozen["frozen"] and frozen["grads"] == 0
         assert [m["class"] for m in report["reward_models"]] == ["FSDPLlamaForSequenceClassification"]
+
+
+def test_grpo_checkpoint_resumes_on_another_rank_count(model_dir, tmp_path):
+    """A GRPO run checkpointed on 2 ranks (hf_fsdp2's training state: safetensors model and optimizer,
+    RNG, trainer state) resumes on 1: the policy it continues from is the trained one, so its first
+    resumed step already differs from the reference (KL > 0; a fresh policy would give exactly 0)."""
+    run(tmp_path, 2, "--trainer", "grpo", "--model", str(model_dir), "--steps", "2", "--save-steps", "2")
+    checkpoint = tmp_path / "out" / "checkpoint-2"
+    assert (checkpoint / "model.safetensors").exists() and (checkpoint / "optimizer.safetensors").exists()
+    resumed = run(tmp_path, 1, "--trainer", "grpo", "--model", str(model_dir), "--steps", "3",
+                  "--per-device-batch", "4", "--resume", str(checkpoint))
+    assert resumed["world"] == 1 and resumed["global_step"] == 3
+    step3 = next(entry for entry in resumed["logs"] if entry["step"] == 3)
+    assert step3["kl"] > 0

@@ -20,6 +20,8 @@ parser.add_argument("--per-device-batch", type=int, default=2)
 parser.add_argument("--lora", action="store_true")
 parser.add_argument("--no-register", action="store_true")
 parser.add_argument("--reward-model", help="GRPO: a sequence-classification model directory as a second reward")
+parser.add_argument("--save-steps", type=int, help="checkpoint every N steps (hf_fsdp2's training states)")
+parser.add_argument("--resume", help="a checkpoint directory to resume from")
 args = parser.parse_args()
 
 if not args.no_register:
@@ -39,7 +41,8 @@ if args.lora:
 
     peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
 common = dict(output_dir=args.output_dir, max_steps=args.steps, per_device_train_batch_size=args.per_device_batch,
-              learning_rate=1e-3, logging_steps=1, report_to=[], save_strategy="no", seed=0, data_seed=0,
+              learning_rate=1e-3, logging_steps=1, report_to=[], seed=0, data_seed=0,
+              save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 500,
               gradient_checkpointing=False, bf16=False)
 if args.trainer == "dpo":
     from trl import DPOConfig, DPOTrainer
@@ -64,7 +67,7 @@ else:
                           peft_config=peft_config,
                           args=GRPOConfig(beta=0.1, num_generations=2, max_completion_length=4, temperature=1.0,
                                           model_init_kwargs={"dtype": torch.float32}, **common))
-trainer.train()
+trainer.train(resume_from_checkpoint=args.resume)
 
 from torch.distributed.tensor import DTensor  # noqa: E402
 
@@ -82,6 +85,8 @@ ref = getattr(trainer, "ref_model", None)
 report = {
     "reward_models": [describe(f) for f in getattr(trainer, "reward_funcs", []) if isinstance(f, torch.nn.Module)],
     "world": trainer.accelerator.num_processes,
+    "global_step": trainer.state.global_step,
+    "steps_logged": [e["step"] for e in trainer.state.log_history if "loss" in e],
     "losses": [e["loss"] for e in trainer.state.log_history if "loss" in e],
     "logs": [e for e in trainer.state.log_history if "loss" in e],
     "policy_dtensor": all(isinstance(p, DTensor) for p in trainer.model.parameters()),
