@@ -55,3 +55,14 @@ def test_every_environment_variable_takes_or_names_each_hostile_string(field):
         except Exception as e:  # noqa: BLE001
             bad.append(f"{value!r}: {type(e).__name__}: {e}")
     assert not bad, f"{variable}:\n" + "\n".join(bad)
+
+
+@pytest.mark.parametrize("value", ["two", "0", "-1", "999999"])
+def test_generation_memory_budget_names_a_bad_local_world_size(monkeypatch, value):
+    import torch
+
+    from hf_fsdp2.sharding import generation
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", value)
+    with pytest.raises(ValueError, match="LOCAL_WORLD_SIZE"):
+        generation.free_memory(torch.device("cpu"))

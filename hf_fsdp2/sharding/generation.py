@@ -85,8 +85,9 @@ def free_memory(device: torch.device) -> int:
         pass
     if available is None:
         available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
-    return available // max(local, 1)
+    from .layout import local_world_size  # validated: a garbage LOCAL_WORLD_SIZE is a clear error
+
+    return available // local_world_size(collectives.world_size())
 
 
 def groups_to_keep(model: nn.Module, budget: int | None = None) -> list[nn.Module]:
