@@ -71,7 +71,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "quantization; prepare() shards the 4-bit weights (needs bitsandbytes: `pip install -e '.[qlora]'` in the checkout)")
     p.add_argument("--fp8", action="store_true",
                    help="FP8 training with FP8 all-gather (torchao float8 on the decoder layers' linears; "
-                        "needs `pip install 'hf_fsdp2[fp8]'`); same as `mixed_precision: fp8` in the yaml")
+                        "needs torchao: `pip install 'torchao>=0.17'`); same as `mixed_precision: fp8` in the yaml")
     p.add_argument("--auto-layout", action="store_true",
                    help="let hf_fsdp2 pick the cheapest layout that fits memory (register(shard_size='auto'), planned "
                         "for this run's micro-batch); --memory-budget sets the bytes per rank (e.g. 20GB)")

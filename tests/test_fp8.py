@@ -168,7 +168,7 @@ def test_fp8_without_torchao_says_how_to_install(monkeypatch):
 
     monkeypatch.setitem(sys.modules, "torchao", None)
     monkeypatch.setitem(sys.modules, "torchao.float8", None)
-    with pytest.raises(ImportError, match=r"pip install 'hf_fsdp2\[fp8\]'"):
+    with pytest.raises(ImportError, match=r"pip install 'torchao>=0.17'"):
         fp8.convert(build_model(**MODEL), [])
 
 

@@ -318,7 +318,7 @@ def test_4bit_needs_lora_and_bitsandbytes(monkeypatch):
     with pytest.raises(ValueError, match=r"down_proj: in_features=90 is not a multiple of the 4-bit blocksize 64"):
         estimate_memory(tiny_config(intermediate_size=90), 2, lora_r=2, load_in_4bit=True)
     monkeypatch.setitem(sys.modules, "bitsandbytes", None)
-    with pytest.raises(ImportError, match=r"pip install 'hf_fsdp2\[qlora\]'"):
+    with pytest.raises(ImportError, match=r"pip install 'bitsandbytes>=0.50'"):
         estimate_memory(tiny_config(), 2, lora_r=2, load_in_4bit=True)
 
 
@@ -439,7 +439,7 @@ def test_cli_4bit_matches_the_library(tmp_path, capsys):
     (["--lora-r", "2", "--double-quant"], "`--double-quant` applies to 4-bit weights: add `--load-in-4bit`"),
     (["--lora-r", "2", "--load-in-4bit"], "down_proj: in_features=90 is not a multiple of the 4-bit blocksize 64"),
     (["--lora-r", "2", "--load-in-4bit", "<no bitsandbytes>"], "`--load-in-4bit`: 4-bit (QLoRA) models need "
-                                                                 "bitsandbytes: pip install 'hf_fsdp2[qlora]'"),
+                                                                 "bitsandbytes: pip install 'bitsandbytes>=0.50'"),
 ])
 def test_cli_4bit_errors(config_dir, capsys, monkeypatch, args, text):
     if "<no bitsandbytes>" in args:

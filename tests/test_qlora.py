@@ -148,7 +148,7 @@ def test_without_bitsandbytes_the_error_says_how_to_install(monkeypatch):
     from hf_fsdp2.quantization import bnb_4bit
 
     monkeypatch.setitem(sys.modules, "bitsandbytes", None)
-    with pytest.raises(ImportError, match=r"pip install 'hf_fsdp2\[qlora\]'"):
+    with pytest.raises(ImportError, match=r"pip install 'bitsandbytes>=0.50'"):
         bnb_4bit.quantize_on_meta(torch.nn.Linear(2, 2), bnb_config(), torch.float32)
 
 

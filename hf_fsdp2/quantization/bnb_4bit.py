@@ -41,7 +41,7 @@ import torch.nn as nn
 from ..runtime import upstream
 from ..runtime.distributed import local_tensor
 
-INSTALL_HINT = "pip install 'hf_fsdp2[qlora]' (bitsandbytes >= 0.50)"
+INSTALL_HINT = "pip install 'bitsandbytes>=0.50' (or pip install -e '.[qlora]' in the hf_fsdp2 checkout)"
 _SPEC = "_hf_fsdp2_4bit"  # where a prepared layer keeps its Quant4bitSpec (read through spec_of)
 NESTED_BLOCKSIZE = 256  # bitsandbytes' double quantization: quantize_blockwise(absmax, blocksize=256)
 

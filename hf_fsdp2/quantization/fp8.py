@@ -30,7 +30,7 @@ import torch.nn as nn
 
 from ..runtime import upstream
 
-INSTALL_HINT = "pip install 'hf_fsdp2[fp8]' (torchao >= 0.18)"
+INSTALL_HINT = "pip install 'torchao>=0.17' (or pip install -e '.[fp8]' in the hf_fsdp2 checkout)"
 DIM_MULTIPLE = 16  # torch._scaled_mm: both dimensions of an FP8 matmul operand divisible by 16
 
 

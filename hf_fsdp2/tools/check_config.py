@@ -242,7 +242,7 @@ def _check_mixed_precision(cfg: Mapping[str, Any], out: list[Finding]) -> None:
             try:
                 import torchao.float8  # noqa: F401
             except ImportError:
-                _error(out, "mixed_precision", "'fp8' needs torchao: pip install 'hf_fsdp2[fp8]'.")
+                _error(out, "mixed_precision", "'fp8' needs torchao: pip install 'torchao>=0.17'.")
     elif mp not in _PRECISIONS:
         _error(out, "mixed_precision", f"{value!r} is not a precision; use 'no', 'bf16' or 'fp16'.")
 
