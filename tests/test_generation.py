@@ -13,10 +13,10 @@ from tests.dist_harness import run_ranks
 PROMPT = torch.tensor([[5, 9, 13, 17, 21, 25], [3, 6, 9, 12, 15, 18]])
 
 
-def _generate(model, tokens: int):
+def _generate(model, tokens: int, **kwargs):
     with count_collectives() as counts, torch.no_grad():
         out = model.generate(input_ids=PROMPT, attention_mask=torch.ones_like(PROMPT), max_new_tokens=tokens,
-                             min_new_tokens=tokens, do_sample=False)
+                             min_new_tokens=tokens, do_sample=False, **kwargs)
     return out, counts["all_gather_single"]
 
 
@@ -60,3 +60,27 @@ def test_generate_gathers_each_group_once_per_call_and_matches_one_process():
     assert report["gathers4_unkept"] >= 4 * 3  # FSDP2 alone: the 3 layers again for every token
     assert report["sharded_after"]
     assert report["losses"] == pytest.approx(reference_train(build_model(), batches(steps=2)), abs=1e-4)
+
+
+def _generate_only(rank, world):
+    import hf_fsdp2
+
+    model = build_model()
+    hf_fsdp2.shard_model(model, hf_fsdp2.FSDP2Config())
+    # transformers' own end-of-sequence sync (synced_gpus) all-reduces a flag on the input's device on the
+    # default group: CUDA on a GPU, CPU here, which this harness refuses as NCCL would a CPU tensor.
+    # Equal lengths on every rank (min = max new tokens) make it unnecessary; ours are what is checked.
+    return _generate(model, 4, synced_gpus=False)
+
+
+def test_generate_with_a_default_group_that_refuses_cpu_tensors():
+    """GPU process-group semantics (tests/dist_harness.py NCCL_LIKE): the budget agreement of
+    generate() goes over the host group, the all-gathers over the mesh's own groups."""
+    from tests.dist_harness import NCCL_LIKE
+
+    out, gathers = run_ranks(_generate_only, 2, backend=NCCL_LIKE)[0]
+    reference = build_model()
+    with torch.no_grad():
+        expected = reference.generate(input_ids=PROMPT, attention_mask=torch.ones_like(PROMPT), max_new_tokens=4,
+                                      min_new_tokens=4, do_sample=False)
+    assert torch.equal(out, expected) and gathers == 5
