@@ -19,7 +19,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from .key_conversion import DiskView
 from .safetensors_io import TensorSpec
 from ..runtime import collectives
-from ..runtime.distributed import local_tensor
+from ..runtime.distributed import local_tensor, reshard
 from ..sharding import canonical_name
 
 
@@ -89,18 +89,6 @@ def persistent_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
             if buf is not None and name not in module._non_persistent_buffers_set:
                 out.append((f"{module_name}.{name}" if module_name else name, buf))
     return out
-
-
-def reshard(model: nn.Module) -> None:
-    """Put every FSDP group of `model` back in its sharded state. A forward without backward (an
-    evaluation step under `no_grad`) leaves groups with `reshard_after_forward=False` (the root,
-    the last layer, the head) unsharded, so their registered parameters are the full tensors, not
-    the sharded ones the optimizer holds. No communication: it only frees the gathered copies."""
-    from torch.distributed.fsdp import FSDPModule
-
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.reshard()
 
 
 def model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -29,6 +29,7 @@ import torch
 import torch.nn as nn
 
 from ..runtime import upstream
+from ..runtime.distributed import reshard
 
 INSTALL_HINT = "pip install 'torchao>=0.17' (or pip install -e '.[fp8]' in the hf_fsdp2 checkout)"
 DIM_MULTIPLE = 16  # torch._scaled_mm: both dimensions of an FP8 matmul operand divisible by 16
@@ -107,11 +108,7 @@ def precompute_scales(model: nn.Module) -> None:
     (`precompute_float8_dynamic_scale_for_fsdp`), which is what a group left unsharded by a forward
     without backward holds (the root, the last layer), so that group would keep stale scales."""
     if has_fp8(model):
-        from torch.distributed.fsdp import FSDPModule
-
-        for module in model.modules():
-            if isinstance(module, FSDPModule):
-                module.reshard()  # only frees gathered copies; no communication
+        reshard(model)
         import_torchao().precompute_float8_dynamic_scale_for_fsdp(model)
 
 

@@ -7,10 +7,23 @@ import os
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from ..config import FSDP2Config
 from . import collectives
+
+
+def reshard(model: nn.Module) -> None:
+    """Put every FSDP group of `model` back in its sharded state. A forward without backward (an
+    evaluation step under `no_grad`) leaves groups with `reshard_after_forward=False` (the root,
+    the last layer, the head) unsharded, so their registered parameters are the full tensors, not
+    the sharded ones the optimizer holds. No communication: it only frees the gathered copies."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:

@@ -25,6 +25,7 @@ import torch
 import torch.nn as nn
 
 from ..runtime import collectives, upstream
+from ..runtime.distributed import reshard
 
 FREE_MEMORY_FRACTION = 0.5  # of the memory free at generate(): the rest is the KV cache's and activations'
 _SEAM = "transformers.generation.utils.GenerationMixin.generate"
@@ -133,8 +134,7 @@ def gathered_for_generation(model: nn.Module, budget: int | None = None) -> Iter
         record.generating = False
         for group, setting in saved:
             _restore_reshard_setting(group, setting)
-        for group in _groups(model):
-            group.reshard()
+        reshard(model)
 
 
 def _reshard_setting(group: nn.Module):
