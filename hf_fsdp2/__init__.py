@@ -15,6 +15,7 @@ from .checkpoint.state import latest_state, load_state, save_state  # noqa: E402
 from .checkpoint import async_save as _async_save  # noqa: E402
 from .checkpoint.async_save import SaveHandle, wait_pending as wait_for_saves  # noqa: E402
 from .sharding import no_sync, shard_model  # noqa: E402
+from .quantization.bnb_optimizers import prepare as prepare_optimizer  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -51,6 +52,7 @@ __all__ = [
     "load_pretrained",
     "load_state",
     "no_sync",
+    "prepare_optimizer",
     "register",
     "save_pretrained",
     "save_state",

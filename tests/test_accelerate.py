@@ -255,36 +255,3 @@ def test_a_patch_over_ours_is_taken_back_by_name(caplog):
     finally:
         hf_fsdp2.unregister()
     assert accelerate.accelerator.fsdp2_prepare_model is not backend._fsdp2_prepare_model
-
-
-def _bitsandbytes_optimizer_on_a_dtensor(rank, world_size):
-    import bitsandbytes as bnb
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
-
-    from hf_fsdp2.integrations.accelerate import _refuse_bitsandbytes_optimizers
-
-    mesh = init_device_mesh("cpu", (world_size,))
-    p = torch.nn.Parameter(distribute_tensor(torch.randn(64, 64), mesh, [Shard(0)]))
-    opt = bnb.optim.AdamW8bit([p], lr=1e-3, min_8bit_size=1)
-    try:
-        _refuse_bitsandbytes_optimizers((opt,))
-    except ValueError as e:
-        refused = str(e)
-    p.grad = distribute_tensor(torch.randn(64, 64), mesh, [Shard(0)])
-    try:
-        opt.step()
-        failure = None
-    except RuntimeError as e:
-        failure = str(e)
-    return refused, failure
-
-
-def test_bitsandbytes_optimizers_are_refused_at_prepare_while_they_fail_on_dtensors():
-    """The refusal stands only while bitsandbytes really fails on DTensor parameters: when a release
-    steps them, this fails and the refusal should go."""
-    from tests.dist_harness import run_ranks
-
-    refused, failure = run_ranks(_bitsandbytes_optimizer_on_a_dtensor, 2)[0]
-    assert "AdamW8bit (bitsandbytes)" in refused and "adamw_torch" in refused
-    assert failure is not None and "DTensor" in failure

@@ -67,6 +67,22 @@ def test_checkpoint_and_resume_on_another_process_count(tmp_path, use_lora, befo
         AutoModelForCausalLM.from_pretrained(tmp_path / "final")
 
 
+def test_8bit_optimizer_checkpoint_resumes_on_one_process(tmp_path):
+    """`optim="adamw_8bit"` (bitsandbytes): the Trainer's 8-bit AdamW steps each rank's rows; its 8-bit
+    state is checkpointed by rows and resumed on one process."""
+    pytest.importorskip("bitsandbytes")
+    from .test_bnb_optimizers import SHAPE
+
+    flags = ("--optim", "adamw_8bit", "--model_shape", json.dumps(SHAPE))
+    whole = train(tmp_path, "whole", 2, 4, "--save_strategy", "steps", "--save_steps", "2", *flags)
+    assert whole["all_dtensor"] and whole["optimizer"] == "AdamW"
+    assert whole["state_dtypes"] == ["torch.float32", "torch.uint8"]
+    resumed = train(tmp_path, "resumed", 1, 4, "--save_strategy", "no", "--resume",
+                    str(tmp_path / "out" / "checkpoint-2"), *flags)
+    assert resumed["world"] == 1 and resumed["state_dtypes"] == whole["state_dtypes"]
+    assert resumed["losses"][2:] == pytest.approx(whole["losses"][2:], abs=1e-4)
+
+
 def launch_trainer(tmp: Path, name: str, max_steps: int, *extra: str, launch_args: tuple = (),
                    env: dict | None = None) -> dict:
     """The same Trainer script under `accelerate launch --config_file accelerate_configs/fsdp2.yaml`

@@ -34,6 +34,7 @@ from .atomic_dir import committed_directory, old_path, staging_path
 from .pretrained import ADAPTER_FILE, WeightsPlan, export_items, load_tensors, write_configs, write_tensors
 from .safetensors_io import CheckpointError, CheckpointFiles, TensorSpec, read_json_file, write_json
 from .tensor_export import ExportTensor, model_tensors
+from ..quantization import bnb_optimizers
 from ..runtime import collectives
 
 logger = logging.getLogger(__name__)
@@ -153,8 +154,13 @@ class OptimizerPlan:
         for key, (param, state_key, spec) in self.plan.items():
             # States shaped like their parameter are sharded like it; others (Adam's step) are whole.
             like_param = tuple(spec.shape) == tuple(param.shape) and isinstance(param, DTensor)
-            target = torch.zeros_like(param, dtype=spec.dtype) if like_param else torch.zeros(
-                spec.shape, dtype=spec.dtype, device=param.device if not isinstance(param, DTensor) else "cpu")
+            if bnb_optimizers.is_prepared(optimizer):  # its 8-bit states split by rows, the rest whole
+                target = bnb_optimizers.empty_state(param, state_key, spec.dtype, tuple(spec.shape))
+            elif like_param:
+                target = torch.zeros_like(param, dtype=spec.dtype)
+            else:
+                target = torch.zeros(spec.shape, dtype=spec.dtype,
+                                     device=param.device if not isinstance(param, DTensor) else "cpu")
             optimizer.state[param][state_key] = target
             targets[key] = target
         if self.files is not None:
@@ -244,6 +250,7 @@ def save_state(directory: str | os.PathLike, model: nn.Module, optimizer: torch.
         progress = False  # no progress bar from the background in the middle of training's output
     directory = Path(directory).absolute()
     model_items, is_adapter = export_items(model, None, False)
+    bnb_optimizers.prepare(optimizer)  # a bitsandbytes state, as every rank count reads it
     opt_items, opt_other, groups = _optimizer_items(model, optimizer)
     manifest = {
         "format": FORMAT,
@@ -356,6 +363,8 @@ def load_state(directory: str | os.PathLike, model: nn.Module, optimizer: torch.
         raise CheckpointError(f"{directory / MANIFEST}: no scheduler state was saved.")
     weights = WeightsPlan(model, directory) if load_weights else None
     try:
+        if optimizer is not None:
+            bnb_optimizers.prepare(optimizer)  # a bitsandbytes optimizer reads its 8-bit state by rows
         opt_plan = OptimizerPlan(model, optimizer, directory, manifest) if optimizer is not None else None
     except BaseException:
         if weights is not None:

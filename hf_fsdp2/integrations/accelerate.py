@@ -32,7 +32,7 @@ from ..checkpoint.rank0_loading import shard_from_rank0
 from . import fsdp1_configs
 from . import trl as trl_backend
 from .accelerate_settings import AccelerateSettings, fsdp2_values, layer_names
-from ..quantization import fp8
+from ..quantization import bnb_optimizers, fp8
 from ..sharding import is_sharded, record_of, shard_model, unwrap_peft
 from ..sharding.layout import resolve_auto_layout
 from ..checkpoint.errors import CheckpointError
@@ -302,7 +302,8 @@ def _prepare_fsdp2(self, *args):
     """Normalise the plugin's layer names before Accelerate resolves them (a yaml list arrives as
     "['A', 'B']"; a PeftModel has no `_no_split_modules`, its base model does)."""
     take_back_foreign_patches()  # before Accelerate calls `fsdp2_prepare_model`
-    _refuse_bitsandbytes_optimizers(args)
+    for optimizer in (a for a in args if isinstance(a, torch.optim.Optimizer)):
+        bnb_optimizers.prepare(optimizer)  # 8-bit optimizers step on each rank's rows
     plugin = self.state.fsdp_plugin
     model = next((a for a in args if isinstance(a, nn.Module)), None)
     names = layer_names(plugin.transformer_cls_names_to_wrap)
@@ -339,18 +340,6 @@ def _regional_compilation_in_place():
 
     with upstream.scoped("accelerate.accelerator.compile_regions", in_place):
         yield
-
-
-def _refuse_bitsandbytes_optimizers(args) -> None:
-    """bitsandbytes' optimizers (AdamW8bit, PagedAdamW8bit, ...) call their kernels with `p.data` and
-    `p.grad` and fail on FSDP2's DTensor parameters at the first step ("got mixed torch.Tensor and
-    DTensor"), after the model is loaded and sharded: refuse at prepare, naming the optimizer."""
-    for arg in args:
-        if isinstance(arg, torch.optim.Optimizer) and type(arg).__module__.startswith("bitsandbytes."):
-            raise ValueError(f"{type(arg).__name__} (bitsandbytes) does not support FSDP2's DTensor parameters: its "
-                             "step fails on sharded parameters. Use torch.optim.AdamW (Trainer: "
-                             "optim='adamw_torch' or 'adamw_torch_fused'); sharding already divides the optimizer "
-                             "state by the number of ranks.")
 
 
 def _prepare_ao(self, *args):

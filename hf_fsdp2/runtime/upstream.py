@@ -106,6 +106,9 @@ SEAMS: tuple[Seam, ...] = (
     Seam("bitsandbytes.nn.modules.Linear4bit.forward", CLASS_SWAPPED, "quantization/bnb_4bit.py",
          "a sharded 4-bit layer dequantizes its gathered packed rows itself (bitsandbytes' forward "
          "expects its own Params4bit and QuantState)"),
+    Seam("bitsandbytes.optim.optimizer.Optimizer8bit.step", CLASS_SWAPPED, "quantization/bnb_optimizers.py",
+         "8-bit optimizers (adamw_8bit, paged_adamw_8bit) step on each rank's rows: the step calls our "
+         "init_state/update_step, which hand bitsandbytes the local rows, gradient and state"),
 )
 _BY_TARGET = {seam.target: seam for seam in SEAMS}
 

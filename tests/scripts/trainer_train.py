@@ -27,6 +27,7 @@ class ScriptArguments:
     final_dir: str | None = None
     eval: bool = False
     load_in_4bit: str | None = None  # a float model directory, loaded by stock transformers in 4-bit (QLoRA)
+    model_shape: str | None = None  # JSON: LlamaConfig overrides of the tiny model (tests.common.tiny_config)
 
 
 def main():
@@ -39,7 +40,7 @@ def main():
                                                      quantization_config=BitsAndBytesConfig(
                                                          load_in_4bit=True, bnb_4bit_compute_dtype=torch.float32))
     else:
-        model = build_model()
+        model = build_model(**json.loads(script.model_shape or "{}"))
     if script.lora:
         model = lora(model)
     rows = torch.cat(batches(steps=12, batch=8))
@@ -65,6 +66,9 @@ def main():
                                  if p.dtype == torch.uint8 and isinstance(p, DTensor)], "offload": all(isinstance(g.offload_policy, CPUOffloadPolicy) for g in groups),
             "async_save": getattr(getattr(record_of(model), "config", None), "async_save", None),
             "reshard_after_forward": any(g.post_forward_mesh_info is not None for g in groups), "best_model_checkpoint": trainer.state.best_model_checkpoint,
+            "optimizer": type(trainer.optimizer.optimizer).__name__,
+            "state_dtypes": sorted({str(v.dtype) for s in trainer.optimizer.state.values() for k, v in s.items()
+                                    if k == "state1"}),
             "eval_losses": {h["step"]: h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h}}))
 
 
