@@ -91,6 +91,20 @@ def accelerate_fsdp2_config(path: Path, monkeypatch) -> FSDP2Config:
     return config_from_accelerator(accelerator)
 
 
+@pytest.mark.parametrize("field, kind", [("tp_size", "tensor"), ("cp_size", "context"), ("sp_size", "sequence")])
+def test_model_parallel_sizes_are_refused_where_the_model_is_prepared(field, kind):
+    """Never a silent data-parallel run with tp/cp/sp > 1: the backend's config step refuses by name."""
+    from accelerate.parallelism_config import ParallelismConfig
+
+    from hf_fsdp2.integrations.accelerate import config_from_accelerator
+
+    pc = ParallelismConfig(dp_shard_size=2, **{field: 2})
+    accelerator = SimpleNamespace(state=SimpleNamespace(fsdp_plugin=SimpleNamespace(
+        param_init_fn=None, limit_all_gathers=True)), parallelism_config=pc, mixed_precision="no")
+    with pytest.raises(ValueError, match=f"parallelism_config {field}=2: {kind} parallelism is not done"):
+        config_from_accelerator(accelerator)
+
+
 def validate_parallelism(env: dict[str, str], processes: int, monkeypatch) -> None:
     """`ParallelismConfig._validate_accelerator` for an FSDP2 accelerator with `processes` ranks."""
     from accelerate.parallelism_config import ParallelismConfig

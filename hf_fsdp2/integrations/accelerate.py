@@ -166,6 +166,24 @@ def _refuse_fsdp1_only(plugin) -> None:
                          "in-flight all-gathers by its forward_prefetch/backward_prefetch depths).")
 
 
+_MODEL_PARALLEL = {"tp_size": "tensor", "cp_size": "context", "sp_size": "sequence"}
+
+
+def _refuse_model_parallelism(pc) -> None:
+    """hf_fsdp2 shards over (dp_replicate, dp_shard): a tp/cp/sp size above 1 would otherwise become a
+    silent data-parallel run over those ranks (a loop without `maybe_context_parallel` never splits a
+    sequence), so it is refused here, where the model is prepared."""
+    for field, kind in _MODEL_PARALLEL.items():
+        size = getattr(pc, field, 1) if pc is not None else 1
+        if size and size > 1:
+            device = "" if torch.cuda.is_available() else (
+                " (and on CPU, torch's context-parallel attention has no sharding strategy for the CPU SDPA kernel)"
+                if field == "cp_size" else "")
+            raise ValueError(f"parallelism_config {field}={size}: {kind} parallelism is not done in hf_fsdp2, which "
+                             f"shards over dp_replicate x dp_shard only{device}. Set parallelism_config_{field} to 1 "
+                             "(give its ranks to parallelism_config_dp_shard_size), or run without hf_fsdp2.register().")
+
+
 def config_from_accelerator(accelerator) -> FSDP2Config:
     plugin = accelerator.state.fsdp_plugin
     from torch.distributed.fsdp import CPUOffloadPolicy
@@ -178,6 +196,7 @@ def config_from_accelerator(accelerator) -> FSDP2Config:
             raise ValueError(f"`mixed_precision: fp8` with the {backend or 'default'} backend: hf_fsdp2 runs FP8 "
                              "through torchao only; set `fp8_config: backend: AO` (or AORecipeKwargs).")
     pc = getattr(accelerator, "parallelism_config", None)
+    _refuse_model_parallelism(pc)
     values = fsdp2_values(AccelerateSettings(
         **_wrap_policy(plugin),
         layer_names=plugin.transformer_cls_names_to_wrap,
