@@ -64,6 +64,10 @@ def _checkpoint_surface(rank, world, root):
     train_step(peft_model, optimizer(peft_model), rank, world, seed=3)
     hf_fsdp2.save_pretrained(peft_model, root / "adapter")
     hf_fsdp2.save_pretrained(peft_model, root / "merged", merge_adapters=True)
+    from hf_fsdp2.checkpoint.full_weights import full_weights  # vLLM weight sync: the merged weights whole
+
+    merged_whole = {name: tensor.clone() for name, tensor in full_weights(peft_model)}
+    out["merged_whole"] = merged_whole if rank == 0 else None
     # QLoRA with double quantization: each weight's absmax all-gathered over the mesh.
     qlora = hf_fsdp2.from_pretrained(
         AutoModelForCausalLM, root / "full", torch_dtype=torch.float32, peft_config=LoraConfig(**LORA),
@@ -111,6 +115,9 @@ def test_checkpoint_surface_with_a_default_group_that_refuses_cpu_tensors(tmp_pa
     with torch.no_grad():
         torch.testing.assert_close(peft(input_ids=ids).logits, merged(input_ids=ids).logits, atol=1e-4, rtol=0)
     assert (tmp_path / "qlora-adapter" / "adapter_model.safetensors").is_file()
+    merged_file = saved_tensors(tmp_path / "merged")
+    assert outs[0]["merged_whole"].keys() == merged_file.keys()
+    assert all(torch.equal(outs[0]["merged_whole"][k], merged_file[k]) for k in merged_file)
 
 
 NCCL_LIKE_SCRIPTS = {"TEST_DEFAULT_BACKEND": NCCL_LIKE}  # tests/nccl_like.py

@@ -209,7 +209,11 @@ def _quantized_by_ranks_worker(rank, world, directory, out):
     hf_fsdp2.save_state(f"{out}/state", model, opt, step=STEPS)
     hf_fsdp2.save_pretrained(model, f"{out}/adapter")
     hf_fsdp2.save_pretrained(model, f"{out}/merged", merge_adapters=True, dtype=torch.bfloat16)
-    return {"losses": losses, "adapter": {k: v for k, v in full_params(model).items() if "lora_" in k}}
+    from hf_fsdp2.checkpoint.full_weights import full_weights  # TRL's vLLM weight sync reads these
+
+    whole = {name: tensor.clone() for name, tensor in full_weights(model)}
+    return {"losses": losses, "adapter": {k: v for k, v in full_params(model).items() if "lora_" in k},
+            "full_weights": whole}
 
 
 def test_qlora_sharded_equals_one_process(bf16_dir, tmp_path):
@@ -243,6 +247,10 @@ def test_qlora_sharded_equals_one_process(bf16_dir, tmp_path):
     unadapted = "model.layers.0.self_attn.k_proj.weight"  # 4-bit without LoRA: dequantized alone
     k_proj = reference.base_model.model.model.layers[0].self_attn.k_proj
     assert torch.equal(state[unadapted], dequantized(k_proj).to(torch.bfloat16))
+    # The same weights whole, one at a time (vLLM weight sync): the merged file's names, in float32.
+    whole = ranks4["full_weights"]
+    assert sorted(whole) == sorted(state) and all(t.dtype == torch.float32 for t in whole.values())
+    torch.testing.assert_close({k: v.to(torch.bfloat16) for k, v in whole.items()}, state, atol=0, rtol=0)
 
     # 2 ranks on a stock-loaded 4-bit model: sharded for real, one all-gather per group, bit-exact
     # weights; it resumes the 4-rank state (elastic) and continues like the reference.

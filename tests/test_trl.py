@@ -95,3 +95,43 @@ def test_grpo_checkpoint_resumes_on_another_rank_count(model_dir, tmp_path):
     assert resumed["world"] == 1 and resumed["global_step"] == 3
     step3 = next(entry for entry in resumed["logs"] if entry["step"] == 3)
     assert step3["kl"] > 0
+
+
+# ---------------------------------------------------------------------------------------------
+# vLLM weight sync, at the boundary TRL calls (vLLM itself does not run on this machine)
+
+
+def _vllm_sync_walk(rank, world, use_lora):
+    import trl.generation.vllm_generation as vllm_generation
+
+    import hf_fsdp2
+    from hf_fsdp2.integrations import trl as trl_backend
+
+    from .common import build_model, lora
+
+    model = lora(build_model()) if use_lora else build_model()
+    hf_fsdp2.shard_model(model)
+    trl_backend.install_if_imported()  # as register()'s Accelerator does once TRL is imported
+    try:
+        generation = vllm_generation.VLLMGeneration.__new__(vllm_generation.VLLMGeneration)
+        generation.model = model  # what VLLMGeneration.__init__ keeps: the prepared policy
+        weights = [(name, tensor.clone()) for name, tensor in generation._iter_named_params()]
+    finally:
+        trl_backend.uninstall()
+    return weights if rank == 0 else None
+
+
+@pytest.mark.parametrize("use_lora", [False, True], ids=["full", "lora"])
+def test_vllm_weight_sync_gets_whole_weights_under_checkpoint_names(use_lora):
+    """TRL's `VLLMGeneration._iter_named_params` (what `sync_weights` streams to vLLM) on a model
+    hf_fsdp2 sharded: every weight whole, once, under its checkpoint name, LoRA merged."""
+    from tests.common import build_model, lora
+    from tests.dist_harness import run_ranks
+
+    weights = run_ranks(_vllm_sync_walk, 2, use_lora)[0]
+    reference = lora(build_model()).merge_and_unload() if use_lora else build_model()
+    expected = reference.state_dict()
+    assert sorted(name for name, _ in weights) == sorted(expected)
+    assert len(weights) == len(expected)
+    for name, tensor in weights:
+        torch.testing.assert_close(tensor, expected[name], atol=1e-6, rtol=0)

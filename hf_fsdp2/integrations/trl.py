@@ -11,8 +11,14 @@ is untouched. Generation on them (and on the policy) gathers each group once per
 (sharding/generation.py). Reward models TRL prepares with Accelerate's `prepare_model(...,
 evaluation_mode=True)` get the same treatment there (integrations/accelerate.py `_prepare_model`).
 
+vLLM weight sync (`use_vllm=True`): TRL walks the policy's parameters calling `full_tensor()` on
+each, which on our models would hand vLLM packed 4-bit rows and PEFT names; instead a model we sharded
+gives its weights as `save_pretrained` writes them (adapters merged, 4-bit dequantized, hub names),
+one whole tensor at a time (checkpoint/full_weights.py).
+
 Installed by the Accelerate backend when a trainer builds its Accelerator and TRL is imported
-(runtime/upstream.py seam `trl.models.utils.prepare_fsdp`, rebound in TRL's trainer modules).
+(runtime/upstream.py seams `trl.models.utils.prepare_fsdp`, rebound in TRL's trainer modules, and
+`VLLMGeneration._iter_named_params`, TRL >= 1.x's one place for the weight walk).
 """
 
 from __future__ import annotations
@@ -25,12 +31,16 @@ from ..runtime import upstream
 
 GROUP = "trl"
 TARGET = "trl.models.utils.prepare_fsdp"
+VLLM_TARGET = "trl.generation.vllm_generation.VLLMGeneration._iter_named_params"
 
 
 def install_if_imported() -> None:
-    """Idempotent; only once TRL's model utilities are loaded (TRL's trainers import them)."""
-    if "trl.models.utils" in sys.modules and not upstream.installed(GROUP):
+    """Idempotent; each seam once its TRL module is loaded (TRL's trainers import them)."""
+    if "trl.models.utils" in sys.modules:
         upstream.replace(TARGET, _prepare_fsdp, GROUP)
+    vllm_generation = sys.modules.get("trl.generation.vllm_generation")
+    if hasattr(getattr(vllm_generation, "VLLMGeneration", None), "_iter_named_params"):
+        upstream.replace(VLLM_TARGET, _iter_named_params, GROUP)
 
 
 def uninstall() -> None:
@@ -43,3 +53,14 @@ def _prepare_fsdp(model: nn.Module, accelerator):
     if not getattr(accelerator, "is_fsdp2", False) or not backend.is_registered():
         return upstream.original(TARGET)(model, accelerator)
     return backend.prepare_for_inference(accelerator, model)
+
+
+def _iter_named_params(self):
+    """`VLLMGeneration._iter_named_params` (a generator of (name, whole tensor), collective)."""
+    from ..checkpoint.full_weights import full_weights
+    from ..sharding import is_sharded
+
+    if not is_sharded(self.model):
+        yield from upstream.original(VLLM_TARGET)(self)
+        return
+    yield from full_weights(self.model)

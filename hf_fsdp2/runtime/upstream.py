@@ -44,6 +44,9 @@ class Seam:
     # Modules under this prefix that bound the target's name at import (`from x import f`) are
     # rebound too, now and at restore (TRL's trainers import `prepare_fsdp` that way).
     rebind_prefix: str | None = None
+    # The target exists only in newer releases of the supported range; where it is absent the seam is
+    # not installed (and the contract test does not look for it).
+    where_present: bool = False
 
 
 _ACC = "integrations/accelerate.py"
@@ -102,6 +105,10 @@ SEAMS: tuple[Seam, ...] = (
          "TRL shards reference, teacher and reward models with one fully_shard at the root (a whole-model "
          "all-gather per forward): hf_fsdp2 shards them per layer, frozen, in the policy's settings",
          rebind_prefix="trl."),
+    Seam("trl.generation.vllm_generation.VLLMGeneration._iter_named_params", PATCHED, "integrations/trl.py",
+         "vLLM weight sync: TRL calls full_tensor() on each parameter (packed 4-bit rows, PEFT names); a model "
+         "hf_fsdp2 sharded gives its weights as saved (adapters merged, 4-bit dequantized), one at a time",
+         where_present=True),
     # bitsandbytes.
     Seam("bitsandbytes.nn.modules.Linear4bit.forward", CLASS_SWAPPED, "quantization/bnb_4bit.py",
          "a sharded 4-bit layer dequantizes its gathered packed rows itself (bitsandbytes' forward "
@@ -121,6 +128,15 @@ def seam(target: str) -> Seam:
     if target not in _BY_TARGET:
         raise AssertionError(f"{target} is not declared in hf_fsdp2/runtime/upstream.py SEAMS")
     return _BY_TARGET[target]
+
+
+def present(target: str) -> bool:
+    """Whether the upstream code at `target` exists in the installed versions."""
+    try:
+        lookup(target)
+    except (ImportError, AttributeError):
+        return False
+    return True
 
 
 def resolve(target: str) -> tuple[Any, str]:

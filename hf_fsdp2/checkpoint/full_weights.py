@@ -1,0 +1,45 @@
+"""A sharded model's weights as whole tensors, one at a time, under the names `save_pretrained`
+writes: what an inference engine that loads Hugging Face checkpoints needs (TRL's vLLM weight sync).
+
+The tensors are the export plan's (checkpoint/pretrained.py `export_items`): a PeftModel's adapters
+merged into the base weights, a 4-bit base dequantized, transformers' conversion mapping reverted
+(hub names, e.g. one tensor per MoE expert). Each rank contributes the rows it would write to the
+file; one collective per tensor makes it whole on every rank. Peak memory: one whole tensor.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from .pretrained import export_items
+from .tensor_export import is_peft_model
+from ..runtime import collectives
+from ..sharding import record_of
+
+
+def full_weights(model: nn.Module, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, whole tensor) for every tensor of the model as saved (merged, for a PeftModel), on the
+    device the mesh's collectives use. Collective: iterate to the end on every rank, in step."""
+    record = record_of(model)
+    if record is None or record.mesh is None:
+        raise ValueError("full_weights: this model was not sharded by hf_fsdp2 (shard_model / register()).")
+    device = collectives.mesh_device(record.mesh)
+    items, _ = export_items(model, dtype, merge_adapters=is_peft_model(model))
+    for item in items:
+        spec = item.spec
+        whole = torch.zeros(spec.shape, dtype=spec.dtype, device=device)
+        start, stop = item.rows()
+        if stop > start:
+            rows = whole.view(1, *spec.shape) if not spec.shape else whole
+            rows[start:stop] = item.block().to(device=device, dtype=spec.dtype).view(stop - start, *rows.shape[1:])
+        # Every row has exactly one writer (replicas and non-owners contribute zeros): a sum over the
+        # mesh makes it whole. Twice an all-gather's traffic, but any row split (uneven shards,
+        # per-expert views). On the mesh's groups, which carry `device` tensors.
+        for dim in range(record.mesh.ndim):
+            if record.mesh.size(dim) > 1:
+                dist.all_reduce(whole, group=record.mesh.get_group(dim))
+        yield item.name, whole
