@@ -46,6 +46,19 @@ def reward_dir(tmp_path_factory):
     return directory
 
 
+@pytest.fixture(scope="module")
+def teacher_dir(tmp_path_factory):
+    """A teacher for distillation: the same tiny config, other weights (seed 2)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    directory = tmp_path_factory.mktemp("trl-teacher")
+    torch.manual_seed(2)
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(ROOT / "examples" / "tiny-llama")).save_pretrained(
+        directory)
+    AutoTokenizer.from_pretrained(ROOT / "examples" / "tiny-llama").save_pretrained(directory)
+    return directory
+
+
 def run(tmp_path: Path, processes: int, *script_args: str) -> dict:
     out = tmp_path / f"report-{processes}-{len(list(tmp_path.glob('report-*')))}.json"
     cmd = accelerate_launch(ROOT / "accelerate_configs" / "fsdp2.yaml", processes=processes) + [
@@ -64,6 +77,20 @@ def test_dpo_reference_model_is_sharded_per_layer_and_losses_equal_one_process(m
     # TRL's own prepare_fsdp would have made one root group.
     assert ref["groups"] >= 6 and ref["dtensor"] and ref["frozen"] and ref["grads"] == 0
     assert sharded["losses"] == pytest.approx(single["losses"], abs=1e-5)
+
+
+def test_distillation_teacher_is_sharded_per_layer_and_losses_equal_one_process(model_dir, teacher_dir, tmp_path):
+    """TRL's on-policy DistillationTrainer (GKD's successor) prepares its teacher with Accelerate's
+    `prepare_model(evaluation_mode=True)`: stock FSDP2 keeps a whole teacher on every rank; hf_fsdp2
+    shards it per layer, frozen. The student's completions are greedy (top_k=1), so the losses can be
+    compared with one process."""
+    args = ("--trainer", "distill", "--model", str(model_dir), "--teacher", str(teacher_dir))
+    sharded = run(tmp_path, 2, *args, "--per-device-batch", "2")
+    single = run(tmp_path, 1, *args, "--per-device-batch", "4", "--no-register")
+    teacher = sharded["teacher_model"]
+    assert teacher["groups"] >= 6 and teacher["dtensor"] and teacher["frozen"] and teacher["grads"] == 0
+    assert sharded["policy_dtensor"] and single["teacher_model"]["dtensor"] is False
+    assert sharded["losses"] == pytest.approx(single["losses"], abs=1e-5) and sharded["losses"][0] > 0
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])

@@ -1,4 +1,4 @@
-"""TRL trainers (DPO with a reference model, GRPO with beta > 0) under `accelerate launch` with
+"""TRL trainers (DPO with a reference model, GRPO with beta > 0, on-policy distillation with a teacher) under `accelerate launch` with
 `hf_fsdp2.register()` (or without, `--no-register`). Run by tests/test_trl.py."""
 
 import argparse
@@ -11,7 +11,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch  # noqa: E402
 
 parser = argparse.ArgumentParser()
-parser.add_argument("--trainer", choices=["dpo", "grpo"], required=True)
+parser.add_argument("--trainer", choices=["dpo", "grpo", "distill"], required=True)
 parser.add_argument("--model", required=True, help="a saved model directory with its tokenizer")
 parser.add_argument("--out", required=True)
 parser.add_argument("--output-dir", required=True)
@@ -20,6 +20,7 @@ parser.add_argument("--per-device-batch", type=int, default=2)
 parser.add_argument("--lora", action="store_true")
 parser.add_argument("--no-register", action="store_true")
 parser.add_argument("--reward-model", help="GRPO: a sequence-classification model directory as a second reward")
+parser.add_argument("--teacher", help="distill: the teacher's model directory")
 parser.add_argument("--save-steps", type=int, help="checkpoint every N steps (hf_fsdp2's training states)")
 parser.add_argument("--resume", help="a checkpoint directory to resume from")
 args = parser.parse_args()
@@ -51,6 +52,15 @@ if args.trainer == "dpo":
                                "rejected": " " + " ".join(reversed(w[3:6]))} for w in WORDS])
     trainer = DPOTrainer(model=model, args=DPOConfig(beta=0.1, max_length=32, **common), train_dataset=data,
                          processing_class=tokenizer, peft_config=peft_config)
+elif args.trainer == "distill":
+    from trl import DistillationConfig, DistillationTrainer
+
+    teacher = AutoModelForCausalLM.from_pretrained(args.teacher, dtype=torch.float32)
+    data = Dataset.from_list([{"prompt": " ".join(w[:4])} for w in WORDS])
+    # top_k=1: the student's own completions are its greedy ones, the same whatever the rank count.
+    trainer = DistillationTrainer(model=model, teacher_model=teacher, train_dataset=data, processing_class=tokenizer,
+                                  peft_config=peft_config,
+                                  args=DistillationConfig(max_completion_length=4, top_k=1, **common))
 else:
     from trl import GRPOConfig, GRPOTrainer
 
@@ -91,6 +101,7 @@ report = {
     "logs": [e for e in trainer.state.log_history if "loss" in e],
     "policy_dtensor": all(isinstance(p, DTensor) for p in trainer.model.parameters()),
     "ref_model": describe(ref),
+    "teacher_model": describe(getattr(trainer, "teacher_model", None)),
 }
 if trainer.accelerator.is_main_process:
     Path(args.out).write_text(json.dumps(report))
