@@ -46,7 +46,6 @@ import os
 import platform
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -203,7 +202,6 @@ def save_ours_nofsync(model, out: Path, rank: int, *, fsync: bool = False) -> No
 
 def save_gather_rank0(model, out: Path, rank: int, *, fsync: bool = False) -> None:
     """Accelerate's `save_model` under FSDP2: the full state dict on rank 0, then save_file."""
-    import torch
     import torch.distributed as dist
     from safetensors.torch import save_file
     from torch.distributed.tensor import DTensor
@@ -395,13 +393,14 @@ class PhaseTimer:
         setattr(owner, attr, timed)
         self._undo.append((owner, attr, orig))
 
-    # (module, attribute or candidate names) -> phase label; indentation shows nesting.
+    # (module, attribute or candidate names) -> phase label; indentation shows nesting. save_pretrained
+    # calls export_items/write_tensors/write_configs through pretrained's names (imported from weights_io).
     PHASES = {
         ("pretrained", ("export_items", "_export_items")): "export_items",
         ("atomic_dir", "recover"): "recover (rank 0)",
         ("atomic_dir", "agree"): "agree (all-reduce, waits for slowest rank)",
         ("pretrained", "write_tensors"): "write_tensors (all files)",
-        ("pretrained", "plan_checkpoint"): "  plan_headers",
+        ("weights_io", "plan_checkpoint"): "  plan_headers",
         ("FileWriter", "__init__"): "  open+header+ftruncate",
         ("FileWriter", "write_rows"): "  write_rows",
         ("safetensors_io", "_pwrite_all"): "    pwrite syscalls",
@@ -411,9 +410,10 @@ class PhaseTimer:
     }
 
     def __enter__(self):
-        from hf_fsdp2.checkpoint import atomic_dir, pretrained, safetensors_io
+        from hf_fsdp2.checkpoint import atomic_dir, pretrained, safetensors_io, weights_io
 
-        owners = {"pretrained": pretrained, "atomic_dir": atomic_dir, "safetensors_io": safetensors_io,
+        owners = {"pretrained": pretrained, "weights_io": weights_io, "atomic_dir": atomic_dir,
+                  "safetensors_io": safetensors_io,
                   "FileWriter": safetensors_io.FileWriter}
         for (owner, attr), phase in self.PHASES.items():
             self.wrap(owners[owner], attr, phase)

@@ -58,7 +58,6 @@ import json
 import os
 import platform
 import shutil
-import subprocess
 import sys
 import time
 import warnings

@@ -96,7 +96,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 import traceback

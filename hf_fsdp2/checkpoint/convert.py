@@ -46,7 +46,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
-from .atomic_dir import fsync_dir
+from .atomic_dir import swap_in, target_lock
 from ..config import parse_dtype
 from .safetensors_io import (CheckpointError, FileWriter, TensorSpec, dtype_name, open_regular, plan_checkpoint,
                              write_json)
@@ -130,8 +130,8 @@ def convert_dcp_to_safetensors(
             files.append(INDEX_NAME)
         if config_source is not None:
             _copy_configs(config_source, staging, dtype)
-        fsync_dir(staging)
-        _commit(staging, dst)
+        with target_lock(dst):  # the same commit as save_pretrained's, replacing everything in dst
+            swap_in(staging, dst, replaced=lambda name: True, durable=True)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -554,22 +554,3 @@ def _copy_configs(source: Path, staging: Path, dtype: torch.dtype | None) -> Non
             write_json(staging / name, config)
         else:
             shutil.copyfile(source / name, staging / name)
-
-
-def _commit(staging: Path, dst: Path) -> None:
-    """Rename the finished staging directory to `dst`; an existing `dst` is moved aside first and
-    deleted only once the new one is in place."""
-    if dst.is_dir() and any(dst.iterdir()):
-        old = dst.parent / f".{dst.name}.replaced-{uuid.uuid4().hex[:8]}"
-        os.rename(dst, old)
-        try:
-            os.rename(staging, dst)
-        except BaseException:
-            os.rename(old, dst)
-            raise
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        if dst.is_dir():
-            dst.rmdir()
-        os.rename(staging, dst)
-    fsync_dir(dst.parent)

@@ -9,158 +9,25 @@ the meta device, shards it and loads it, so the full model never exists on any r
 from __future__ import annotations
 
 import contextlib
-import copy
-import dataclasses
 import os
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterator
 
 import torch
 import torch.nn as nn
-from tqdm.auto import tqdm
 
 from . import async_save
 from .async_save import SaveHandle
 from .atomic_dir import committed_directory
-from .key_conversion import DiskView, disk_views
 from ..config import FSDP2Config, parse_dtype
 from ..runtime import collectives, upstream
-from ..runtime.distributed import local_tensor
 from ..runtime.distributed import build_mesh
-from .safetensors_io import (
-    INDEX_SUFFIX, SINGLE_FILE, CheckpointError, CheckpointFiles, FileWriter, plan_checkpoint, write_json,
-)
 from ..sharding import shard_model
-from ..quantization import bnb_4bit, fp8
-from .lora_merge import base_model_name, merged_tensors
-from .tensor_export import (
-    ExportTensor, adapter_tensors, is_peft_model, model_tensors, row_range, tied_aliases,
+from ..quantization import bnb_4bit
+from .weights_io import (
+    ADAPTER_FILE, SINGLE_FILE, WeightsPlan, existing_dir, export_items, transformers_max_shard_size, write_configs,
+    write_tensors,
 )
-
-ADAPTER_FILE = "adapter_model.safetensors"
-PROGRESS_MIN_BYTES = 1 << 30  # progress bars for checkpoints of 1 GiB and more
-
-
-def _progress(total: int, desc: str, enabled: bool | None):
-    show = (total >= PROGRESS_MIN_BYTES) if enabled is None else enabled
-    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, disable=not show or collectives.rank() != 0)
-
-
-# ---------------------------------------------------------------------------------------------
-# Writing
-
-
-def transformers_max_shard_size() -> int | str:
-    """The installed transformers' default `max_shard_size` ("5GB" in 4.x, "50GB" in 5.x), so our
-    files split exactly where stock `save_pretrained` splits them."""
-    import inspect
-
-    from transformers import PreTrainedModel
-
-    return inspect.signature(PreTrainedModel.save_pretrained).parameters["max_shard_size"].default
-
-
-def write_tensors(items: Sequence[ExportTensor], directory: Path, *, weights_name: str = SINGLE_FILE,
-                  max_shard_size: int | str = "5GB", progress: bool | None = None, durable: bool = True,
-                  total_parameters: int | None = None) -> None:
-    """Write `items` as safetensors file(s) in `directory`: each rank writes its own rows.
-
-    Headers are planned identically on every rank, so no rank waits for another; the caller commits.
-    No collectives (`merged_tensors` gathers the LoRA factors before).
-    """
-    layouts, index = plan_checkpoint([item.spec for item in items], max_shard_size, weights_name)
-    by_name = {item.name: item for item in items}
-    work = []  # (layout, name, first row, stop row) this rank writes
-    for layout in layouts:
-        for name in layout.specs:
-            start, stop = by_name[name].rows()
-            work.append((layout, name, start, stop))
-    # The bar shows rank 0's share, which is about 1/N of the checkpoint.
-    total = sum(layout.specs[name].row_bytes * (stop - start) for layout, name, start, stop in work)
-    # no_grad: writing reads parameters; autograd bookkeeping (views of leaves that require grad) is
-    # useless here and takes per-tensor locks other threads may hold.
-    with _progress(total, f"saving {directory.name} (rank 0 share)", progress) as bar, torch.no_grad():
-        for layout in layouts:
-            with FileWriter(directory / layout.filename, layout, create=collectives.rank() == 0, durable=durable) as writer:
-                for lay, name, start, stop in work:
-                    if lay is not layout or stop <= start:
-                        continue
-                    bar.update(writer.write_rows(name, start, by_name[name].block()))
-    if index is not None and collectives.rank() == 0:
-        if total_parameters is not None:  # stock save_pretrained: {"total_parameters", "total_size"}
-            index["metadata"] = {"total_parameters": total_parameters, **index["metadata"]}
-        write_json(directory / (weights_name + INDEX_SUFFIX), index, durable=durable)
-
-
-def export_items(model: nn.Module, dtype: torch.dtype | None, merge_adapters: bool) -> tuple[list[ExportTensor], bool]:
-    """(items, is_adapter) for `model` as `save_pretrained` writes it."""
-    if is_peft_model(model):
-        if merge_adapters:
-            return _as_on_disk(model.get_base_model(), merged_tensors(model, dtype)), False
-        tensors = adapter_tensors(model)
-        if not tensors:
-            raise ValueError("the PeftModel's adapter has no tensors to save; check its `target_modules`.")
-        return [_item(n, t, dtype) for n, t in tensors.items()], True
-    if merge_adapters:
-        raise ValueError("`merge_adapters=True` needs a PeftModel; this model has no adapters.")
-    quantized = [n for n, m in bnb_4bit.named_4bit_modules(model) if bnb_4bit.is_sharded_4bit(m)]
-    if quantized:
-        raise NotImplementedError(
-            f"saving the packed 4-bit base weights ({quantized[0]}, ...) is not supported: train a PEFT adapter "
-            "on the 4-bit model and save the adapter, or save it merged (merge_adapters=True) as a plain model.")
-    return _as_on_disk(model, [_item(n, t, dtype) for n, t in model_tensors(model).items()]), False
-
-
-def _as_on_disk(model: nn.Module, items: list[ExportTensor]) -> list[ExportTensor]:
-    """`items` under the names and layout stock `save_pretrained` writes (transformers' conversion
-    mapping reverted, e.g. fused MoE experts split into one tensor per expert), in its order."""
-    views = disk_views(model, {item.name: item.tensor for item in items})
-    if views is None:
-        return items
-    by_name = {item.name: item for item in items}
-    return [dataclasses.replace(by_name[v.source], name=v.name, view=v) for v in views]
-
-
-def _item(name: str, tensor: torch.Tensor, dtype: torch.dtype | None) -> ExportTensor:
-    return ExportTensor(name, tensor, dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype)
-
-
-def write_configs(model: nn.Module, directory: Path, is_adapter: bool, dtype: torch.dtype | None) -> None:
-    """config.json / generation_config.json, or adapter_config.json (rank 0 only)."""
-    if is_adapter:
-        _write_adapter_config(model, directory)
-        return
-    base = model.get_base_model() if is_peft_model(model) else model
-    config = getattr(base, "config", None)
-    if config is not None and hasattr(config, "save_pretrained"):
-        # As stock save_pretrained sets them (modeling_utils.PreTrainedModel.save_pretrained): the class
-        # (FSDP2's dynamic "FSDP<Class>" name removed) and the dtype of the weights on disk.
-        config = copy.deepcopy(config)
-        if getattr(config, "quantization_config", None) is not None:  # 4-bit weights are written dequantized
-            del config.quantization_config
-        config.architectures = [type(base).__name__.removeprefix("FSDP")]
-        saved = dtype if dtype is not None else next(
-            (p.dtype for p in base.parameters() if p.is_floating_point()), None)
-        if saved is not None:
-            config.dtype = str(saved).removeprefix("torch.")
-        config.save_pretrained(str(directory))
-    generation = getattr(base, "generation_config", None)
-    if generation is not None and hasattr(base, "can_generate") and base.can_generate():
-        generation.save_pretrained(str(directory))
-
-
-def _write_adapter_config(model: nn.Module, directory: Path) -> None:
-    """adapter_config.json exactly as `PeftModel.save_pretrained` writes it (peft_model.py): the base
-    model's name, `inference_mode=True`, and `auto_mapping` when no task type is set."""
-    config = copy.deepcopy(model.peft_config[getattr(model, "active_adapter", "default")])
-    if config.base_model_name_or_path is None:
-        config.base_model_name_or_path = model.get_base_model().__dict__.get("name_or_path", None) or None
-    config.inference_mode = True
-    auto_mapping = None
-    if config.task_type is None:
-        base_class = model._get_base_model_class(is_prompt_tuning=config.is_prompt_learning)
-        auto_mapping = {"base_model_class": base_class.__name__, "parent_library": base_class.__module__}
-    config.save_pretrained(str(directory), auto_mapping_dict=auto_mapping)
 
 
 def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, *, dtype: torch.dtype | str | None = None,
@@ -218,149 +85,6 @@ def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, *, dtyp
     return async_save.start(Path(save_directory).absolute(), commit, {"pretrained": items}, small_files, durable)
 
 
-# ---------------------------------------------------------------------------------------------
-# Reading
-
-
-def match_tensors(targets: dict[str, torch.Tensor], files: CheckpointFiles, *, aliases: dict[str, str] | None = None,
-                  strict: bool = True) -> dict[str, str]:
-    """{target name: checkpoint name} after checking every key, shape and dtype; changes nothing.
-
-    Missing, unexpected and mismatched keys are collected and reported in one error.
-    """
-    aliases = aliases or {}
-    source_of = {}
-    for name in targets:
-        if name in files.where:
-            source_of[name] = name
-        else:  # a tied weight saved under another of its names
-            alt = next((a for a, canonical in aliases.items() if canonical == name and a in files.where), None)
-            if alt is not None:
-                source_of[name] = alt
-    missing = sorted(n for n in targets if n not in source_of)
-    unexpected = sorted(n for n in files.names() if n not in set(source_of.values()) and n not in aliases)
-    mismatched = []
-    for name, source in source_of.items():
-        spec, target = files.spec(source), targets[name]
-        if tuple(spec.shape) != tuple(target.shape):
-            mismatched.append(f"{source}: shape {list(spec.shape)} in {files.where[source].name}, "
-                              f"model has {list(target.shape)}")
-        elif spec.dtype != target.dtype and not (spec.dtype.is_floating_point and target.dtype.is_floating_point):
-            mismatched.append(f"{source}: dtype {spec.dtype} in {files.where[source].name}, model has {target.dtype}")
-    problems = []
-    if missing:
-        problems.append(f"missing keys ({len(missing)}): {', '.join(missing)}")
-    if unexpected and strict:
-        problems.append(f"unexpected keys ({len(unexpected)}): {', '.join(unexpected)}")
-    if mismatched:
-        problems.append(f"mismatched ({len(mismatched)}): " + "; ".join(mismatched))
-    if problems:
-        raise CheckpointError(f"{files.directory} does not match the model:\n  " + "\n  ".join(problems))
-    return source_of
-
-
-def read_tensors(targets: dict[str, torch.Tensor], files: CheckpointFiles, source_of: dict[str, str], *,
-                 progress: bool | None = None, views: dict[str, tuple[DiskView, torch.Tensor]] | None = None) -> None:
-    """Fill each target's local rows from `files` (as matched by `match_tensors`). Floats are cast.
-    `views`: targets that are a slice of a model tensor (see `key_conversion`): name -> (view, tensor)."""
-    total = sum(files.spec(s).nbytes for s in source_of.values())
-    with _progress(total, f"loading {files.directory.name}", progress) as bar, torch.no_grad():
-        for name, source in source_of.items():
-            view, target = views[name] if views and name in views else (None, targets[name])
-            start, stop = row_range(target)
-            local = local_tensor(target)
-            where = slice(None)
-            if view is not None:
-                start, stop, where = view.rows_from(start, stop)
-            if stop > start:
-                out = local[where] if view is not None else local.view(local.shape) if local.dim() else local
-                files.read_rows(source, start, stop, out=out)
-            bar.update(files.spec(source).row_bytes * (stop - start))
-
-
-def load_tensors(targets: dict[str, torch.Tensor], files: CheckpointFiles, *, aliases: dict[str, str] | None = None,
-                 strict: bool = True, progress: bool | None = None) -> None:
-    """Check every key first (one error listing all problems), then fill each target's local rows.
-    No collectives."""
-    read_tensors(targets, files, match_tensors(targets, files, aliases=aliases, strict=strict), progress=progress)
-
-
-def _existing_dir(directory: Path) -> Path:
-    if not directory.is_dir():
-        raise CheckpointError(f"{directory}: not a directory.")
-    return directory
-
-
-class WeightsPlan:
-    """What `load_pretrained` will read, checked against the model, before anything changes."""
-
-    def __init__(self, model: nn.Module, directory: Path, strict: bool = True):
-        self.model = model
-        if is_peft_model(model) and ((directory / ADAPTER_FILE).exists()
-                                     or (directory / (ADAPTER_FILE + INDEX_SUFFIX)).exists()):
-            self.targets, self.files = adapter_tensors(model), CheckpointFiles(directory, ADAPTER_FILE)
-            aliases, base = None, None  # PEFT's adapter keys: no transformers conversion
-        else:
-            base = model.get_base_model() if is_peft_model(model) else model
-            self.targets, self.files = model_tensors(base), CheckpointFiles(directory, SINGLE_FILE)
-            aliases = tied_aliases(base)
-            if base is not model:  # the base model's own weights under its own names; adapters stay as they are
-                self.targets = {hf: t for n, t in self.targets.items() if (hf := base_model_name(n)) is not None}
-                aliases = {base_model_name(a): base_model_name(c) for a, c in aliases.items()}
-        self.views = None
-        self.quantized: dict[str, nn.Module] = {}
-        try:
-            if base is not None:
-                self._quantize_4bit_targets(base)
-                self._use_disk_names(base)
-            self.source_of = match_tensors(self.targets, self.files, aliases=aliases, strict=strict)
-        except BaseException:
-            self.close()
-            raise
-
-    def _quantize_4bit_targets(self, model: nn.Module) -> None:
-        """A sharded 4-bit weight is read as the float [out, in] tensor a checkpoint holds (stock
-        `save_pretrained` of the unquantized model), and each rank quantizes its own rows."""
-        modules = bnb_4bit.sharded_4bit_weights(model)
-        for name, tensor in list(self.targets.items()):
-            module = modules.get(id(tensor))
-            if module is None:
-                continue
-            spec = bnb_4bit.spec_of(module)
-            self.quantized[name] = module
-            self.targets[name] = torch.empty(spec.out_features, spec.in_features, dtype=spec.dtype, device="meta")
-            del self.targets[name + "_absmax"]
-
-    def _use_disk_names(self, model: nn.Module) -> None:
-        """Expect the names stock `save_pretrained` writes where transformers converts this model (MoE
-        experts one tensor each, renamed modules), unless the files hold the in-memory names (written
-        by hf_fsdp2 before it reverted conversions, or by `torch.save(model.state_dict())` tools)."""
-        views = disk_views(model, self.targets)
-        if views is None or all(name in self.files.where for name in self.targets):
-            return
-        memory = self.targets
-        self.views = {v.name: (v, memory[v.source]) for v in views}
-        self.targets = {v.name: torch.empty(v.shape, dtype=memory[v.source].dtype, device="meta") for v in views}
-
-    def read(self, progress: bool | None = None) -> None:
-        try:
-            plain = {n: s for n, s in self.source_of.items() if n not in self.quantized}
-            read_tensors(self.targets, self.files, plain, progress=progress, views=self.views)
-            with torch.no_grad():
-                for name, module in self.quantized.items():  # the same order on every rank (collective)
-                    start, stop = row_range(module.weight)
-                    rows = self.files.read_rows(self.source_of[name], start, stop)
-                    bnb_4bit.finish_quantization(module, bnb_4bit.quantize_rows(module, rows))
-            # FP8 weights' all-gather scales belong to the weights just read, not the ones they replaced:
-            # a resumed run's first step must gather as the saving run's next one would have.
-            fp8.precompute_scales(self.model)
-        finally:
-            self.close()
-
-    def close(self) -> None:
-        self.files.close()
-
-
 def load_pretrained(model: nn.Module, directory: str | os.PathLike, *, strict: bool = True,
                     progress: bool | None = None) -> nn.Module:
     """Fill a sharded model from a Hugging Face directory, each rank reading only its own rows.
@@ -371,7 +95,7 @@ def load_pretrained(model: nn.Module, directory: str | os.PathLike, *, strict: b
     Collective: call on every rank (every rank reads its rows in parallel; FP8 models then all-reduce their scales).
     """
     async_save.wait_pending()  # a save still in flight may be of this very directory
-    WeightsPlan(model, _existing_dir(Path(directory)), strict).read(progress)
+    WeightsPlan(model, existing_dir(Path(directory)), strict).read(progress)
     return model
 
 
@@ -403,7 +127,7 @@ def from_pretrained(model_class, directory: str | os.PathLike, config: FSDP2Conf
     broadcast, so every rank starts from the same adapter. Returns the `PeftModel` then.
     Collective: call on every rank.
     """
-    directory = _existing_dir(Path(directory))
+    directory = existing_dir(Path(directory))
     torch_dtype = parse_dtype(torch_dtype, "torch_dtype")
     with parameters_on_meta():
         if hasattr(model_class, "config_class"):  # a model class
