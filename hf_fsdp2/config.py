@@ -154,6 +154,9 @@ class FSDP2Config:
         activation_checkpointing: recompute each decoder layer's activations in backward.
         cpu_offload: keep sharded params, grads and optimizer states in CPU memory.
         replicate_size: HSDP replicas (1 = plain FSDP).
+        tp_size: tensor parallelism (sharding/tensor_parallel.py): the model's own TP plan (transformers'
+            `base_model_tp_plan`) applied on a "tp" mesh dimension of this many ranks, FSDP2 over the
+            data-parallel ranks on top; world size = replicate_size x shard_size x tp_size.
         shard_size: ranks each replica shards over; None: world_size // replicate_size. "auto": the layout
             planner (sharding/layout.py) picks, before anything is allocated, the cheapest layout whose
             estimated peak fits `memory_budget` per rank: the smallest shard group S (HSDP with world/S
@@ -194,6 +197,7 @@ class FSDP2Config:
     cpu_offload: bool = False
     replicate_size: int = 1
     shard_size: int | str | None = None
+    tp_size: int = 1
     frozen_dtype: torch.dtype | str | None = None
     async_save: bool = False
     fp8: bool = False
@@ -235,12 +239,19 @@ class FSDP2Config:
             raise ValueError(f"`activation_checkpointing` recomputes each decoder layer: it needs "
                              f"`wrap_policy`='transformer', not {self.wrap_policy!r}.")
         self.replicate_size = _parse_int(self.replicate_size, "replicate_size", 1)
+        self.tp_size = _parse_int(self.tp_size, "tp_size", 1)
+        if self.tp_size > 1 and self.wrap_policy != "transformer":
+            raise ValueError(f"`tp_size`={self.tp_size} applies the model's tensor-parallel plan per decoder layer: "
+                             f"it needs `wrap_policy`='transformer', not {self.wrap_policy!r}.")
         self.compile = parse_bool(self.compile, "compile")
         if isinstance(self.shard_size, str) and self.shard_size.strip().lower() == "auto":
             self.shard_size = "auto"
             if self.replicate_size != 1:
                 raise ValueError(f"`shard_size`='auto' picks the replicas too; leave `replicate_size` at 1 "
                                  f"(got {self.replicate_size}).")
+            if self.tp_size != 1:
+                raise ValueError(f"`shard_size`='auto' with `tp_size`={self.tp_size}: the layout planner does not "
+                                 "count tensor parallelism yet; give shard_size (or leave it None).")
         elif self.shard_size is not None:
             self.shard_size = _parse_int(self.shard_size, "shard_size", 1)
         if self.memory_budget is not None:
@@ -270,10 +281,14 @@ class FSDP2Config:
         return self.shard_size == "auto"
 
     def mesh_shape(self, world_size: int) -> tuple[int, int]:
-        """(replicate, shard) for `world_size` ranks; raises if the HSDP shape does not fit."""
+        """(replicate, shard) for `world_size` ranks (the data-parallel ones: world_size / tp_size);
+        raises if the shape does not fit."""
         if self.is_auto_layout:
             raise ValueError("`shard_size`='auto' is resolved by the layout planner (hf_fsdp2.sharding.layout."
                              "resolve_auto_layout, which shard_model calls) before a mesh is built.")
+        if world_size % self.tp_size:
+            raise ValueError(f"`tp_size`={self.tp_size} does not divide the world size {world_size}.")
+        world_size //= self.tp_size
         if world_size % self.replicate_size:
             raise ValueError(
                 f"`replicate_size`={self.replicate_size} does not divide the world size {world_size}; "

@@ -51,9 +51,13 @@ class StagedTensor:
     start: int
     stop: int
     data: torch.Tensor | None  # None when this rank writes no rows of it
+    columns: tuple[int, int] | None = None  # ExportTensor.cols()
 
     def rows(self) -> tuple[int, int]:
         return self.start, self.stop
+
+    def cols(self) -> tuple[int, int] | None:
+        return self.columns
 
     def block(self) -> torch.Tensor:
         assert self.data is not None, f"{self.name}: this rank writes no rows"
@@ -87,7 +91,7 @@ class StagingPool:
                     self._buffers[key] = buffer
                 buffer.copy_(source, non_blocking=source.is_cuda)
                 on_cuda = on_cuda or source.is_cuda
-                staged.append(StagedTensor(item.name, item.spec, start, stop, buffer))
+                staged.append(StagedTensor(item.name, item.spec, start, stop, buffer, item.cols()))
         if on_cuda:
             torch.cuda.current_stream().synchronize()  # the copies are in the buffers before training goes on
         return staged

@@ -33,9 +33,14 @@ def full_weights(model: nn.Module, dtype: torch.dtype | None = None) -> Iterator
         spec = item.spec
         whole = torch.zeros(spec.shape, dtype=spec.dtype, device=device)
         start, stop = item.rows()
+        cols = item.cols()
         if stop > start:
             rows = whole.view(1, *spec.shape) if not spec.shape else whole
-            rows[start:stop] = item.block().to(device=device, dtype=spec.dtype).view(stop - start, *rows.shape[1:])
+            block = item.block().to(device=device, dtype=spec.dtype)
+            if cols is None:
+                rows[start:stop] = block.view(stop - start, *rows.shape[1:])
+            else:  # a tensor-parallel rowwise split
+                rows[start:stop, cols[0]:cols[1]] = block
         # Every row has exactly one writer (replicas and non-owners contribute zeros): a sum over the
         # mesh makes it whole. Twice an all-gather's traffic, but any row split (uneven shards,
         # per-expert views). On the mesh's groups, which carry `device` tensors.

@@ -231,6 +231,27 @@ class FileWriter:
             written += len(data)
         return written
 
+    def write_block(self, name: str, first_row: int, cols: tuple[int, int] | None, block: torch.Tensor) -> int:
+        """`write_rows`, or only columns `cols` of those rows (a tensor-parallel rowwise split): one
+        write per row, each at its row's offset plus the first column's. Returns the bytes written."""
+        if cols is None:
+            return self.write_rows(name, first_row, block)
+        spec = self.layout.specs[name]
+        first, stop = cols
+        assert len(spec.shape) == 2 and block.dim() == 2 and block.shape[1] == stop - first, (name, cols, block.shape)
+        item = spec.dtype.itemsize
+        written = 0
+        rows_per_chunk = max(1, WRITE_CHUNK_BYTES // max(block.shape[1] * item, 1))
+        for start in range(0, block.shape[0], rows_per_chunk):
+            chunk = block[start:start + rows_per_chunk].to(device="cpu", dtype=spec.dtype).contiguous()
+            data = memoryview(chunk.view(torch.uint8).numpy()).cast("B")
+            width = chunk.shape[1] * item
+            for i in range(chunk.shape[0]):
+                offset = self.layout.row_offset(name, first_row + start + i) + first * item
+                _pwrite_all(self.fd, data[i * width:(i + 1) * width], offset, self.path)
+            written += len(data)
+        return written
+
     def close(self, *, sync: bool = True) -> None:
         try:
             if sync and self.durable:

@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.distributed.tensor.placement_types import _StridedShard  # FSDP2 over TP's colwise rows
 
 from .key_conversion import DiskView
 from .safetensors_io import TensorSpec
@@ -47,29 +48,56 @@ class ExportTensor:
         """The file tensor's rows [start, stop) this rank writes."""
         if not is_writer(self.tensor):
             return 0, 0
+        if self.view is None and self.local_rows is None:  # plain parameters may be split by columns (TP)
+            return block_range(self.tensor)[:2]
         start, stop = row_range(self.tensor)
         return (start, stop) if self.view is None else self.view.rows_from(start, stop)[:2]
 
+    def cols(self) -> tuple[int, int] | None:
+        """The columns of those rows this rank writes (a tensor-parallel rowwise split); None: all."""
+        if self.local_rows is None and self.view is None and is_writer(self.tensor):
+            return block_range(self.tensor)[2]
+        return None
+
     def block(self) -> torch.Tensor:
-        """This rank's rows of the file tensor (those `rows()` names)."""
+        """This rank's rows of the file tensor (those `rows()` names; only `cols()` of them)."""
         data = self.local_rows() if self.local_rows is not None else local_tensor(self.tensor)
         if self.view is None:
             return data
         return data[self.view.rows_from(*row_range(self.tensor))[2]]
 
 
-def row_range(tensor: torch.Tensor) -> tuple[int, int]:
-    """The global rows [start, stop) this rank holds of `tensor` (all rows for a plain tensor)."""
+def block_range(tensor: torch.Tensor) -> tuple[int, int, tuple[int, int] | None]:
+    """This rank's block of `tensor`: global rows [start, stop) and, when it holds only some columns
+    of a 2-D tensor (a rowwise tensor-parallel weight), those columns [first, stop); None: whole rows.
+
+    Rows come from FSDP2's dim-0 sharding (a `_StridedShard` under TP too: still one contiguous run
+    of rows per rank) and a colwise TP split; columns from a rowwise TP split (Shard(1))."""
     if not isinstance(tensor, DTensor):
-        return 0, tensor.shape[0] if tensor.dim() else 1
+        return 0, tensor.shape[0] if tensor.dim() else 1, None
     for placement in tensor.placements:
-        if not (isinstance(placement, Replicate) or (isinstance(placement, Shard) and placement.dim == 0)):
-            raise ValueError(f"hf_fsdp2 checkpoints need dim-0 sharding (FSDP2's default); got placements "
-                             f"{tensor.placements}. Remove a custom `shard_placement_fn`.")
+        if not (isinstance(placement, Replicate) or (isinstance(placement, (Shard, _StridedShard)) and (
+                placement.dim == 0 or (placement.dim in (1, -1) and tensor.dim() == 2)))):
+            raise ValueError(f"hf_fsdp2 checkpoints need dim-0 sharding (FSDP2's default), or columns of a 2-D "
+                             f"tensor-parallel weight; got placements {tensor.placements}. Remove a custom "
+                             "`shard_placement_fn`.")
     if tensor.dim() == 0:
-        return 0, 1
+        return 0, 1, None
     local_shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
-    return offset[0], offset[0] + local_shape[0]
+    cols = None
+    if tensor.dim() == 2 and local_shape[1] != tensor.shape[1]:
+        cols = (offset[1], offset[1] + local_shape[1])
+    return offset[0], offset[0] + local_shape[0], cols
+
+
+def row_range(tensor: torch.Tensor) -> tuple[int, int]:
+    """The global rows [start, stop) this rank holds of `tensor` (all rows for a plain tensor); for
+    code that handles whole rows only."""
+    start, stop, cols = block_range(tensor)
+    if cols is not None:
+        raise ValueError(f"a tensor split by columns (tensor parallelism, placements {tensor.placements}) where "
+                         "hf_fsdp2 handles whole rows only (merged adapters, 4-bit, rank-0 loading)")
+    return start, stop
 
 
 def is_writer(tensor: torch.Tensor) -> bool:

@@ -24,7 +24,7 @@ from .safetensors_io import (
 from ..quantization import bnb_4bit, fp8
 from .lora_merge import base_model_name, merged_tensors
 from .tensor_export import (
-    ExportTensor, adapter_tensors, is_peft_model, model_tensors, row_range, tied_aliases,
+    ExportTensor, adapter_tensors, block_range, is_peft_model, model_tensors, row_range, tied_aliases,
 )
 
 ADAPTER_FILE = "adapter_model.safetensors"
@@ -75,7 +75,8 @@ def write_tensors(items: Sequence[ExportTensor], directory: Path, *, weights_nam
                 for lay, name, start, stop in work:
                     if lay is not layout or stop <= start:
                         continue
-                    bar.update(writer.write_rows(name, start, by_name[name].block()))
+                    item = by_name[name]
+                    bar.update(writer.write_block(name, start, item.cols(), item.block()))
     if index is not None and collectives.rank() == 0:
         if total_parameters is not None:  # stock save_pretrained: {"total_parameters", "total_size"}
             index["metadata"] = {"total_parameters": total_parameters, **index["metadata"]}
@@ -202,12 +203,16 @@ def read_tensors(targets: dict[str, torch.Tensor], files: CheckpointFiles, sourc
     with _progress(total, f"loading {files.directory.name}", progress) as bar, torch.no_grad():
         for name, source in source_of.items():
             view, target = views[name] if views and name in views else (None, targets[name])
-            start, stop = row_range(target)
+            start, stop, cols = block_range(target)
             local = local_tensor(target)
             where = slice(None)
             if view is not None:
+                if cols is not None:
+                    raise CheckpointError(f"{source}: a converted (per-expert) tensor split by columns is not read")
                 start, stop, where = view.rows_from(start, stop)
-            if stop > start:
+            if stop > start and cols is not None:  # a tensor-parallel rowwise split: whole rows, then its columns
+                local.copy_(files.read_rows(source, start, stop)[:, cols[0]:cols[1]])
+            elif stop > start:
                 out = local[where] if view is not None else local.view(local.shape) if local.dim() else local
                 files.read_rows(source, start, stop, out=out)
             bar.update(files.spec(source).row_bytes * (stop - start))

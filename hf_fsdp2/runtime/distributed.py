@@ -32,6 +32,7 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
 
 SHARD_DIM = "dp_shard"
 REPLICATE_DIM = "dp_replicate"
+TP_DIM = "tp"
 # A rank that dies inside a collective leaves the others waiting; this bounds the wait.
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
 _INIT_SCHEMES = ("env://", "tcp://", "file://")
@@ -85,7 +86,8 @@ def init_process_group(
 
 
 def build_mesh(config: FSDP2Config | None = None) -> DeviceMesh:
-    """A 1-D ("dp_shard",) mesh, or a 2-D ("dp_replicate", "dp_shard") mesh for HSDP.
+    """A 1-D ("dp_shard",) mesh, or a 2-D ("dp_replicate", "dp_shard") mesh for HSDP; with
+    `tp_size` > 1 a last "tp" dimension (neighbouring ranks: one machine's devices share a TP group).
 
     Collective: call on every rank.
     """
@@ -96,6 +98,8 @@ def build_mesh(config: FSDP2Config | None = None) -> DeviceMesh:
     replicate, shard = config.mesh_shape(dist.get_world_size())
     device = device_type()
     shape, names = ((shard,), (SHARD_DIM,)) if replicate == 1 else ((replicate, shard), (REPLICATE_DIM, SHARD_DIM))
+    if config.tp_size > 1:
+        shape, names = (*shape, config.tp_size), (*names, TP_DIM)
     override = None
     if device not in collectives.default_group_devices():
         # The default group cannot carry this device's tensors (e.g. "cuda:gloo" or NCCL while sharding
@@ -119,3 +123,12 @@ def init_distributed(
     """
     init_process_group(init_method, backend=backend, rank=rank, world_size=world_size, timeout=timeout)
     return build_mesh(config)
+
+
+def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh FSDP2 shards over: `mesh` without its "tp" dimension (the same mesh without one)."""
+    names = mesh.mesh_dim_names or ()
+    if TP_DIM not in names:
+        return mesh
+    rest = tuple(n for n in names if n != TP_DIM)
+    return mesh[rest] if len(rest) > 1 else mesh[rest[0]]

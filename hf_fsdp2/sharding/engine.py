@@ -25,12 +25,13 @@ from ..config import FSDP2Config
 from ..quantization import fp8
 from ..quantization.bnb_4bit import prepare_4bit_modules, refuse_8bit_modules
 from ..runtime import collectives
-from ..runtime.distributed import build_mesh, default_device, local_tensor
+from ..runtime.distributed import TP_DIM, build_mesh, data_parallel_mesh, default_device, local_tensor
 from .compile import compile_layers, disable_cache_in_training, is_compiled
 from .groups import ShardPlan, apply_frozen_dtype, plan_groups, replicated_frozen_parameters, unwrap_peft
 from .layout import resolve_auto_layout
 from .generation import wrap_generate
 from .record import record_of
+from . import tensor_parallel
 
 
 # ---------------------------------------------------------------------------------------------
@@ -211,6 +212,7 @@ def shard_model(
     prepare_4bit_modules(model)
     config = resolve_auto_layout(model, config)
     mesh = mesh if mesh is not None else build_mesh(config)
+    config = _tensor_parallel(model, config, mesh, on_meta)
     plan = plan_groups(model, config)
     if config.fp8:
         apply_fp8(model, plan)
@@ -221,7 +223,7 @@ def shard_model(
         compile_layers(plan.layers)
     if any(is_compiled(layer) or isinstance(layer, CheckpointWrapper) for layer in plan.layers):
         disable_cache_in_training(model)  # ours or Accelerate's checkpointing / regional compilation
-    apply_fsdp(model, plan, config, mesh)
+    apply_fsdp(model, plan, config, data_parallel_mesh(mesh))
     if config.fp8 and mesh.device_type == "cpu":
         fp8.gather_float8_as_bytes(model)
     if on_meta:
@@ -232,6 +234,27 @@ def shard_model(
     record.config, record.mesh = config, mesh
     wrap_generate(model)  # each group gathered once per generate() call
     return model
+
+
+def _tensor_parallel(model: nn.Module, config: FSDP2Config, mesh: DeviceMesh, on_meta: bool) -> FSDP2Config:
+    """TP on the mesh's "tp" dimension (sharding/tensor_parallel.py), before FSDP2 shards the rest; the
+    config's tp_size follows a mesh (or a model transformers split) that has one."""
+    names = mesh.mesh_dim_names or ()
+    tp = mesh[TP_DIM].size() if TP_DIM in names else 1
+    if config.tp_size not in (1, tp):
+        raise ValueError(f"`tp_size`={config.tp_size} but the mesh {dict(zip(names, mesh.shape))} has "
+                         f"{'a tp dimension of ' + str(tp) if tp > 1 else 'no tp dimension'}; build it with "
+                         "hf_fsdp2.build_mesh(config).")
+    if tensor_parallel.is_tensor_parallel(model) and tp == 1:
+        raise ValueError("the model is already tensor-parallel (transformers split it): pass the mesh it was "
+                         "split on (with its 'tp' dimension) as `mesh`.")
+    if tp == 1:
+        return config
+    config = config.replace(tp_size=tp) if config.tp_size != tp else config
+    tensor_parallel.refuse_unsupported(model, config, on_meta)
+    if not tensor_parallel.is_tensor_parallel(model):
+        tensor_parallel.apply_tensor_parallel(model, mesh[TP_DIM])
+    return config
 
 
 @contextlib.contextmanager
