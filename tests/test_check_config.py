@@ -91,7 +91,7 @@ def accelerate_fsdp2_config(path: Path, monkeypatch) -> FSDP2Config:
     return config_from_accelerator(accelerator)
 
 
-@pytest.mark.parametrize("field, kind", [("tp_size", "tensor"), ("cp_size", "context"), ("sp_size", "sequence")])
+@pytest.mark.parametrize("field, kind", [("cp_size", "context"), ("sp_size", "sequence")])
 def test_model_parallel_sizes_are_refused_where_the_model_is_prepared(field, kind):
     """Never a silent data-parallel run with tp/cp/sp > 1: the backend's config step refuses by name."""
     from accelerate.parallelism_config import ParallelismConfig
@@ -288,8 +288,8 @@ CASES = {
     "sizes do not multiply to num_processes": (parallel(parallelism_config_dp_replicate_size=2,
                                                         parallelism_config_dp_shard_size=3),
                                                "error", "parallelism_config", "2 x 3 x 1 x 1 x 1 = 6"),
-    "tensor parallel": (parallel(parallelism_config_dp_shard_size=2, parallelism_config_tp_size=2),
-                        "error", "parallelism_config.parallelism_config_tp_size", "not supported"),
+    "context parallel": (parallel(parallelism_config_dp_shard_size=2, parallelism_config_cp_size=2),
+                         "error", "parallelism_config.parallelism_config_cp_size", "not supported"),
     "nothing to shard over": (parallel(parallelism_config_dp_replicate_size=4),
                               "error", "parallelism_config.parallelism_config_dp_shard_size", "dp_shard"),
     "all sizes 1": (parallel(parallelism_config_dp_replicate_size=1), "error", "parallelism_config", "every size is 1"),

@@ -115,3 +115,19 @@ def test_tp_settings_that_cannot_hold_are_refused_by_name(make, message):
     with pytest.raises(ValueError, match="`tp_size`=3 does not divide the world size 4"):
         FSDP2Config(tp_size=3).mesh_shape(4)
     assert FSDP2Config(tp_size=2).mesh_shape(4) == (1, 2)
+
+
+def test_accelerate_launch_with_tp_size_2_matches_one_process(tmp_path):
+    """`accelerate launch --config_file accelerate_configs/fsdp2_tp.yaml` (tp 2 x dp_shard 2) with
+    register(): Accelerate's own TP step (broken on transformers 5.x) is passed over, hf_fsdp2 applies
+    the model's TP plan on the accelerator's mesh; losses equal one process on the same global batch,
+    and the state it saves resumes on plain FSDP."""
+    from .test_accelerate import launch, reference_losses
+
+    out = launch("fsdp2_tp.yaml", 4, tmp_path / "tp.json", "--steps", "3", "--per-device-batch", "4",
+                 "--save-state", str(tmp_path / "state"))
+    assert out["all_dtensor"] and out["mesh"] == [2, 2] and out["world"] == 4
+    assert out["losses"] == pytest.approx(reference_losses(3), rel=1e-4)
+    resumed = launch("fsdp2.yaml", 2, tmp_path / "resumed.json", "--start", "3", "--steps", "1",
+                     "--load-state", str(tmp_path / "state"))
+    assert resumed["losses"] == pytest.approx(reference_losses(4)[3:], rel=1e-4)

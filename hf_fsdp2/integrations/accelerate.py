@@ -84,7 +84,7 @@ def register(**overrides: Any) -> None:
     upstream.replace("accelerate.accelerator.fsdp2_prepare_model", _fsdp2_prepare_model, GROUP)
     for name, wrapper in (("__init__", _init), ("_prepare_fsdp2", _prepare_fsdp2), ("_prepare_ao", _prepare_ao),
                           ("save_model", _save_model), ("prepare_model", _prepare_model),
-                          ("save_state", _save_state), ("load_state", _load_state)):
+                          ("save_state", _save_state), ("load_state", _load_state), ("_prepare_tp", _prepare_tp)):
         upstream.replace(f"accelerate.accelerator.Accelerator.{name}",
                          functools.wraps(getattr(Accelerator, name))(wrapper), GROUP)
     trl_backend.install_if_imported()
@@ -166,13 +166,13 @@ def _refuse_fsdp1_only(plugin) -> None:
                          "in-flight all-gathers by its forward_prefetch/backward_prefetch depths).")
 
 
-_MODEL_PARALLEL = {"tp_size": "tensor", "cp_size": "context", "sp_size": "sequence"}
+_MODEL_PARALLEL = {"cp_size": "context", "sp_size": "sequence"}
 
 
 def _refuse_model_parallelism(pc) -> None:
-    """hf_fsdp2 shards over (dp_replicate, dp_shard): a tp/cp/sp size above 1 would otherwise become a
-    silent data-parallel run over those ranks (a loop without `maybe_context_parallel` never splits a
-    sequence), so it is refused here, where the model is prepared."""
+    """hf_fsdp2 shards over (dp_replicate, dp_shard) and applies TP on "tp": a cp/sp size above 1 would
+    otherwise become a silent data-parallel run over those ranks (a loop without
+    `maybe_context_parallel` never splits a sequence), so it is refused here, where the model is prepared."""
     for field, kind in _MODEL_PARALLEL.items():
         size = getattr(pc, field, 1) if pc is not None else 1
         if size and size > 1:
@@ -180,8 +180,9 @@ def _refuse_model_parallelism(pc) -> None:
                 " (and on CPU, torch's context-parallel attention has no sharding strategy for the CPU SDPA kernel)"
                 if field == "cp_size" else "")
             raise ValueError(f"parallelism_config {field}={size}: {kind} parallelism is not done in hf_fsdp2, which "
-                             f"shards over dp_replicate x dp_shard only{device}. Set parallelism_config_{field} to 1 "
-                             "(give its ranks to parallelism_config_dp_shard_size), or run without hf_fsdp2.register().")
+                             f"shards over dp_replicate x dp_shard (x tp) only{device}. Set parallelism_config_{field} "
+                             "to 1 (give its ranks to parallelism_config_dp_shard_size), or run without "
+                             "hf_fsdp2.register().")
 
 
 def config_from_accelerator(accelerator) -> FSDP2Config:
@@ -204,7 +205,8 @@ def config_from_accelerator(accelerator) -> FSDP2Config:
         cpu_offload=isinstance(plugin.cpu_offload, CPUOffloadPolicy) or plugin.cpu_offload is True,
         mixed_precision=str(accelerator.mixed_precision),
         replicate_size=getattr(pc, "dp_replicate_size", 1) if pc is not None else 1,
-        shard_size=getattr(pc, "dp_shard_size", 1) if pc is not None else 1))
+        shard_size=getattr(pc, "dp_shard_size", 1) if pc is not None else 1,
+        tp_size=getattr(pc, "tp_size", 1) if pc is not None else 1))
     policy = getattr(plugin, _USER_POLICY, None)
     if policy is not None:
         values.update(_policy_dtypes(policy))
@@ -361,6 +363,16 @@ def _regional_compilation_in_place():
         yield
 
 
+def _prepare_tp(self, *args):
+    """Accelerate's TP step runs before FSDP2's and, under FSDP2, wraps every plain parameter with
+    `transformers.integrations.tensor_parallel.ReplicateParallel`, which transformers 5.x no longer has
+    (an ImportError for every TP run). Under hf_fsdp2 the model's TP is applied in `fsdp2_prepare_model`
+    (sharding/tensor_parallel.py, transformers' own plan), so this step passes everything on."""
+    if getattr(self, "is_fsdp2", False):
+        return args
+    return _original("Accelerator", "_prepare_tp")(self, *args)
+
+
 def _prepare_ao(self, *args):
     """Accelerate's torchao FP8 step runs before FSDP2's: under FSDP2, shard_model converts the
     layers itself (config `fp8`, which `mixed_precision: fp8` sets) and `_prepare_fsdp2` hooks the
@@ -410,7 +422,9 @@ def _fsdp2_prepare_model(accelerator, model: nn.Module) -> nn.Module:
         raise ValueError("shard_size='auto' with `fsdp_cpu_ram_efficient_loading`: the other ranks hold no weights "
                          "to plan with; set the layout yourself or load with hf_fsdp2.from_pretrained.")
     config = resolve_auto_layout(model, config)  # before the mesh, which it chooses
-    mesh = build_mesh(config)
+    # With TP, the accelerator's own mesh ("dp_replicate", "dp_shard", "tp"): a model transformers split
+    # at load (`device_mesh=accelerator.torch_device_mesh`) is on its "tp" dimension already.
+    mesh = accelerator.torch_device_mesh if config.tp_size > 1 else build_mesh(config)
     if from_rank0:
         return shard_from_rank0(model, config, mesh)  # fsdp_cpu_ram_efficient_loading
     return shard_model(model, config, mesh=mesh)

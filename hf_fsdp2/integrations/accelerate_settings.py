@@ -25,8 +25,9 @@ class AccelerateSettings:
     reshard_after_forward: bool | None = None
     cpu_offload: bool = False
     mixed_precision: str = "no"
-    replicate_size: int = 1  # parallelism_config dp_replicate_size / dp_shard_size
+    replicate_size: int = 1  # parallelism_config dp_replicate_size / dp_shard_size / tp_size
     shard_size: int = 1
+    tp_size: int = 1
 
 
 def layer_names(raw: Any) -> list[str] | None:
@@ -58,4 +59,6 @@ def fsdp2_values(settings: AccelerateSettings) -> dict[str, Any]:
     if settings.replicate_size > 1:
         values["replicate_size"] = settings.replicate_size
         values["shard_size"] = settings.shard_size if settings.shard_size > 1 else None
+    if settings.tp_size > 1:  # TP on the accelerator's "tp" mesh dimension (sharding/tensor_parallel.py)
+        values["tp_size"] = settings.tp_size
     return values

@@ -61,6 +61,9 @@ SEAMS: tuple[Seam, ...] = (
          "layer names from a yaml string or the PEFT base's _no_split_modules; FP8 scale hook on optimizers"),
     Seam("accelerate.accelerator.Accelerator._prepare_ao", PATCHED, _ACC,
          "under FSDP2, FP8 conversion happens in shard_model (per layer group), not Accelerate's"),
+    Seam("accelerate.accelerator.Accelerator._prepare_tp", PATCHED, _ACC,
+         "under FSDP2 it imports transformers' removed ReplicateParallel; hf_fsdp2 applies the model's TP plan "
+         "in fsdp2_prepare_model (sharding/tensor_parallel.py)"),
     Seam("accelerate.accelerator.Accelerator.prepare_model", PATCHED, _ACC,
          "evaluation_mode=True (reward, eval-only models): stock FSDP2 keeps a full replica per rank; "
          "hf_fsdp2 shards it for inference"),

@@ -503,11 +503,11 @@ def _check_parallelism_config(cfg: Mapping[str, Any], out: list[Finding]) -> _Pa
     if not parallel.given:
         return parallel
 
-    for dim, what in (("tp", "tensor"), ("cp", "context"), ("sp", "sequence")):
+    for dim, what in (("cp", "context"), ("sp", "sequence")):
         if parallel.sizes[dim] > 1:
             _error(out, f"parallelism_config.parallelism_config_{dim}_size",
-                   f"{parallel.sizes[dim]}: hf_fsdp2 shards over (dp_replicate, dp_shard) only; {what} parallelism "
-                   "is not supported. Set it to 1.")
+                   f"{parallel.sizes[dim]}: hf_fsdp2 shards over (dp_replicate, dp_shard) and applies tensor "
+                   f"parallelism on tp; {what} parallelism is not supported. Set it to 1.")
     procs = _int(cfg.get("num_processes"))
     if procs is None or procs < 1:
         return parallel
@@ -566,7 +566,8 @@ def fsdp2_values(cfg: Mapping[str, Any]) -> dict[str, Any]:
         cpu_offload=bool(_launcher_bool(fsdp.raw("fsdp_offload_params"))),
         mixed_precision=str(mp),
         replicate_size=_int(sizes.get("parallelism_config_dp_replicate_size", 1)) or 1,
-        shard_size=_int(sizes.get("parallelism_config_dp_shard_size", 1)) or 1))
+        shard_size=_int(sizes.get("parallelism_config_dp_shard_size", 1)) or 1,
+        tp_size=_int(sizes.get("parallelism_config_tp_size", 1)) or 1))
 
 
 def _check_fsdp2_config(cfg: Mapping[str, Any], fsdp: _Fsdp, parallel: _Parallel, out: list[Finding]) -> None:

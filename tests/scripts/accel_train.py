@@ -81,7 +81,9 @@ if args.scramble_other_ranks and accelerator.process_index != 0:
                     state.offset += 1
 opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.01)
 sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
-rows_per_step = args.per_device_batch * accelerator.num_processes * args.accum
+# The ranks of one tensor-parallel group share a batch: the data splits over the data-parallel ranks.
+tp_size = accelerator.parallelism_config.tp_size if accelerator.parallelism_config else 1
+rows_per_step = args.per_device_batch * (accelerator.num_processes // tp_size) * args.accum
 rows = torch.cat(batches(steps=args.start + args.steps, batch=rows_per_step))
 data = DataLoader(list(rows[args.start * rows_per_step:]), batch_size=args.per_device_batch, shuffle=False)
 model, opt, data, sched = accelerator.prepare(model, opt, data, sched)
