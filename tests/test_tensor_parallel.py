@@ -131,3 +131,20 @@ def test_accelerate_launch_with_tp_size_2_matches_one_process(tmp_path):
     resumed = launch("fsdp2.yaml", 2, tmp_path / "resumed.json", "--start", "3", "--steps", "1",
                      "--load-state", str(tmp_path / "state"))
     assert resumed["losses"] == pytest.approx(reference_losses(4)[3:], rel=1e-4)
+
+
+def test_trainer_under_accelerate_launch_with_tp_size_2_matches_one_process(tmp_path):
+    """A Trainer script under the same TP config: the Trainer builds its Accelerator from the launch
+    config's parallelism settings; hf_fsdp2 applies TP x FSDP2; losses equal one process's."""
+    from pathlib import Path
+
+    from .dist_harness import accelerate_launch
+    from .test_trainer import run_script, train
+
+    config = Path(__file__).resolve().parents[1] / "accelerate_configs" / "fsdp2_tp.yaml"
+    # 2 data-parallel ranks (of 4 processes) x 4 rows = the single process's 8.
+    out = run_script(accelerate_launch(config, processes=4), tmp_path / "tp.json", tmp_path / "tp", 2, 3,
+                     "--save_strategy", "no")
+    single = train(tmp_path, "single", 1, 3, "--save_strategy", "no")
+    assert out["all_dtensor"] and out["world"] == 4
+    assert out["losses"] == pytest.approx(single["losses"], rel=1e-4)
