@@ -68,12 +68,13 @@ def run_launched(cmd: list[str], *, cwd, env: dict | None = None, timeout: float
     return proc
 
 
-def _entry(fn, rank, world_size, port, results, args, kwargs, pg_timeout, backend, environ):
+def _entry(fn, rank, world_size, port, results, args, kwargs, pg_timeout, backend, environ, cwd):
     import torch
     import torch.distributed as dist
 
-    os.environ.clear()  # the caller's environment now (the fork server's is from when it started)
+    os.environ.clear()  # the caller's environment and directory now (the fork server's are from its start)
     os.environ.update(environ)
+    os.chdir(cwd)
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
@@ -115,7 +116,8 @@ def run_ranks_collecting_errors(fn: Callable[..., Any], world_size: int, *args: 
     port = free_port()
     environ = dict(os.environ)
     procs = [_CONTEXT.Process(target=_entry, daemon=True,
-                              args=(fn, r, world_size, port, results, args, kwargs, pg_timeout, backend, environ))
+                              args=(fn, r, world_size, port, results, args, kwargs, pg_timeout, backend, environ,
+                                    os.getcwd()))
              for r in range(world_size)]
     for p in procs:
         p.start()

@@ -1,0 +1,122 @@
+"""FSDP alone vs tensor parallelism x FSDP: tokens/s and peak memory per rank, side by side in one run.
+
+    python benchmarks/nd_bench.py [--world-size 4] [--seq-lens 64 512] [--layers 4] [--hidden 512]
+
+Same random Llama, same global batch of sequences, AdamW; each layout runs in its own ranks:
+  fsdp     dp_shard = world (hf_fsdp2's default)
+  fsdp+tp  dp_shard = world / 2 x tp 2 (FSDP2Config(tp_size=2): the model's TP plan, then FSDP2)
+Prints the median step time's tokens/s per rank, the peak resident memory each rank added after the
+model was built (training), their ratios to FSDP alone, and the first loss (equal across layouts);
+writes benchmarks/results/nd-<stamp>.json. Context parallelism is not done (see README), so it is
+not measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import harness  # noqa: E402
+
+
+def run_job(rank: int, world: int, job: dict) -> dict:
+    import torch
+    import torch.distributed as dist
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import hf_fsdp2
+
+    torch.set_num_threads(job["threads"])
+    args = argparse.Namespace(**job["args"])
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=1024, hidden_size=args.hidden, intermediate_size=args.hidden * 3,
+                         num_hidden_layers=args.layers, num_attention_heads=8, num_key_value_heads=4,
+                         max_position_embeddings=max(args.seq_lens), tie_word_embeddings=False)
+    model = LlamaForCausalLM(config)
+    tp = job["tp"]
+    hf_fsdp2.shard_model(model, hf_fsdp2.FSDP2Config(tp_size=tp))
+    harness.malloc_trim()
+    base = harness.rss_bytes()
+    harness.reset_hwm()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    dp_rank, dp_world = rank // tp, world // tp  # the "tp" dimension is last: neighbouring ranks share a batch
+    out = {}
+    for seq in args.seq_lens:
+        g = torch.Generator().manual_seed(seq)
+        times, first = [], None
+        for step in range(args.steps):
+            ids = torch.randint(0, 1024, (args.global_batch, seq), generator=g)
+            per = args.global_batch // dp_world
+            ids = ids[dp_rank * per:(dp_rank + 1) * per]
+            dist.barrier()
+            start = time.perf_counter()
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            times.append(time.perf_counter() - start)
+            if first is None:
+                value = loss.detach().clone()
+                dist.all_reduce(value)
+                first = value.item() / world
+        step_s = statistics.median(times[1:])
+        out[seq] = {"step_s": step_s, "tokens_per_s_per_rank": args.global_batch * seq / step_s / world,
+                    "first_loss": first}
+    out["peak_added_bytes"] = harness.hwm_bytes() - base
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--world-size", type=int, default=4)
+    ap.add_argument("--seq-lens", type=int, nargs="+", default=[64, 512])
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--global-batch", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=4)
+    args = ap.parse_args(argv)
+    threads = max(1, (os.cpu_count() or 1) // args.world_size)
+    results = {}
+    for name, tp in (("fsdp", 1), ("fsdp+tp", 2)):
+        ranks = harness.run_ranks(run_job, args.world_size, {"args": vars(args), "threads": threads, "tp": tp},
+                                  timeout=3600, threads=threads)
+        results[name] = {"seq": {seq: ranks[0][seq] for seq in args.seq_lens},
+                         "peak_added_bytes": max(r["peak_added_bytes"] for r in ranks)}
+    print(f"{args.layers} layers, hidden {args.hidden}, global batch {args.global_batch}, {args.world_size} ranks, "
+          f"{threads} threads per rank ({os.cpu_count()} cores)")
+    print(f"{'seq':>5}  {'layout':>8}  {'tokens/s/rank':>13}  {'x fsdp':>7}  {'first loss':>10}")
+    rows = []
+    for seq in args.seq_lens:
+        ref = results["fsdp"]["seq"][seq]["tokens_per_s_per_rank"]
+        for name in results:
+            r = results[name]["seq"][seq]
+            print(f"{seq:>5}  {name:>8}  {r['tokens_per_s_per_rank']:>13.1f}  {r['tokens_per_s_per_rank'] / ref:>7.2f}  "
+                  f"{r['first_loss']:>10.5f}")
+            rows.append({"seq_len": seq, "layout": name, **r, "ratio_to_fsdp": r["tokens_per_s_per_rank"] / ref})
+    for name in results:
+        peak = results[name]["peak_added_bytes"]
+        print(f"peak memory added in training, max over ranks: {name:>8} {peak / 2**20:8.1f} MiB "
+              f"({peak / max(results['fsdp']['peak_added_bytes'], 1):.2f}x fsdp)")
+    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    harness.RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    path = harness.RESULTS_DIR / f"nd-{stamp}.json"
+    path.write_text(json.dumps({"timestamp": stamp, "argv": sys.argv[1:] if argv is None else list(argv),
+                                "git": harness.git_state(), "python": platform.python_version(),
+                                "machine": platform.machine(), "cpus": os.cpu_count(), "rows": rows,
+                                "peak_added_bytes": {n: results[n]["peak_added_bytes"] for n in results}},
+                               indent=1))
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
