@@ -41,9 +41,9 @@ def train(tmp: Path, name: str, processes: int, max_steps: int, *extra: str, env
 @pytest.mark.parametrize("use_lora, before, after", [(False, 2, 1), (True, 1, 2)])
 def test_checkpoint_and_resume_on_another_process_count(tmp_path, use_lora, before, after):
     flags = ("--lora", "true") if use_lora else ()
-    whole = train(tmp_path, "whole", before, 6, "--save_strategy", "no", *flags)
+    # One uninterrupted run that also checkpoints at step 3 (saving does not change training).
+    whole = train(tmp_path, "whole", before, 6, "--save_strategy", "steps", "--save_steps", "3", *flags)
     assert whole["trainable_dtensor"] and (whole["all_dtensor"] or (use_lora and before == 1 and whole["frozen_plain"]))
-    first = train(tmp_path, "first", before, 3, "--save_strategy", "steps", "--save_steps", "3", *flags)
     ckpt = tmp_path / "out" / "checkpoint-3"
     names = {p.name for p in ckpt.iterdir()}
     weights = "adapter_model.safetensors" if use_lora else "model.safetensors"
@@ -52,7 +52,6 @@ def test_checkpoint_and_resume_on_another_process_count(tmp_path, use_lora, befo
     resumed = train(tmp_path, "resumed", after, 6, "--save_strategy", "no", "--resume", str(ckpt),
                     "--final_dir", str(tmp_path / "final"), *flags)
     assert resumed["world"] == after
-    assert first["losses"] == pytest.approx(whole["losses"][:3], abs=1e-4)
     assert resumed["losses"][3:] == pytest.approx(whole["losses"][3:], abs=1e-4)
     # save_model under SHARDED_STATE_DICT (where stock Trainer writes no weights) writes a loadable model.
     if use_lora:
