@@ -90,8 +90,9 @@ def saved_tensors(directory, weights_name: str | None = None) -> dict[str, torch
         return {name: files.read(name) for name in files.names()}
 
 
-def reference_train(model, data: list[torch.Tensor]) -> list[float]:
-    opt = optimizer(model)
+def reference_train(model, data: list[torch.Tensor], opt: torch.optim.Optimizer | None = None) -> list[float]:
+    """One process, whole batches; `opt`: the optimizer to step (AdamW over the trainable ones by default)."""
+    opt = opt if opt is not None else optimizer(model)
     losses = []
     for ids in data:
         loss = model(input_ids=ids, labels=ids).loss

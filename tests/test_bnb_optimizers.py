@@ -12,7 +12,7 @@ import bitsandbytes as bnb  # noqa: E402
 
 from hf_fsdp2 import load_state, prepare_optimizer, save_state, shard_model  # noqa: E402
 
-from .common import batches, build_model, global_mean, local_rows, saved_tensors  # noqa: E402
+from .common import batches, build_model, reference_train, saved_tensors, sharded_train  # noqa: E402
 from .dist_harness import run_ranks  # noqa: E402
 
 STEPS, SPLIT = 4, 2
@@ -31,15 +31,9 @@ def _optimizer(model):
 
 
 def _steps(model, opt, data, rank=0, world=1):
-    losses = []
-    for ids in data:
-        ids = local_rows(ids, rank, world)
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(global_mean(loss) if world > 1 else loss.item())
-    return losses
+    if world == 1:
+        return reference_train(model, data, opt=opt)
+    return sharded_train(model, data, rank, world, opt=opt)
 
 
 def _save_then_train(rank, world, directory):

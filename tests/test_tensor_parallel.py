@@ -9,7 +9,7 @@ import torch
 
 from hf_fsdp2 import FSDP2Config, load_state, save_pretrained, save_state, shard_model
 
-from .common import batches, build_model, global_mean, local_rows, optimizer, reference_train, saved_tensors
+from .common import batches, build_model, optimizer, reference_train, saved_tensors, sharded_train
 from .dist_harness import run_ranks
 
 STEPS, SPLIT = 4, 2
@@ -27,15 +27,7 @@ def _dp(model) -> tuple[int, int]:
 
 def _steps(model, opt, data):
     rank, world = _dp(model)
-    losses = []
-    for ids in data:
-        ids = local_rows(ids, rank, world)
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(global_mean(loss))
-    return losses
+    return sharded_train(model, data, rank, world, opt=opt)
 
 
 def _tp_train_save(rank, world, root):
@@ -90,13 +82,7 @@ def test_tp_x_fsdp_trains_like_one_process_and_checkpoints_on_any_mesh(tmp_path)
     model = build_model(seed=123)
     opt = optimizer(model)
     start, _ = load_state(tmp_path / "tp-state", model, opt)
-    single = []
-    for ids in batches(STEPS)[start:]:
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        single.append(loss.item())
+    single = reference_train(model, batches(STEPS)[start:], opt=opt)
     assert single == pytest.approx(tail, rel=1e-4)
     back = run_ranks(_resume, 4, str(tmp_path / "plain-state"), TP, None)[0]
     assert back == pytest.approx(tail, rel=1e-4)

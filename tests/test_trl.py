@@ -20,43 +20,36 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "scripts" / "trl_train.py"
 
 
+def _tiny_dir(factory, name: str, seed: int, model_class: str = "AutoModelForCausalLM", **config) -> Path:
+    """The bundled tiny Llama's config (with `config` overrides), randomly initialised (`seed`), with
+    its tokenizer, saved as `model_class`."""
+    import transformers
+
+    directory = factory.mktemp(name)
+    torch.manual_seed(seed)
+    tiny = ROOT / "examples" / "tiny-llama"
+    getattr(transformers, model_class).from_config(
+        transformers.AutoConfig.from_pretrained(tiny, **config)).save_pretrained(directory)
+    transformers.AutoTokenizer.from_pretrained(tiny).save_pretrained(directory)
+    return directory
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    """The bundled tiny Llama's config, randomly initialised (seed 0), with its tokenizer."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    directory = tmp_path_factory.mktemp("trl-model")
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(ROOT / "examples" / "tiny-llama")).save_pretrained(
-        directory)
-    AutoTokenizer.from_pretrained(ROOT / "examples" / "tiny-llama").save_pretrained(directory)
-    return directory
+    return _tiny_dir(tmp_path_factory, "trl-model", seed=0)
 
 
 @pytest.fixture(scope="module")
 def reward_dir(tmp_path_factory):
     """A sequence-classification reward model of the same tiny config (one label)."""
-    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
-
-    directory = tmp_path_factory.mktemp("trl-reward")
-    torch.manual_seed(1)
-    AutoModelForSequenceClassification.from_config(
-        AutoConfig.from_pretrained(ROOT / "examples" / "tiny-llama", num_labels=1)).save_pretrained(directory)
-    AutoTokenizer.from_pretrained(ROOT / "examples" / "tiny-llama").save_pretrained(directory)
-    return directory
+    return _tiny_dir(tmp_path_factory, "trl-reward", seed=1, model_class="AutoModelForSequenceClassification",
+                     num_labels=1)
 
 
 @pytest.fixture(scope="module")
 def teacher_dir(tmp_path_factory):
-    """A teacher for distillation: the same tiny config, other weights (seed 2)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    directory = tmp_path_factory.mktemp("trl-teacher")
-    torch.manual_seed(2)
-    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(ROOT / "examples" / "tiny-llama")).save_pretrained(
-        directory)
-    AutoTokenizer.from_pretrained(ROOT / "examples" / "tiny-llama").save_pretrained(directory)
-    return directory
+    """A teacher for distillation: the same tiny config, other weights."""
+    return _tiny_dir(tmp_path_factory, "trl-teacher", seed=2)
 
 
 def run(tmp_path: Path, processes: int, *script_args: str) -> dict:
