@@ -1,11 +1,11 @@
 """axolotl's own CLI with hf_fsdp2 registered and nothing else changed: is the model sharded by us?
 
-    .venv-axolotl/bin/python benchmarks/axolotl_cli.py [--processes 2] [--adapter lora|qlora|none]
+    .venv-axolotl-cli/bin/python benchmarks/axolotl_cli.py [--processes 2] [--adapter lora|qlora|none]
 
 axolotl needs Python >= 3.12, so this is a script for its own virtual environment, not a test:
 
-    python3.12 -m venv .venv-axolotl
-    .venv-axolotl/bin/pip install axolotl==0.21.0 && .venv-axolotl/bin/pip install --no-deps -e .
+    python3.12 -m venv .venv-axolotl-cli
+    .venv-axolotl-cli/bin/pip install axolotl==0.21.0 && .venv-axolotl-cli/bin/pip install --no-deps -e .
 
 It writes a tiny Llama (examples/tiny-llama's config, random weights) and a completion data set from
 examples/data/train.txt, an axolotl config with `fsdp_version: 2`, then runs

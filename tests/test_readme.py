@@ -1,5 +1,6 @@
 """The README stays true as the code changes: its runnable snippet runs, its command runs, every file it
-names exists, its code layout names every module, its FSDP2Config table every field."""
+names exists, its code layout names every module, its FSDP2Config table every field, its Setup block is
+what CI runs."""
 
 from __future__ import annotations
 
@@ -66,3 +67,15 @@ def test_config_table_lists_every_field():
     table = _section("`FSDP2Config`")
     unlisted = [f.name for f in dataclasses.fields(FSDP2Config) if f"`{f.name}`" not in table]
     assert not unlisted, f"README's FSDP2Config table misses: {unlisted}"
+
+
+def test_setup_block_is_what_ci_runs():
+    """.ci/run runs the README's install and test commands, no more and no fewer (the main job is the
+    one Setup command CI leaves to tests/test_examples.py)."""
+    setup = next(b for b in _blocks("bash") if b.startswith("pip install -c constraints.txt"))
+    readme = [line.split("  #")[0].strip() for line in setup.splitlines() if line.strip()]
+    readme = [c for c in readme if not c.startswith("accelerate launch")]
+    ci = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()
+          if line.strip() and not line.startswith(("#", "set ", "cd "))]
+    normalise = lambda c: c.removeprefix("python -m ")  # noqa: E731
+    assert [normalise(c) for c in ci] == [normalise(c) for c in readme]
