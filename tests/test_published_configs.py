@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.test_check_config import accelerate_env, accelerate_plugin
+from .accelerate_env import accelerate_env, accelerate_plugin
 
 PUBLISHED = Path(__file__).with_name("published_configs")
 PEFT_LORA = PUBLISHED / "peft_sft_fsdp_config.yaml"

@@ -30,7 +30,7 @@ import os
 import sys
 import tempfile
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -160,19 +160,26 @@ class SaveHandle:
         return f"SaveHandle({str(self.directory)!r}, {state})"
 
 
-_pool = StagingPool()
-_pending: SaveHandle | None = None
-_exit_hook_installed = False
+@dataclass
+class _BackgroundSaves:
+    """This process's one line of background saves: the staging buffers they reuse, the save in
+    flight, and whether the exit wait and the `destroy_process_group` wrapper are installed."""
+
+    pool: StagingPool = field(default_factory=StagingPool)
+    pending: SaveHandle | None = None
+    exit_hook_installed: bool = False
+
+
+_saves = _BackgroundSaves()
 
 
 def staging_pool() -> StagingPool:
-    return _pool
+    return _saves.pool
 
 
 def wait_pending() -> None:
     """Wait for the save in flight, if any; raise its error unless its `wait()` already did."""
-    global _pending
-    handle, _pending = _pending, None
+    handle, _saves.pending = _saves.pending, None
     if handle is None:
         return
     already_reported = handle._reported
@@ -190,9 +197,9 @@ AGREEMENT_GROUP = "background-saves"  # the host group background saves agree on
 def start(directory: Path, commit: Callable[..., None], items: dict[str, Sequence],
           small_files: Callable[[Path], None], durable: bool) -> SaveHandle:
     """Stage each list of `items` (by kind: buffers are reused per kind) and render rank 0's
-    `small_files` now; then run `commit(*staged_lists, write_small_files, group)` in the background.
-    The caller has waited for the previous save (`wait_pending`)."""
-    staged = [_pool.stage(kind_items, kind) for kind, kind_items in items.items()]
+    `small_files` now; then run `commit(staged_items_by_kind, write_small_files, group)` in the
+    background. The caller has waited for the previous save (`wait_pending`)."""
+    staged = {kind: _saves.pool.stage(kind_items, kind) for kind, kind_items in items.items()}
     try:
         files = capture_files(small_files) if collectives.rank() == 0 else {}
     except BaseException as error:
@@ -203,23 +210,22 @@ def start(directory: Path, commit: Callable[..., None], items: dict[str, Sequenc
         def fail(staging: Path) -> None:
             raise cause
 
-        submit(directory, lambda group: commit(*staged, fail, group))._reported = True  # raised here, now
+        submit(directory, lambda group: commit(staged, fail, group))._reported = True  # raised here, now
         raise
     return submit(directory, lambda group: commit(
-        *staged, lambda staging: write_captured(files, staging, durable), group))
+        staged, lambda staging: write_captured(files, staging, durable), group))
 
 
 def submit(directory: Path, commit: Callable[[object], None]) -> SaveHandle:
     """Run `commit(group)` in the background (the previous save has been waited for by the caller)."""
-    global _pending, _exit_hook_installed
     collectives.host_group(AGREEMENT_GROUP)  # created here, collectively, not in the background thread
     group = AGREEMENT_GROUP
-    if not _exit_hook_installed:
+    if not _saves.exit_hook_installed:
         atexit.register(_wait_at_exit)  # registered after exit_guard's, so it runs before it
         _wrap_destroy_process_group()
-        _exit_hook_installed = True
-    _pending = SaveHandle(directory, lambda: commit(group))
-    return _pending
+        _saves.exit_hook_installed = True
+    _saves.pending = SaveHandle(directory, lambda: commit(group))
+    return _saves.pending
 
 
 def _wrap_destroy_process_group() -> None:
@@ -240,14 +246,13 @@ def _wrap_destroy_process_group() -> None:
 
 def unregister() -> None:
     """Wait for a pending save, then give `dist.destroy_process_group` back (hf_fsdp2.unregister())."""
-    global _exit_hook_installed
     wait_pending()
     upstream.restore(GROUP)
-    _exit_hook_installed = False
+    _saves.exit_hook_installed = False
 
 
 def _wait_at_exit() -> None:
-    handle = _pending
+    handle = _saves.pending
     if handle is None:
         return
     already_reported = handle._reported

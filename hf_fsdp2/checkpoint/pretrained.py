@@ -71,16 +71,16 @@ def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, *, dtyp
         if write_extra is not None:
             write_extra(staging)
 
-    def commit(items, small_files, group=None) -> None:
+    def commit(staged: dict[str, list], small_files, group=None) -> None:
         with committed_directory(save_directory, weights_names=(weights_name,), what="saving",
                                  durable=durable, group=group, after_commit=after_commit) as staging:
-            write_tensors(items, staging, weights_name=weights_name, max_shard_size=max_shard_size,
+            write_tensors(staged["pretrained"], staging, weights_name=weights_name, max_shard_size=max_shard_size,
                           progress=progress, durable=durable, total_parameters=total_parameters)
             if collectives.rank() == 0:
                 small_files(staging)
 
     if blocking:
-        commit(items, small_files)
+        commit({"pretrained": items}, small_files)
         return None
     return async_save.start(Path(save_directory).absolute(), commit, {"pretrained": items}, small_files, durable)
 

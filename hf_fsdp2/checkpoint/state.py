@@ -38,6 +38,7 @@ from ..quantization import bnb_optimizers
 from ..runtime import collectives
 
 logger = logging.getLogger(__name__)
+MODEL_ITEMS, OPTIMIZER_ITEMS = "state-model", "state-optimizer"  # kinds of staged tensors (async_save)
 FORMAT = "hf_fsdp2.state/1"  # on-disk format id: never renamed with the module
 MARKER = "COMPLETE.json"
 MANIFEST = "hf_fsdp2_state.json"  # not trainer_state.json: the Trainer writes its own beside it
@@ -276,7 +277,8 @@ def save_state(directory: str | os.PathLike, model: nn.Module, optimizer: torch.
         if after_commit is not None:
             after_commit()
 
-    def commit(model_items, opt_items, small_files, group=None) -> None:
+    def commit(items: dict[str, list], small_files, group=None) -> None:
+        model_items, opt_items = items[MODEL_ITEMS], items[OPTIMIZER_ITEMS]
         weights_name = ADAPTER_FILE if is_adapter else "model.safetensors"
         with committed_directory(directory, weights_names=(weights_name, OPTIMIZER_FILE), what="saving state",
                                  durable=durable, group=group,
@@ -292,11 +294,11 @@ def save_state(directory: str | os.PathLike, model: nn.Module, optimizer: torch.
                 write_json(staging / MANIFEST, manifest, durable=durable)
                 write_json(staging / MARKER, {"format": FORMAT, "step": step}, durable=durable)
 
+    items = {MODEL_ITEMS: model_items, OPTIMIZER_ITEMS: opt_items}
     if blocking:
-        commit(model_items, opt_items, small_files)
+        commit(items, small_files)
         return directory
-    return async_save.start(directory, commit, {"state-model": model_items, "state-optimizer": opt_items},
-                            small_files, durable)
+    return async_save.start(directory, commit, items, small_files, durable)
 
 
 _MANIFEST_TYPES = {"step": int, "extra": dict, "world_size": int, "weights": str, "param_groups": list,
