@@ -56,6 +56,20 @@ if not torch.cuda.is_available():
 
     ParallelismConfig.build_device_mesh = _build_on_cpu
 
+    # For QLoRA under FSDP axolotl loads onto device_map {"": LOCAL_RANK} (axolotl/loaders/model.py
+    # _set_device_map_config), an integer: CUDA device N. On a CPU-only machine, onto the CPU.
+    from axolotl.loaders import model as _axolotl_model
+
+    _set_device_map = _axolotl_model.ModelLoader._set_device_map_config
+
+    def _set_device_map_on_cpu(self):
+        _set_device_map(self)
+        if isinstance(self.model_kwargs.get("device_map"), dict) and isinstance(
+                self.model_kwargs["device_map"].get(""), int):
+            self.model_kwargs["device_map"] = {"": "cpu"}
+
+    _axolotl_model.ModelLoader._set_device_map_config = _set_device_map_on_cpu
+
 import hf_fsdp2
 from hf_fsdp2.integrations import accelerate as backend
 
@@ -69,7 +83,8 @@ def _recording_shard_model(model, *args, **kwargs):  # this script's probe, not 
     q = next(p for n, p in out.named_parameters() if "layers.0.self_attn.q_proj" in n and n.endswith("weight"))
     report = {"rank": int(os.environ.get("RANK", 0)), "params": sum(1 for _ in out.parameters()),
               "dtensor": sum(isinstance(p, DTensor) for p in out.parameters()),
-              "q_proj_rows": [q.to_local().shape[0], q.shape[0]] if isinstance(q, DTensor) else None}
+              "q_proj_rows": [q.to_local().shape[0], q.shape[0]] if isinstance(q, DTensor) else None,
+              "q_proj_dtype": str(q.dtype)}  # torch.uint8: the packed 4-bit base (QLoRA)
     with open(os.path.join(os.environ["AXOLOTL_PROBE_DIR"], f"rank{report['rank']}.json"), "w") as f:
         json.dump(report, f)
     return out
