@@ -2,13 +2,15 @@
 
     python benchmarks/generate_bench.py [--world-size 2] [--new-tokens 16 64] [--layers 8] [--hidden 512]
 
-Three ways, same random Llama, greedy decoding of a fixed batch:
-  one process  the unsharded model on one process (the reference output and speed)
+Four ways, same random Llama, greedy decoding of a fixed batch:
+  one process  the unsharded model on one process, the other cores idle (the reference output)
+  replica      the unsharded model on every rank at once (DDP-style inference): the baseline that
+               shares the cores and memory bandwidth as the sharded ranks do
   per token    hf_fsdp2-sharded, groups re-gathered for every token (FSDP2's own behaviour:
                sharding/generation.py with no memory for kept groups)
   once         hf_fsdp2-sharded, each group gathered once per generate() call (the default)
-Prints all-gathers per generate(), tokens/s per rank, the ratio to one process, and whether the
-output equals one process's; writes benchmarks/results/generate-<stamp>.json.
+Prints all-gathers per generate(), tokens/s per rank (the slowest rank's time), the ratios to one
+process and to the replicas, and whether the output equals one process's; writes benchmarks/results/generate-<stamp>.json.
 """
 
 from __future__ import annotations
@@ -60,10 +62,21 @@ def run_job(rank: int, world: int, job: dict) -> dict:
 
     torch.set_num_threads(job["threads"])
     args = argparse.Namespace(**job["args"])
-    model = build(args)
-    hf_fsdp2.shard_model(model, hf_fsdp2.FSDP2Config())
     ids = prompt(args)
     out = {}
+    # The unsharded model on every rank at once (replicas, as DDP would run it): the baseline that shares
+    # the machine (cores, memory bandwidth) the way the sharded ranks do.
+    replica = build(args)
+    for tokens in args.new_tokens:
+        generate(replica, ids, 2)
+        dist.barrier()
+        start = time.perf_counter()
+        result = generate(replica, ids, tokens)
+        out[f"replica/{tokens}"] = {"seconds": time.perf_counter() - start, "all_gathers": 0,
+                                    "output": result.tolist()}
+    del replica
+    model = build(args)
+    hf_fsdp2.shard_model(model, hf_fsdp2.FSDP2Config())
     calls = {"n": 0}
     original = dist.all_gather_single  # what FSDP2 calls (_fsdp_collectives.DefaultAllGather)
 
@@ -111,18 +124,24 @@ def main(argv=None) -> int:
     rows = []
     print(f"{args.layers} layers, hidden {args.hidden}, batch {args.batch}, {args.world_size} ranks, "
           f"{threads} threads per process")
-    print(f"{'new tokens':>10}  {'mode':>11}  {'all-gathers':>11}  {'tokens/s':>9}  {'x one process':>13}  equal")
+    print(f"{'new tokens':>10}  {'mode':>11}  {'all-gathers':>11}  {'tokens/s':>9}  {'x one process':>13}  "
+          f"{'x replicas':>10}  equal")
     for tokens in args.new_tokens:
         ref = reference[tokens]
         ref_tps = args.batch * tokens / ref["seconds"]
-        print(f"{tokens:>10}  {'one process':>11}  {0:>11}  {ref_tps:>9.1f}  {1.0:>13.2f}  -")
-        for mode in ("per token", "once"):
+        replica_tps = args.batch * tokens / max(r[f"replica/{tokens}"]["seconds"] for r in ranks)
+        print(f"{tokens:>10}  {'one process':>11}  {0:>11}  {ref_tps:>9.1f}  {1.0:>13.2f}  {'-':>10}  -")
+        for mode in ("replica", "per token", "once"):
+            # the slowest rank's time: the call ends for every rank when the slowest is done
+            seconds = max(r[f"{mode}/{tokens}"]["seconds"] for r in ranks)
             r = rank0[f"{mode}/{tokens}"]
-            tps = args.batch * tokens / r["seconds"]
+            tps = args.batch * tokens / seconds
             equal = r["output"] == ref["output"]
-            print(f"{tokens:>10}  {mode:>11}  {r['all_gathers']:>11}  {tps:>9.1f}  {tps / ref_tps:>13.2f}  {equal}")
+            print(f"{tokens:>10}  {mode:>11}  {r['all_gathers']:>11}  {tps:>9.1f}  {tps / ref_tps:>13.2f}  "
+                  f"{tps / replica_tps:>10.2f}  {equal}")
             rows.append({"new_tokens": tokens, "mode": mode, "all_gathers": r["all_gathers"], "tokens_per_s": tps,
-                         "ratio_to_one_process": tps / ref_tps, "equal_output": equal})
+                         "ratio_to_one_process": tps / ref_tps, "ratio_to_replicas": tps / replica_tps,
+                         "equal_output": equal})
     stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     harness.RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     path = harness.RESULTS_DIR / f"generate-{stamp}.json"

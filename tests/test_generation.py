@@ -13,10 +13,12 @@ from tests.dist_harness import run_ranks
 PROMPT = torch.tensor([[5, 9, 13, 17, 21, 25], [3, 6, 9, 12, 15, 18]])
 
 
-def _generate(model, tokens: int, **kwargs):
+def _generate(model, tokens: int, all_reduces: list | None = None, **kwargs):
     with count_collectives() as counts, torch.no_grad():
         out = model.generate(input_ids=PROMPT, attention_mask=torch.ones_like(PROMPT), max_new_tokens=tokens,
                              min_new_tokens=tokens, do_sample=False, **kwargs)
+    if all_reduces is not None:
+        all_reduces.append(counts["all_reduce"])
     return out, counts["all_gather_single"]
 
 
@@ -28,13 +30,17 @@ def _worker(rank, world):
     hf_fsdp2.shard_model(model, hf_fsdp2.FSDP2Config())
     groups = sum(g._get_fsdp_state()._fsdp_param_group is not None for g in generation._groups(model))  # 5
     report = {"groups": groups}
-    report["out4"], report["gathers4"] = _generate(model, 4)
-    report["out12"], report["gathers12"] = _generate(model, 12)
+    report["all_reduces"] = []
+    report["out4"], report["gathers4"] = _generate(model, 4, report["all_reduces"])
+    report["out12"], report["gathers12"] = _generate(model, 12, report["all_reduces"])
+    # Every group kept: nothing collective per token, so ranks may decode different lengths (stock
+    # FSDP2 would hang here: rank 0 would stop joining the per-token all-gathers).
+    report["uneven"], _ = _generate(model, 3 if rank == 0 else 7)
     # A budget for no group at all: FSDP2's own behaviour, every group again for every token.
     original = generation.FREE_MEMORY_FRACTION
     generation.FREE_MEMORY_FRACTION = 0.0
     try:
-        report["out4_unkept"], report["gathers4_unkept"] = _generate(model, 4)
+        report["out4_unkept"], report["gathers4_unkept"] = _generate(model, 4, report["all_reduces"])
     finally:
         generation.FREE_MEMORY_FRACTION = original
     # Afterwards every group is sharded again and training goes on as before.
@@ -58,6 +64,11 @@ def test_generate_gathers_each_group_once_per_call_and_matches_one_process():
     groups = report["groups"]
     assert report["gathers4"] == report["gathers12"] == groups  # once per group, independent of the tokens
     assert report["gathers4_unkept"] >= 4 * 3  # FSDP2 alone: the 3 layers again for every token
+    # All-reduces: the memory-budget agreement once per call; transformers' per-token end-of-sequence
+    # sync (synced_gpus) only where groups are re-gathered per token.
+    kept4, kept12, unkept4 = report["all_reduces"]
+    assert kept4 == kept12 == 1 and unkept4 >= 1 + 4
+    assert report["uneven"].shape[1] == PROMPT.shape[1] + 3
     assert report["sharded_after"]
     assert report["losses"] == pytest.approx(reference_train(build_model(), batches(steps=2)), abs=1e-4)
 
@@ -67,10 +78,10 @@ def _generate_only(rank, world):
 
     model = build_model()
     hf_fsdp2.shard_model(model, hf_fsdp2.FSDP2Config())
-    # transformers' own end-of-sequence sync (synced_gpus) all-reduces a flag on the input's device on the
-    # default group: CUDA on a GPU, CPU here, which this harness refuses as NCCL would a CPU tensor.
-    # Equal lengths on every rank (min = max new tokens) make it unnecessary; ours are what is checked.
-    return _generate(model, 4, synced_gpus=False)
+    # transformers' own end-of-sequence sync (synced_gpus) would all-reduce a flag on the input's device
+    # (CPU here, which this harness refuses as NCCL would) for every token; with every group kept
+    # gathered hf_fsdp2 turns it off, so generate() runs with no argument added.
+    return _generate(model, 4)
 
 
 def test_generate_with_a_default_group_that_refuses_cpu_tensors():

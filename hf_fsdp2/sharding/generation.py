@@ -7,7 +7,10 @@ are told not to reshard after forward (`FSDPModule.set_reshard_after_forward(Fal
 token's forward gathers each group, the rest of the call reuses them, and the groups are resharded
 (and their own setting restored) when it returns. What is kept is bounded by memory: groups in
 execution order while their gathered bytes fit in a fraction of the memory free now (agreed over
-ranks: every rank must gather the same groups); the rest gather per token as before.
+ranks: every rank must gather the same groups); the rest gather per token as before. When every
+group is kept, transformers' per-token end-of-sequence all-reduce (`synced_gpus`) is turned off
+unless the caller set it: nothing collective is left in the decoding loop, so a rank whose sequences
+end first returns while the others go on.
 
 `shard_model` wraps the model instance's `generate` (runtime/upstream.py seam
 `GenerationMixin.generate`), so transformers' `generate`, TRL's `unwrap_model_for_generation` (which
@@ -40,7 +43,14 @@ def wrap_generate(model: nn.Module) -> None:
 def _generate(model: nn.Module, original):
     @functools.wraps(original)
     def generate(*args, **kwargs):
-        with gathered_for_generation(model):
+        with gathered_for_generation(model) as kept:
+            if kwargs.get("synced_gpus") is None and len(kept) == len(_groups(model)):
+                # transformers turns `synced_gpus` on for FSDP models (generation/utils.py: it checks
+                # is_fsdp_managed_module) so that ranks keep stepping together through per-token
+                # all-gathers: one all-reduce of an "I'm done" flag per token, and every rank waits for
+                # the slowest. With every group kept gathered, decoding issues no collective after the
+                # first forward, so each rank stops when its own sequences end.
+                kwargs["synced_gpus"] = False
             return original(*args, **kwargs)
     return generate
 
