@@ -6,7 +6,7 @@
 #   bash benchmarks/oldest_versions.sh SET            # the whole suite
 # SET names a pin file: oldest (= llamafactory) -> constraints-min.txt (the oldest versions we support:
 # LLaMA-Factory 0.9.5's caps), NAME -> constraints-NAME.txt (axolotl: axolotl 0.21's pins, in CI; torch215: torch 2.15,
-# not in CI: several GB).
+# not in CI: several GB; transformers524: transformers 5.24.0, by hand).
 # Extra arguments go to pytest. The environment is (re)built when its pin file changes. It sees the main
 # environment's packages (--system-site-packages) and installs over them only what the pin file pins
 # differently: no second multi-GB torch.
