@@ -1,6 +1,7 @@
 """Tensor parallelism x FSDP2 on 4 CPU ranks (tp 2 x dp_shard 2), with transformers' own TP plan:
 training equal to one process, gather-free Hugging Face files stock `from_pretrained` reads, and a
-training state that resumes on plain FSDP (4 ranks), on one process, and back on TP."""
+training state that resumes on plain FSDP (4 ranks), on one process, and back on TP; PEFT LoRA on
+colwise and rowwise layers trains as one process and saves an adapter PEFT loads."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 
 from hf_fsdp2 import FSDP2Config, load_state, save_pretrained, save_state, shard_model
 
-from .common import batches, build_model, optimizer, reference_train, saved_tensors, sharded_train
+from .common import batches, build_model, lora, optimizer, reference_train, saved_tensors, sharded_train
 from .dist_harness import run_ranks
 
 STEPS, SPLIT = 4, 2
@@ -89,6 +90,65 @@ def test_tp_x_fsdp_trains_like_one_process_and_checkpoints_on_any_mesh(tmp_path)
     # What the TP ranks wrote equals what plain FSDP writes for the same state.
     tp_files, plain_files = saved_tensors(tmp_path / "tp-state"), saved_tensors(tmp_path / "plain-state")
     assert tp_files.keys() == plain_files.keys() and all(torch.equal(tp_files[k], plain_files[k]) for k in tp_files)
+
+
+def _tp_lora_train_save(rank, world, root):
+    model = lora(build_model())  # q_proj, v_proj (colwise) and down_proj (rowwise)
+    shard_model(model, TP)
+    layer = model.base_model.model.model.layers[0]
+    def on_tp(p):  # the placement on the tp mesh dimension; FSDP2 alone shards what TP leaves whole
+        names = p.device_mesh.mesh_dim_names
+        return str(p.placements[names.index("tp")]) if "tp" in names else "whole"
+
+    placements = {name: on_tp(p) for name, p in (
+        ("q_base", layer.self_attn.q_proj.base_layer.weight), ("q_B", layer.self_attn.q_proj.lora_B.default.weight),
+        ("q_A", layer.self_attn.q_proj.lora_A.default.weight),
+        ("down_A", layer.mlp.down_proj.lora_A.default.weight), ("down_B", layer.mlp.down_proj.lora_B.default.weight))}
+    losses = _steps(model, optimizer(model), batches(STEPS))
+    frozen_grads = [n for n, p in model.named_parameters() if not p.requires_grad and p.grad is not None]
+    save_pretrained(model, f"{root}/tp-adapter")
+    try:
+        save_pretrained(model, f"{root}/tp-merged", merge_adapters=True)
+        merged_error = None
+    except ValueError as error:
+        merged_error = str(error)
+    return {"losses": losses, "placements": placements, "frozen_grads": frozen_grads, "merged_error": merged_error}
+
+
+def test_lora_on_colwise_and_rowwise_layers_trains_like_one_process_and_saves_a_peft_adapter(tmp_path):
+    """The adapter follows its base layer's split (lora_B colwise under a colwise base, lora_A rowwise
+    under a rowwise one); losses equal one process's; the adapter the TP ranks write gather-free is what
+    the single process trained, loaded by stock PEFT."""
+    from peft import PeftModel
+
+    reference = lora(build_model())
+    expected_losses = reference_train(reference, batches(STEPS))
+    out = run_ranks(_tp_lora_train_save, 4, str(tmp_path))[0]
+    p = out["placements"]
+    # On the mesh's tp dimension: the colwise base and its lora_B split by rows, the rowwise base's
+    # lora_A by columns, the other factors whole.
+    assert p == {"q_base": "S(0)", "q_B": "S(0)", "q_A": "whole", "down_A": "S(1)",
+                 "down_B": "whole"}
+    assert out["frozen_grads"] == []
+    # Merging needs whole rows of the rowwise layers: refused by name, nothing written.
+    assert "tensor parallelism" in out["merged_error"] and not (tmp_path / "tp-merged").exists()
+    assert out["losses"] == pytest.approx(expected_losses, rel=1e-4)
+    loaded = PeftModel.from_pretrained(build_model(), tmp_path / "tp-adapter")
+    trained = {n: v for n, v in reference.named_parameters() if "lora_" in n}
+    got = {n: v for n, v in loaded.named_parameters() if "lora_" in n}
+    assert got.keys() == trained.keys()
+    for name, value in got.items():
+        torch.testing.assert_close(value, trained[name], atol=1e-4, rtol=0)
+
+
+def test_lora_settings_tp_cannot_honour_are_refused_by_name():
+    from hf_fsdp2.sharding import tensor_parallel
+
+    with pytest.raises(NotImplementedError, match="`lora_dropout`=0.1 .*set lora_dropout=0"):
+        tensor_parallel.refuse_unsupported(lora(build_model(), lora_dropout=0.1), TP, on_meta=False)
+    model = lora(build_model(), target_modules=["embed_tokens", "q_proj"])
+    with pytest.raises(NotImplementedError, match="LoRA on `model.embed_tokens`.*'embedding_rowwise'"):
+        tensor_parallel.plan_with_lora(model.get_base_model(), {"model.embed_tokens": "embedding_rowwise"})
 
 
 @pytest.mark.parametrize("make, message", [

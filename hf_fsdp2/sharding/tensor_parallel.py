@@ -12,9 +12,20 @@ mesh) is taken as it is.
 Checkpoints stay gather-free: a colwise weight's rows and a rowwise weight's columns are this rank's
 block of the file tensor (checkpoint/tensor_export.py `block_range`).
 
-Not done, refused by name: PEFT adapters (LoRA's A/B are not in the TP plan, so their outputs would not
-match the sharded base layer's), 4-bit and FP8 layers, regional compilation, models on the meta device
-(load the weights, or let transformers load them split, first).
+PEFT LoRA: the plan names the layers LoRA wrapped (`q_proj`), whose weights now live in
+`q_proj.base_layer`. The base layer takes the planned style, and the adapter follows it so that
+`base(x) + B(A(x))` adds like with like: under a colwise base (output features split) `lora_B` is
+colwise too (`lora_A` stays whole: its input is the replicated x); under a rowwise base (input
+features split, output all-reduced) `lora_A` is rowwise (its partial products are all-reduced like the
+base's) and `lora_B` stays whole. The whole ones compute the same values and gradients on every TP
+rank, as the norms do. transformers' own ColwiseParallel/RowwiseParallel do the work
+(`apply_tensor_parallelism` with the plan's names moved onto those submodules).
+
+Not done, refused by name: LoRA on a layer whose style is not colwise/rowwise (e.g. the embedding),
+`lora_dropout` > 0 (each TP rank would drop different features of the same replicated input), DoRA,
+merged-adapter export of a TP model (the rowwise layers' columns; save the adapter instead), 4-bit and
+FP8 layers, regional compilation, models on the meta device (load the weights, or let transformers
+load them split, first).
 """
 
 from __future__ import annotations
@@ -36,9 +47,9 @@ def is_tensor_parallel(model: nn.Module) -> bool:
 
 def refuse_unsupported(model: nn.Module, config, on_meta: bool) -> None:
     """What TP does not cover yet, refused by name before anything changes."""
-    reason = None
-    if unwrap_peft(model) is not model:
-        reason = "PEFT adapters (their A/B layers are outside the model's TP plan)"
+    reason = _unsupported_lora(model) if unwrap_peft(model) is not model else None
+    if reason:
+        pass  # named below
     elif any(True for _ in bnb_4bit.named_4bit_modules(model)):
         reason = "4-bit (bitsandbytes) layers"
     elif config.fp8:
@@ -52,15 +63,66 @@ def refuse_unsupported(model: nn.Module, config, on_meta: bool) -> None:
         raise NotImplementedError(f"`tp_size`={config.tp_size} with {reason} is not done in hf_fsdp2; use tp_size=1.")
 
 
+def _lora_layers(model: nn.Module) -> dict[str, nn.Module]:
+    """PEFT's LoRA layers by module name (duck-typed: a `base_layer` and `lora_A`/`lora_B` dicts)."""
+    return {name: m for name, m in model.named_modules()
+            if hasattr(m, "base_layer") and isinstance(getattr(m, "lora_A", None), nn.ModuleDict)}
+
+
+def _unsupported_lora(model: nn.Module) -> str | None:
+    for name, layer in _lora_layers(model).items():
+        for adapter, dropout in getattr(layer, "lora_dropout", {}).items():
+            if isinstance(dropout, nn.Dropout) and dropout.p > 0:
+                return (f"`lora_dropout`={dropout.p} (adapter '{adapter}' on {name}: each TP rank would drop "
+                        "different features of the same replicated input; set lora_dropout=0)")
+        if any(getattr(layer, "use_dora", {}).values()):
+            return f"DoRA (on {name})"
+    return None
+
+
+# Where the adapter's factors go under each style of the base layer (see the module docstring).
+_ADAPTER_STYLE = {"colwise": ("lora_B", "colwise"), "rowwise": ("lora_A", "rowwise")}
+
+
+def plan_with_lora(model: nn.Module, tp_plan: dict[str, str]) -> dict[str, str]:
+    """`tp_plan` (module and parameter names of the model as transformers built it) for the same model
+    with PEFT's LoRA layers inside: each planned layer's style on its `base_layer`, and its adapters'
+    factor that must follow the base's split (see the module docstring)."""
+    lora = _lora_layers(model)
+    out = {}
+    for name, style in tp_plan.items():
+        owner, _, leaf = name.rpartition(".")
+        if name in lora:
+            if style not in _ADAPTER_STYLE:
+                raise NotImplementedError(f"LoRA on `{name}`, which the model's TP plan splits as '{style}': only "
+                                          "colwise and rowwise layers take adapters under tensor parallelism in "
+                                          "hf_fsdp2; leave it out of `target_modules` or use tp_size=1.")
+            out[f"{name}.base_layer"] = style
+            # The plan was resolved against the wrapped model, whose parameter names lack `base_layer`:
+            # the base layer's own weight and bias take the style here.
+            for leaf, _ in lora[name].base_layer.named_parameters(recurse=False):
+                out[f"{name}.base_layer.{leaf}"] = style
+            factor, factor_style = _ADAPTER_STYLE[style]
+            for adapter in getattr(lora[name], factor):
+                out[f"{name}.{factor}.{adapter}"] = factor_style
+                out[f"{name}.{factor}.{adapter}.weight"] = factor_style
+        elif owner in lora and leaf in ("weight", "bias"):
+            out[f"{owner}.base_layer.{leaf}"] = style
+        else:
+            out[name] = style
+    return out
+
+
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     """The model's own TP plan on `tp_mesh`, resolved and applied by transformers (every rank must hold
     the same full weights: each keeps its own part of them, with no communication)."""
     from transformers.distributed import DistributedConfig
     from transformers.distributed.tensor_parallel import apply_tensor_parallelism
 
-    resolve = getattr(model, "_resolve_parallel_plans", None)
+    inner = unwrap_peft(model)
+    resolve = getattr(inner, "_resolve_parallel_plans", None)
     if resolve is None:
-        raise ValueError(f"`tp_size`={tp_mesh.size()}: {type(model).__name__} is not a transformers model with a "
+        raise ValueError(f"`tp_size`={tp_mesh.size()}: {type(inner).__name__} is not a transformers model with a "
                          "tensor-parallel plan.")
     tp_plan, _, _ = resolve(DistributedConfig(tp_size=tp_mesh.size()))
-    apply_tensor_parallelism(model, tp_mesh, tp_plan)
+    apply_tensor_parallelism(inner, tp_mesh, plan_with_lora(inner, tp_plan))
