@@ -144,6 +144,24 @@ def test_hsdp_yaml_as_2x2_on_one_machine_and_as_two_machines(tmp_path):
     assert two["mesh"] == [2, 2] and two["losses"] == pytest.approx(reference, abs=1e-4)
 
 
+def test_a_model_transformers_sharded_at_load_is_prepared_as_it_is(tmp_path):
+    """`from_pretrained(..., distributed_config=DistributedConfig(fsdp_size=2))` (transformers applies FSDP2
+    itself) then `accelerator.prepare` with the shipped fsdp2.yaml: hf_fsdp2 keeps transformers' sharding
+    (sharding/adopt.py; Accelerate's wrap-class lookup, which the FSDP<Name> classes defeat, is skipped),
+    trains equal to one process, and `save_model` writes gather-free files stock transformers loads."""
+    from transformers import AutoModelForCausalLM
+
+    build_model().save_pretrained(tmp_path / "model")
+    out = launch("fsdp2.yaml", 2, tmp_path / "out.json", "--steps", "3", "--from-pretrained", str(tmp_path / "model"),
+                 "--fsdp-size", "2", "--save-model", str(tmp_path / "saved"))
+    reference = build_model()
+    assert out["all_dtensor"] and out["async_save"] is False  # hf_fsdp2's record: the model is ours
+    assert out["losses"] == pytest.approx(reference_losses(3, model=reference), abs=1e-4)
+    expected = dict(reference.named_parameters())
+    for name, value in AutoModelForCausalLM.from_pretrained(tmp_path / "saved").named_parameters():
+        torch.testing.assert_close(value, expected[name], atol=1e-4, rtol=0)
+
+
 def test_unregister_restores_accelerate():
     import accelerate.accelerator as acc_module
     from accelerate import Accelerator

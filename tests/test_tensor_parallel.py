@@ -23,7 +23,8 @@ def _dp(model) -> tuple[int, int]:
     names = mesh.mesh_dim_names
     if "tp" not in names:
         return mesh.get_coordinate()[-1], mesh.size(-1)
-    return mesh.get_coordinate()[names.index("dp_shard")], mesh["dp_shard"].size()
+    dp = "dp_shard" if "dp_shard" in names else "fsdp"  # transformers' name (a model it sharded at load)
+    return mesh.get_coordinate()[names.index(dp)], mesh[dp].size()
 
 
 def _steps(model, opt, data):
@@ -149,6 +150,58 @@ def test_lora_settings_tp_cannot_honour_are_refused_by_name():
     model = lora(build_model(), target_modules=["embed_tokens", "q_proj"])
     with pytest.raises(NotImplementedError, match="LoRA on `model.embed_tokens`.*'embedding_rowwise'"):
         tensor_parallel.plan_with_lora(model.get_base_model(), {"model.embed_tokens": "embedding_rowwise"})
+
+
+def _loaded_sharded_by_transformers(rank, world, model_dir, root):
+    from transformers import AutoModelForCausalLM
+    from transformers.distributed import DistributedConfig
+
+    from hf_fsdp2.sharding import adopt
+    from hf_fsdp2.sharding.record import record_of
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, distributed_config=DistributedConfig(fsdp_size=2,
+                                                                                               tp_size=2))
+    shard_model(model)  # taken as transformers sharded it
+    config = record_of(model).config
+    try:
+        adopt.adopted_config(model, FSDP2Config(activation_checkpointing=True))
+        refused = None
+    except NotImplementedError as error:
+        refused = str(error)
+    # The decoder layer as the wrap unit (the shipped configs') is what transformers grouped: accepted.
+    same_groups = adopt.adopted_config(model, FSDP2Config(layer_cls_names=["LlamaDecoderLayer"]))[0].tp_size
+    opt = optimizer(model)
+    data = batches(STEPS)
+    losses = _steps(model, opt, data[:SPLIT])
+    save_state(f"{root}/adopted-state", model, opt, step=SPLIT)
+    losses += _steps(model, opt, data[SPLIT:])
+    save_pretrained(model, f"{root}/adopted-final")
+    return {"losses": losses, "sizes": [config.replicate_size, config.shard_size, config.tp_size], "refused": refused,
+            "same_groups": same_groups}
+
+
+def test_a_model_transformers_sharded_at_load_gets_our_checkpoints(tmp_path):
+    """`from_pretrained(..., distributed_config=DistributedConfig(fsdp_size=2, tp_size=2))`: transformers
+    applies TP and FSDP2 itself; `shard_model` keeps that sharding. Training equals one process; the model
+    saved gather-free loads with stock from_pretrained; its training state resumes on hf_fsdp2's own
+    FSDP over 2 ranks; a setting that would reshard it is refused by name."""
+    build_model().save_pretrained(tmp_path / "model")
+    reference_model = build_model()
+    reference = reference_train(reference_model, batches(STEPS))
+    out = run_ranks(_loaded_sharded_by_transformers, 4, str(tmp_path / "model"), str(tmp_path))[0]
+    assert out["sizes"] == [1, 2, 2]
+    assert "`activation_checkpointing`=True" in out["refused"] and "DistributedConfig" in out["refused"]
+    assert out["same_groups"] == 2
+    assert out["losses"] == pytest.approx(reference, rel=1e-4)
+
+    from transformers import AutoModelForCausalLM
+
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "adopted-final")
+    expected = dict(reference_model.named_parameters())
+    for name, value in loaded.named_parameters():
+        torch.testing.assert_close(value, expected[name], atol=1e-4, rtol=0)
+    resumed = run_ranks(_resume, 2, str(tmp_path / "adopted-state"), FSDP2Config(), None)[0]
+    assert resumed == pytest.approx(out["losses"][SPLIT:], rel=1e-4)
 
 
 @pytest.mark.parametrize("make, message", [

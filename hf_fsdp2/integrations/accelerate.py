@@ -34,6 +34,7 @@ from . import trl as trl_backend
 from .accelerate_settings import AccelerateSettings, fsdp2_values, layer_names
 from ..quantization import bnb_optimizers, fp8
 from ..sharding import is_sharded, record_of, shard_model, unwrap_peft
+from ..sharding.adopt import sharded_by_transformers
 from ..sharding.layout import resolve_auto_layout
 from ..checkpoint.errors import CheckpointError
 from ..runtime import upstream, versions
@@ -331,13 +332,24 @@ def _prepare_fsdp2(self, *args):
     if names is None and model is not None:
         names = list(getattr(unwrap_peft(model), "_no_split_modules", None) or []) or None
     plugin.transformer_cls_names_to_wrap = names
-    with _regional_compilation_in_place():
+    with _regional_compilation_in_place(), _wrap_policy_of_a_presharded(model):
         result = _original("Accelerator", "_prepare_fsdp2")(self, *args)
     prepared = next((r for r in result if isinstance(r, nn.Module)), None)
     if prepared is not None and fp8.has_fp8(prepared):  # FP8 scales after every step of the prepared optimizers
         for optimizer in (r for r in result if isinstance(r, torch.optim.Optimizer)):
             fp8.attach_to_optimizer(prepared, optimizer)
     return result
+
+
+def _wrap_policy_of_a_presharded(model):
+    """Accelerate resolves the plugin's wrap classes against the model before sharding
+    (`set_auto_wrap_policy`); a model transformers sharded at load (sharding/adopt.py) has FSDP<Name>
+    classes, so that lookup fails. It is already grouped: the lookup is skipped for it, and `shard_model`
+    checks the plugin's layer names against transformers' groups instead."""
+    if model is None or not sharded_by_transformers(model):
+        return contextlib.nullcontext()
+    return upstream.scoped("accelerate.utils.dataclasses.FullyShardedDataParallelPlugin.set_auto_wrap_policy",
+                           lambda original: lambda plugin, model: None)
 
 
 @contextlib.contextmanager
@@ -411,6 +423,8 @@ def _fsdp2_prepare_model(accelerator, model: nn.Module) -> nn.Module:
     ignored = accelerator.state.fsdp_plugin.ignored_modules
     if ignored is not None and not isinstance(ignored, str):
         config = config.replace(ignored_modules=_module_names_pattern(model, ignored))
+    if sharded_by_transformers(model):  # from_pretrained(distributed_config=...) sharded it at load:
+        return shard_model(model, config)  # kept as it is, on its own mesh (sharding/adopt.py)
     if accelerator.mixed_precision != "no":
         # Mixed precision keeps fp32 master weights for what trains (as Accelerate does);
         # frozen weights stay as they are, or in `frozen_dtype`.

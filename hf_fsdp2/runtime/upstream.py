@@ -76,6 +76,9 @@ SEAMS: tuple[Seam, ...] = (
     Seam("accelerate.accelerator.compile_regions", SCOPED, _ACC,
          "Accelerate < 1.14 compiles regions by wrapping blocks (`._orig_mod.` in every saved name); during "
          "_prepare_fsdp2 it compiles in place, as >= 1.14's compile_regions_fsdp2 does"),
+    Seam("accelerate.utils.dataclasses.FullyShardedDataParallelPlugin.set_auto_wrap_policy", SCOPED, _ACC,
+         "a model transformers sharded at load shows FSDP<Name> classes, so Accelerate's wrap-class lookup "
+         "fails; during _prepare_fsdp2 of such a model it is skipped (sharding/adopt.py checks the names)"),
     Seam("accelerate.parallelism_config.ParallelismConfig._validate_accelerator", SCOPED, _ACC,
          "it rejects the MULTI_CPU state that Accelerator.__init__ passes through before we make it FSDP"),
     # The Transformers Trainer (group "trainer", installed by register()).

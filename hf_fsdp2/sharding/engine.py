@@ -31,7 +31,7 @@ from .groups import ShardPlan, apply_frozen_dtype, plan_groups, replicated_froze
 from .layout import resolve_auto_layout
 from .generation import wrap_generate
 from .record import record_of
-from . import tensor_parallel
+from . import adopt, tensor_parallel
 
 
 # ---------------------------------------------------------------------------------------------
@@ -198,6 +198,8 @@ def shard_model(
     Collective: call on every rank.
     """
     config = config or FSDP2Config()
+    if adopt.sharded_by_transformers(model) and record_of(model) is None:
+        return _adopt(model, config, mesh)  # from_pretrained(distributed_config=...) sharded it at load
     if isinstance(model, FSDPModule):
         raise ValueError(f"{type(model).__name__} is already sharded; call `shard_model` once per model.")
     if config.is_auto_layout and mesh is not None:
@@ -233,6 +235,18 @@ def shard_model(
     record = record_of(model, create=True)
     record.config, record.mesh = config, mesh
     wrap_generate(model)  # each group gathered once per generate() call
+    return model
+
+
+def _adopt(model: nn.Module, config: FSDP2Config, mesh: DeviceMesh | None) -> nn.Module:
+    """Take a model transformers sharded at load as it is (sharding/adopt.py)."""
+    config, model_mesh = adopt.adopted_config(model, config)
+    if mesh is not None and mesh != model_mesh:
+        raise ValueError(f"`mesh` {mesh} is not the mesh transformers sharded {type(model).__name__} on "
+                         f"({model_mesh}); leave `mesh` out.")
+    record = record_of(model, create=True)
+    record.config, record.mesh = config, model_mesh
+    wrap_generate(model)
     return model
 
 

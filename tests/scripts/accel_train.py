@@ -27,6 +27,8 @@ parser.add_argument("--load-state")
 parser.add_argument("--seed", type=int, default=0)
 parser.add_argument("--from-pretrained", help="load the base model with transformers' from_pretrained")
 parser.add_argument("--load-in-4bit", action="store_true", help="with --from-pretrained: stock bitsandbytes 4-bit load")
+parser.add_argument("--fsdp-size", type=int, help="with --from-pretrained: transformers shards it at load "
+                    "(DistributedConfig(fsdp_size=N))")
 parser.add_argument("--scramble-other-ranks", action="store_true",
                     help="every rank but 0 changes its loaded weights before prepare (fsdp_cpu_ram_efficient_loading "
                          "must give every shard rank 0's)")
@@ -62,6 +64,10 @@ if args.from_pretrained:
             load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
             bnb_4bit_quant_storage=torch.bfloat16, bnb_4bit_compute_dtype=torch.float32),
             device_map="cpu", dtype=torch.float32)
+    if args.fsdp_size:
+        from transformers.distributed import DistributedConfig
+
+        quantized["distributed_config"] = DistributedConfig(fsdp_size=args.fsdp_size)
     model = AutoModelForCausalLM.from_pretrained(args.from_pretrained, **quantized)
 else:
     model = build_model(seed=args.seed)
