@@ -16,9 +16,6 @@ process and to the replicas, and whether the output equals one process's; writes
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
-import json
-import platform
 import sys
 import time
 from pathlib import Path
@@ -142,13 +139,7 @@ def main(argv=None) -> int:
             rows.append({"new_tokens": tokens, "mode": mode, "all_gathers": r["all_gathers"], "tokens_per_s": tps,
                          "ratio_to_one_process": tps / ref_tps, "ratio_to_replicas": tps / replica_tps,
                          "equal_output": equal})
-    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    harness.RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    path = harness.RESULTS_DIR / f"generate-{stamp}.json"
-    path.write_text(json.dumps({"timestamp": stamp, "argv": sys.argv[1:] if argv is None else list(argv),
-                                "git": harness.git_state(), "python": platform.python_version(),
-                                "machine": platform.machine(), "cpus": __import__("os").cpu_count(), "rows": rows},
-                               indent=1))
+    path = harness.write_results("generate", argv, rows=rows)
     print(f"wrote {path}")
     return 0
 

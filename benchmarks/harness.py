@@ -34,6 +34,22 @@ def git_state() -> dict:
 
     return {"commit": git("rev-parse", "HEAD"), "hf_fsdp2_dirty": bool(git("status", "--porcelain", "hf_fsdp2"))}
 
+
+def write_results(prefix: str, argv: list[str] | None, **fields: Any) -> Path:
+    """`results/<prefix>-<UTC stamp>.json` with what every result records (time, arguments, commit,
+    Python, machine, CPUs) and `fields`; returns its path."""
+    import json
+    import platform
+    import sys
+
+    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    path = RESULTS_DIR / f"{prefix}-{stamp}.json"
+    path.write_text(json.dumps({"timestamp": stamp, "argv": sys.argv[1:] if argv is None else list(argv),
+                                "git": git_state(), "python": platform.python_version(),
+                                "machine": platform.machine(), "cpus": os.cpu_count(), **fields}, indent=1))
+    return path
+
 # ---------------------------------------------------------------------------------------------
 # Memory probes
 

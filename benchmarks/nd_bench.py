@@ -14,10 +14,7 @@ not measured.
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
-import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -106,14 +103,8 @@ def main(argv=None) -> int:
         peak = results[name]["peak_added_bytes"]
         print(f"peak memory added in training, max over ranks: {name:>8} {peak / 2**20:8.1f} MiB "
               f"({peak / max(results['fsdp']['peak_added_bytes'], 1):.2f}x fsdp)")
-    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    harness.RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    path = harness.RESULTS_DIR / f"nd-{stamp}.json"
-    path.write_text(json.dumps({"timestamp": stamp, "argv": sys.argv[1:] if argv is None else list(argv),
-                                "git": harness.git_state(), "python": platform.python_version(),
-                                "machine": platform.machine(), "cpus": os.cpu_count(), "rows": rows,
-                                "peak_added_bytes": {n: results[n]["peak_added_bytes"] for n in results}},
-                               indent=1))
+    path = harness.write_results("nd", argv, rows=rows,
+                                 peak_added_bytes={n: results[n]["peak_added_bytes"] for n in results})
     print(f"wrote {path}")
     return 0
 

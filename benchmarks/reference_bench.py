@@ -20,10 +20,7 @@ Writes benchmarks/results/reference-<stamp>.json.
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
-import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -122,13 +119,7 @@ def main(argv=None) -> int:
     same = all(r["hf_fsdp2"]["logits"] == r["trl prepare_fsdp"]["logits"] for r in ranks)
     print(f"same logits: {same}; time ratio trl/hf_fsdp2: "
           f"{rows[0]['seconds_per_forward'] / rows[1]['seconds_per_forward']:.2f}")
-    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    harness.RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    path = harness.RESULTS_DIR / f"reference-{stamp}.json"
-    path.write_text(json.dumps({"timestamp": stamp, "argv": sys.argv[1:] if argv is None else list(argv),
-                                "git": harness.git_state(), "python": platform.python_version(),
-                                "machine": platform.machine(), "cpus": os.cpu_count(), "full_model_mib": full_mib,
-                                "same_logits": same, "rows": rows}, indent=1))
+    path = harness.write_results("reference", argv, full_model_mib=full_mib, same_logits=same, rows=rows)
     print(f"wrote {path}")
     return 0
 

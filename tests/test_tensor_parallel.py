@@ -32,19 +32,25 @@ def _steps(model, opt, data):
     return sharded_train(model, data, rank, world, opt=opt)
 
 
+def _train_checkpointing(model, root: str, name: str) -> list[float]:
+    """STEPS steps; the training state saved after SPLIT (`root/name-state`), the model at the end
+    (`root/name-final`)."""
+    opt = optimizer(model)
+    data = batches(STEPS)
+    losses = _steps(model, opt, data[:SPLIT])
+    save_state(f"{root}/{name}-state", model, opt, step=SPLIT)
+    losses += _steps(model, opt, data[SPLIT:])
+    save_pretrained(model, f"{root}/{name}-final")
+    return losses
+
+
 def _tp_train_save(rank, world, root):
     model = build_model()
     shard_model(model, TP)
     q, o = (model.model.layers[0].self_attn.q_proj.weight, model.model.layers[0].self_attn.o_proj.weight)
     layout = {"mesh": list(q.device_mesh.mesh_dim_names), "q": str(q.placements), "o": str(o.placements),
               "o_local": list(o.to_local().shape)}
-    opt = optimizer(model)
-    data = batches(STEPS)
-    losses = _steps(model, opt, data[:SPLIT])
-    save_state(f"{root}/tp-state", model, opt, step=SPLIT)
-    losses += _steps(model, opt, data[SPLIT:])
-    save_pretrained(model, f"{root}/tp-final")
-    return {"losses": losses, "layout": layout}
+    return {"losses": _train_checkpointing(model, root, "tp"), "layout": layout}
 
 
 def _resume(rank, world, directory, config, resave):
@@ -170,13 +176,7 @@ def _loaded_sharded_by_transformers(rank, world, model_dir, root):
         refused = str(error)
     # The decoder layer as the wrap unit (the shipped configs') is what transformers grouped: accepted.
     same_groups = adopt.adopted_config(model, FSDP2Config(layer_cls_names=["LlamaDecoderLayer"]))[0].tp_size
-    opt = optimizer(model)
-    data = batches(STEPS)
-    losses = _steps(model, opt, data[:SPLIT])
-    save_state(f"{root}/adopted-state", model, opt, step=SPLIT)
-    losses += _steps(model, opt, data[SPLIT:])
-    save_pretrained(model, f"{root}/adopted-final")
-    return {"losses": losses, "sizes": [config.replicate_size, config.shard_size, config.tp_size], "refused": refused,
+    return {"losses": _train_checkpointing(model, root, "adopted"), "sizes": [config.replicate_size, config.shard_size, config.tp_size], "refused": refused,
             "same_groups": same_groups}
 
 
