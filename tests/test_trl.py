@@ -103,6 +103,23 @@ def test_grpo_with_a_kl_penalty_shards_its_reference_and_reward_models(model_dir
         assert [m["class"] for m in report["reward_models"]] == ["FSDPLlamaForSequenceClassification"]
 
 
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_grpo_first_step_equals_one_process(model_dir, reward_dir, tmp_path, lora):
+    """Greedy completions (top_k=1: the same on 2 ranks as on one process), so GRPO's first step can be
+    compared exactly: the policy's entropy over the completions (its log-probs, from the sharded policy,
+    LoRA or full), the rewards (the full run's reward model is sharded for inference), the completion
+    lengths, the KL to the sharded reference and the loss equal one process's without hf_fsdp2."""
+    extra = ["--lora"] if lora else ["--reward-model", str(reward_dir)]
+    args = ("--trainer", "grpo", "--model", str(model_dir), "--steps", "1", "--greedy", *extra)
+    sharded = run(tmp_path, 2, *args)["logs"][0]
+    single = run(tmp_path, 1, *args, "--per-device-batch", "4", "--no-register")["logs"][0]
+    keys = ["entropy", "completions/mean_length", "kl", "loss"] + [
+        k for k in single if k.startswith("rewards/") and k.endswith("/mean")]
+    assert len(keys) == (6 if not lora else 5), single  # the reward model's mean too in the full run
+    assert {k: sharded[k] for k in keys} == pytest.approx({k: single[k] for k in keys}, abs=1e-5)
+    assert single["entropy"] > 0
+
+
 def test_grpo_checkpoint_resumes_on_another_rank_count(model_dir, tmp_path):
     """A GRPO run checkpointed on 2 ranks (hf_fsdp2's training state: safetensors model and optimizer,
     RNG, trainer state) resumes on 1: the policy it continues from is the trained one, so its first

@@ -23,6 +23,8 @@ parser.add_argument("--reward-model", help="GRPO: a sequence-classification mode
 parser.add_argument("--teacher", help="distill: the teacher's model directory")
 parser.add_argument("--save-steps", type=int, help="checkpoint every N steps (hf_fsdp2's training states)")
 parser.add_argument("--resume", help="a checkpoint directory to resume from")
+parser.add_argument("--greedy", action="store_true",
+                    help="GRPO: greedy completions (top_k=1), the same whatever the rank count")
 args = parser.parse_args()
 
 if not args.no_register:
@@ -76,6 +78,7 @@ else:
     trainer = GRPOTrainer(model=model, reward_funcs=rewards, train_dataset=data, processing_class=tokenizer,
                           peft_config=peft_config,
                           args=GRPOConfig(beta=0.1, num_generations=2, max_completion_length=4, temperature=1.0,
+                                          top_k=1 if args.greedy else 0,
                                           model_init_kwargs={"dtype": torch.float32}, **common))
 trainer.train(resume_from_checkpoint=args.resume)
 
