@@ -35,6 +35,8 @@ CONTESTANTS
               Its budget, layout and estimated peak are printed beside its measured RSS.
   ours_compile opt-in: ours with FSDP2Config(compile=True), each decoder layer compiled by inductor
               (regional compilation); the first warm-up step's time (printed) includes compiling.
+  replicate   opt-in candidate (issue 35, not a peer): torch's composable `replicate` built on FSDP2's
+              machinery (torch.distributed._composable.replicate_with_fsdp), per decoder layer then root.
   ours_plain  opt-in ablation: ours without its CPU schedule (sync all-gathers, no forward prefetch,
               embedding re-gathered in backward).
   fsdp1       `torch.distributed.fsdp.FullyShardedDataParallel(model, use_orig_params=True,
@@ -108,7 +110,8 @@ from harness import RssSampler, hwm_bytes, malloc_trim, reset_hwm, rss_bytes, ru
 REPO, RESULTS_DIR = harness.REPO, harness.RESULTS_DIR
 MiB = 1 << 20
 CONTESTANTS = ("ours", "accelerate", "fsdp1", "ddp")
-EXTRA = ("ours_zero2", "ours_plain", "ours_bf16", "ours_fp8", "ours_auto", "ours_auto_tight", "ours_compile")  # opt-in settings of ours: not peers, not in the targets
+EXTRA = ("ours_zero2", "ours_plain", "ours_bf16", "ours_fp8", "ours_auto", "ours_auto_tight", "ours_compile",
+         "replicate")  # opt-in settings of ours (and torch's replicate, a candidate): not peers, not in the targets
 PEERS = ("accelerate", "fsdp1", "ddp")
 OPTIMIZERS = {"fused": {"fused": True}, "foreach": {"foreach": True}, "loop": {"foreach": False}}
 MODES = ("lora", "full")
@@ -357,6 +360,20 @@ def wrap_ours_auto_tight(model, ctx):
     return shard_model(model, _auto_config(ctx, memory_budget=replicated - 1))
 
 
+def wrap_replicate(model, ctx):
+    """torch's composable `replicate` on FSDP2's machinery (torch.distributed._composable.replicate_with_fsdp,
+    torch >= 2.10): each decoder layer, then the root, as `fully_shard` would be applied, with replicated
+    (not sharded) parameters and all-reduced gradients: the candidate for hf_fsdp2's S=1 path (issue 35)."""
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+
+    from hf_fsdp2.sharding import unwrap_peft
+
+    model.to(ctx["device"])
+    for layer in unwrap_peft(model).model.layers:
+        replicate(layer)
+    return replicate(model)
+
+
 def wrap_ours_compile(model, ctx):
     from hf_fsdp2 import FSDP2Config, shard_model
 
@@ -366,7 +383,7 @@ def wrap_ours_compile(model, ctx):
 WRAPPERS = {"ours": wrap_ours, "accelerate": wrap_accelerate, "fsdp1": wrap_fsdp1, "ddp": wrap_ddp,
             "ours_zero2": wrap_ours_zero2, "ours_plain": wrap_ours_plain, "ours_bf16": wrap_ours_bf16,
             "ours_fp8": wrap_ours_fp8, "ours_auto": wrap_ours_auto, "ours_auto_tight": wrap_ours_auto_tight,
-            "ours_compile": wrap_ours_compile}
+            "ours_compile": wrap_ours_compile, "replicate": wrap_replicate}
 
 
 def make_optimizer(model, lr: float, kind: str):
