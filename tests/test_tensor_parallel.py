@@ -232,6 +232,26 @@ def test_accelerate_launch_with_tp_size_2_matches_one_process(tmp_path):
     assert resumed["losses"] == pytest.approx(reference_losses(4)[3:], rel=1e-4)
 
 
+def test_lora_under_accelerate_launch_with_tp_size_2_matches_one_process(tmp_path):
+    """A PEFT LoRA model through `accelerate launch --config_file accelerate_configs/fsdp2_tp.yaml`: TP x
+    FSDP2 with the adapter following its base layers' split; losses equal one process's, and
+    `save_model` writes an adapter stock PEFT loads with the single process's trained values."""
+    from peft import PeftModel
+
+    from .common import lora
+    from .test_accelerate import launch, reference_losses
+
+    out = launch("fsdp2_tp.yaml", 4, tmp_path / "tp.json", "--steps", "3", "--per-device-batch", "4", "--lora",
+                 "--save-model", str(tmp_path / "adapter"))
+    reference = lora(build_model())
+    assert out["all_dtensor"] and out["mesh"] == [2, 2]
+    assert out["losses"] == pytest.approx(reference_losses(3, model=reference), rel=1e-4)
+    loaded = PeftModel.from_pretrained(build_model(), tmp_path / "adapter")
+    trained = {n: v for n, v in reference.named_parameters() if "lora_" in n}
+    for name, value in ((n, v) for n, v in loaded.named_parameters() if "lora_" in n):
+        torch.testing.assert_close(value, trained[name], atol=1e-4, rtol=0)
+
+
 def test_trainer_under_accelerate_launch_with_tp_size_2_matches_one_process(tmp_path):
     """A Trainer script under the same TP config: the Trainer builds its Accelerator from the launch
     config's parallelism settings; hf_fsdp2 applies TP x FSDP2; losses equal one process's."""
