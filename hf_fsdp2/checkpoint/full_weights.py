@@ -12,7 +12,6 @@ from __future__ import annotations
 from typing import Iterator
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from .weights_io import export_items
@@ -44,7 +43,5 @@ def full_weights(model: nn.Module, dtype: torch.dtype | None = None) -> Iterator
         # Every row has exactly one writer (replicas and non-owners contribute zeros): a sum over the
         # mesh makes it whole. Twice an all-gather's traffic, but any row split (uneven shards,
         # per-expert views). On the mesh's groups, which carry `device` tensors.
-        for dim in range(record.mesh.ndim):
-            if record.mesh.size(dim) > 1:
-                dist.all_reduce(whole, group=record.mesh.get_group(dim))
+        collectives.sum_over_mesh(whole, record.mesh)
         yield item.name, whole

@@ -25,9 +25,9 @@ class AccelerateSettings:
     reshard_after_forward: bool | None = None
     cpu_offload: bool = False
     mixed_precision: str = "no"
-    replicate_size: int = 1  # parallelism_config dp_replicate_size / dp_shard_size / tp_size
-    shard_size: int = 1
-    tp_size: int = 1
+    replicate_size: int = 1  # parallelism_config dp_replicate_size
+    shard_size: int = 1  # parallelism_config dp_shard_size
+    tp_size: int = 1  # parallelism_config tp_size
 
 
 def layer_names(raw: Any) -> list[str] | None:

@@ -20,8 +20,10 @@ tensors, as NCCL does):
 | checkpoint/atomic_dir.py `agree` (every save)   | all-reduce MAX   | host_group()           | CPU    |
 | checkpoint/async_save.py (background commit)    | all-reduce MAX   | host_group("background-saves") | CPU |
 | sharding/layout.py `resolve_auto_layout`        | all-reduce MIN   | host_group()           | CPU    |
+| sharding/generation.py memory budget           | all-reduce MIN   | host_group()           | CPU    |
 | checkpoint/pretrained.py `from_pretrained` LoRA | broadcast        | the mesh, dim by dim   | mesh   |
-| integrations/accelerate.py rank-0 loading       | broadcast        | the mesh, dim by dim   | mesh   |
+| checkpoint/rank0_loading.py (rows, 4-bit codes) | broadcast        | the mesh, dim by dim   | mesh   |
+| checkpoint/full_weights.py (vLLM weight sync)   | all-reduce SUM   | the mesh, dim by dim   | mesh   |
 | quantization/bnb_4bit.py double-quant absmax    | all-gather       | the mesh's shard dim   | mesh   |
 
 Relies on `ProcessGroup._device_types` (torch >= 2.6; checked in tests/test_gpu_semantics.py).
@@ -117,6 +119,14 @@ def broadcast_from_first(tensor: torch.Tensor, mesh: DeviceMesh) -> None:
         tensor.copy_(work)
 
 
+def sum_over_mesh(tensor: torch.Tensor, mesh: DeviceMesh) -> None:
+    """`tensor` summed over every rank of `mesh`, in place (one all-reduce per mesh dimension of more
+    than one rank). `tensor` must be on `mesh_device(mesh)`. Collective: call on every rank of the mesh."""
+    for dim in range(mesh.ndim):
+        if mesh.size(dim) > 1:
+            dist.all_reduce(tensor, group=mesh.get_group(dim))
+
+
 def all_gather_along(tensor: torch.Tensor, mesh: DeviceMesh, dim: int) -> list[torch.Tensor]:
     """Every rank's `tensor` (same shape everywhere) along mesh dimension `dim`, in mesh order, on
     `tensor`'s device. Collective: call on every rank of the mesh."""
@@ -128,4 +138,4 @@ def all_gather_along(tensor: torch.Tensor, mesh: DeviceMesh, dim: int) -> list[t
 
 
 __all__ = ["all_gather_along", "all_reduce_int", "broadcast_from_first", "default_group_devices",
-           "default_group_timeout", "host_group", "mesh_device", "rank", "world_size"]
+           "default_group_timeout", "host_group", "mesh_device", "rank", "sum_over_mesh", "world_size"]

@@ -91,7 +91,7 @@ def plan_with_lora(model: nn.Module, tp_plan: dict[str, str]) -> dict[str, str]:
     lora = _lora_layers(model)
     out = {}
     for name, style in tp_plan.items():
-        owner, _, leaf = name.rpartition(".")
+        owner = name.rpartition(".")[0]
         if name in lora:
             if style not in _ADAPTER_STYLE:
                 raise NotImplementedError(f"LoRA on `{name}`, which the model's TP plan splits as '{style}': only "
@@ -100,14 +100,14 @@ def plan_with_lora(model: nn.Module, tp_plan: dict[str, str]) -> dict[str, str]:
             out[f"{name}.base_layer"] = style
             # The plan was resolved against the wrapped model, whose parameter names lack `base_layer`:
             # the base layer's own weight and bias take the style here.
-            for leaf, _ in lora[name].base_layer.named_parameters(recurse=False):
-                out[f"{name}.base_layer.{leaf}"] = style
+            for param_name, _ in lora[name].base_layer.named_parameters(recurse=False):
+                out[f"{name}.base_layer.{param_name}"] = style
             factor, factor_style = _ADAPTER_STYLE[style]
             for adapter in getattr(lora[name], factor):
                 out[f"{name}.{factor}.{adapter}"] = factor_style
                 out[f"{name}.{factor}.{adapter}.weight"] = factor_style
-        elif owner in lora and leaf in ("weight", "bias"):
-            out[f"{owner}.base_layer.{leaf}"] = style
+        elif owner in lora:
+            continue  # a wrapped layer's own weight/bias (where the plan names them): set with the layer above
         else:
             out[name] = style
     return out
