@@ -394,7 +394,7 @@ class PhaseTimer:
         self._undo.append((owner, attr, orig))
 
     # (module, attribute or candidate names) -> phase label; indentation shows nesting. save_pretrained
-    # calls export_items/write_tensors/write_configs through pretrained's names (imported from weights_io).
+    # calls export_items/write_tensors/write_configs through pretrained's names (imported from export_plan and weights_io).
     PHASES = {
         ("pretrained", ("export_items", "_export_items")): "export_items",
         ("atomic_dir", "recover"): "recover (rank 0)",

@@ -1,7 +1,7 @@
 """A sharded model's weights as whole tensors, one at a time, under the names `save_pretrained`
 writes: what an inference engine that loads Hugging Face checkpoints needs (TRL's vLLM weight sync).
 
-The tensors are the export plan's (checkpoint/weights_io.py `export_items`): a PeftModel's adapters
+The tensors are the export plan's (checkpoint/export_plan.py): a PeftModel's adapters
 merged into the base weights, a 4-bit base dequantized, transformers' conversion mapping reverted
 (hub names, e.g. one tensor per MoE expert). Each rank contributes the rows it would write to the
 file; one collective per tensor makes it whole on every rank. Peak memory: one whole tensor.
@@ -14,7 +14,7 @@ from typing import Iterator
 import torch
 import torch.nn as nn
 
-from .weights_io import export_items
+from .export_plan import export_items
 from .tensor_export import is_peft_model
 from ..runtime import collectives
 from ..sharding import record_of

@@ -1,5 +1,5 @@
-"""Merged-LoRA export: the base model's tensors with each adapter's delta added, every rank computing
-only the rows (or experts) it holds.
+"""Merged-LoRA deltas: each adapter's W delta as a function of a row range, so that every rank
+computes only the rows (or experts) it holds (checkpoint/export_plan.py adds them to the base rows).
 
 The LoRA factors are small (rank r), so each is all-gathered once; the base weights never are. Each
 delta follows PEFT's own `get_delta_weight` of the layer type (peft/tuners/lora/layer.py), restricted
@@ -23,8 +23,6 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from ..quantization import bnb_4bit
-from .tensor_export import ExportTensor, model_tensors, row_range
-from ..runtime.distributed import local_tensor
 
 RowsDelta = Callable[[int, int], torch.Tensor]  # (first row, stop row) -> float32 delta of those rows
 
@@ -87,55 +85,14 @@ def base_model_name(name: str) -> str | None:
     return name.replace(".modules_to_save.default.", ".")
 
 
-def merged_tensors(model: nn.Module, dtype: torch.dtype | None) -> list[ExportTensor]:
-    """The base model's tensors (base-model names) with the active adapter merged in.
+def adapter_deltas(model: nn.Module, adapter: str) -> dict[int, RowsDelta]:
+    """id(base weight) -> its delta by rows, for every LoRA layer holding `adapter`.
     Collective: all-gathers each layer's LoRA factors, in module order; call on every rank."""
     from peft.tuners.lora import LoraLayer
 
-    adapter = getattr(model, "active_adapter", "default")
     deltas: dict[int, RowsDelta] = {}
     for module in model.modules():
         if isinstance(module, LoraLayer) and (adapter in module.lora_A or adapter in module.lora_embedding_A):
             weight, delta = _delta_of(module, adapter)
             deltas[id(weight)] = delta
-    cache: dict[str, object] = {}  # one merged block: a fused-experts tensor feeds 2E file tensors in a row
-    quantized = bnb_4bit.sharded_4bit_weights(model)
-    absmax = {id(module.weight_absmax) for module in quantized.values()}
-    items = []
-    for name, tensor in model_tensors(model).items():
-        hf_name = base_model_name(name)
-        if hf_name is None or id(tensor) in absmax:
-            continue
-        if id(tensor) in quantized:  # written dequantized: a plain model, as PEFT's merge gives before requantizing
-            module = quantized[id(tensor)]
-            spec = bnb_4bit.spec_of(module)
-            out_dtype = dtype if dtype is not None else spec.dtype
-            items.append(ExportTensor(hf_name, tensor, out_dtype, _dequantized_rows(module, deltas.get(id(tensor))),
-                                      shape=(spec.out_features, spec.in_features)))
-            continue
-        out_dtype = dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
-        rows = _merged_rows(tensor, deltas[id(tensor)], cache) if id(tensor) in deltas else None
-        items.append(ExportTensor(hf_name, tensor, out_dtype, rows))
-    return items
-
-
-def _dequantized_rows(module: nn.Module, delta: RowsDelta | None) -> Callable[[], torch.Tensor]:
-    """This rank's rows of a sharded 4-bit weight, dequantized from its own packed rows (whole
-    quantization blocks, see quantization/bnb_4bit.py), plus the adapter's delta of those rows."""
-    def compute() -> torch.Tensor:
-        start, stop = row_range(module.weight)
-        w = bnb_4bit.dequantize_rows(module, local_tensor(module.weight), local_tensor(module.weight_absmax), start)
-        return w if delta is None else (w.float() + delta(start, stop).to(w.device)).to(w.dtype)
-
-    return compute
-
-
-def _merged_rows(weight: torch.Tensor, delta: RowsDelta, cache: dict) -> Callable[[], torch.Tensor]:
-    def compute() -> torch.Tensor:
-        if cache.get("weight") is not weight:
-            start, stop = row_range(weight)
-            w = local_tensor(weight)
-            cache["weight"], cache["block"] = weight, (w.float() + delta(start, stop).to(w.device)).to(w.dtype)
-        return cache["block"]
-
-    return compute
+    return deltas

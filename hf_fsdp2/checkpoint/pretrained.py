@@ -24,8 +24,9 @@ from ..runtime import collectives, upstream
 from ..runtime.distributed import build_mesh
 from ..sharding import shard_model
 from ..quantization import bnb_4bit
+from .export_plan import export_items
 from .weights_io import (
-    ADAPTER_FILE, SINGLE_FILE, WeightsPlan, existing_dir, export_items, transformers_max_shard_size, write_configs,
+    ADAPTER_FILE, SINGLE_FILE, WeightsPlan, existing_dir, transformers_max_shard_size, write_configs,
     write_tensors,
 )
 

@@ -31,7 +31,8 @@ from torch.distributed.tensor import DTensor
 from . import async_save
 from .async_save import SaveHandle
 from .atomic_dir import committed_directory, old_path, staging_path
-from .weights_io import ADAPTER_FILE, WeightsPlan, export_items, load_tensors, write_configs, write_tensors
+from .export_plan import export_items
+from .weights_io import ADAPTER_FILE, WeightsPlan, load_tensors, write_configs, write_tensors
 from .safetensors_io import CheckpointError, CheckpointFiles, TensorSpec, read_json_file, write_json
 from .tensor_export import ExportTensor, model_tensors
 from ..quantization import bnb_optimizers

@@ -1,5 +1,5 @@
-"""The weights I/O that `save_pretrained`, `load_pretrained` and the training state share: which
-tensors a model exports (`export_items`), writing each rank's rows of them into safetensors files
+"""The weights I/O that `save_pretrained`, `load_pretrained` and the training state share: writing
+each rank's rows of the export plan's tensors (export_plan.py) into safetensors files
 (`write_tensors`), and checking then reading each rank's rows back (`match_tensors`, `read_tensors`,
 `WeightsPlan`). No collectives except the agreement inside a commit.
 """
@@ -7,7 +7,6 @@ tensors a model exports (`export_items`), writing each rank's rows of them into 
 from __future__ import annotations
 
 import copy
-import dataclasses
 from pathlib import Path
 from typing import Sequence
 
@@ -22,7 +21,7 @@ from .safetensors_io import (
     INDEX_SUFFIX, SINGLE_FILE, CheckpointError, CheckpointFiles, FileWriter, plan_checkpoint, write_json,
 )
 from ..quantization import bnb_4bit, fp8
-from .lora_merge import base_model_name, merged_tensors
+from .lora_merge import base_model_name
 from .tensor_export import (
     ExportTensor, adapter_tensors, block_range, is_peft_model, model_tensors, row_range, tied_aliases,
 )
@@ -81,39 +80,6 @@ def write_tensors(items: Sequence[ExportTensor], directory: Path, *, weights_nam
         if total_parameters is not None:  # stock save_pretrained: {"total_parameters", "total_size"}
             index["metadata"] = {"total_parameters": total_parameters, **index["metadata"]}
         write_json(directory / (weights_name + INDEX_SUFFIX), index, durable=durable)
-
-
-def export_items(model: nn.Module, dtype: torch.dtype | None, merge_adapters: bool) -> tuple[list[ExportTensor], bool]:
-    """(items, is_adapter) for `model` as `save_pretrained` writes it."""
-    if is_peft_model(model):
-        if merge_adapters:
-            return _as_on_disk(model.get_base_model(), merged_tensors(model, dtype)), False
-        tensors = adapter_tensors(model)
-        if not tensors:
-            raise ValueError("the PeftModel's adapter has no tensors to save; check its `target_modules`.")
-        return [_item(n, t, dtype) for n, t in tensors.items()], True
-    if merge_adapters:
-        raise ValueError("`merge_adapters=True` needs a PeftModel; this model has no adapters.")
-    quantized = [n for n, m in bnb_4bit.named_4bit_modules(model) if bnb_4bit.is_sharded_4bit(m)]
-    if quantized:
-        raise NotImplementedError(
-            f"saving the packed 4-bit base weights ({quantized[0]}, ...) is not supported: train a PEFT adapter "
-            "on the 4-bit model and save the adapter, or save it merged (merge_adapters=True) as a plain model.")
-    return _as_on_disk(model, [_item(n, t, dtype) for n, t in model_tensors(model).items()]), False
-
-
-def _as_on_disk(model: nn.Module, items: list[ExportTensor]) -> list[ExportTensor]:
-    """`items` under the names and layout stock `save_pretrained` writes (transformers' conversion
-    mapping reverted, e.g. fused MoE experts split into one tensor per expert), in its order."""
-    views = disk_views(model, {item.name: item.tensor for item in items})
-    if views is None:
-        return items
-    by_name = {item.name: item for item in items}
-    return [dataclasses.replace(by_name[v.source], name=v.name, view=v) for v in views]
-
-
-def _item(name: str, tensor: torch.Tensor, dtype: torch.dtype | None) -> ExportTensor:
-    return ExportTensor(name, tensor, dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype)
 
 
 def write_configs(model: nn.Module, directory: Path, is_adapter: bool, dtype: torch.dtype | None) -> None:

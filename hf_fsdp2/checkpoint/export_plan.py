@@ -1,0 +1,107 @@
+"""The export plan: which tensors `save_pretrained` (and the training state, and `full_weights`)
+writes, decided once per tensor and read straight down:
+
+1. which tensors: a PeftModel's adapter keys, or the base model's tensors with the adapter merged,
+   or the whole model (tensor_export.py);
+2. where each tensor's rows come from: the rank's local shard, or its packed 4-bit rows dequantized
+   (quantization/bnb_4bit.py), plus a merged adapter's delta of those rows (lora_merge.py);
+3. its name and layout on disk: transformers' conversion mapping reverted (key_conversion.py).
+
+The modules named above only answer questions (a delta, a dequantized block, a view); none of them
+builds an `ExportTensor` or calls back into another.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import torch
+import torch.nn as nn
+
+from ..quantization import bnb_4bit
+from ..runtime.distributed import local_tensor
+from .key_conversion import disk_views
+from .lora_merge import RowsDelta, adapter_deltas, base_model_name
+from .tensor_export import ExportTensor, adapter_tensors, is_peft_model, model_tensors, row_range
+
+
+def export_items(model: nn.Module, dtype: torch.dtype | None, merge_adapters: bool) -> tuple[list[ExportTensor], bool]:
+    """(items, is_adapter) for `model` as `save_pretrained` writes it. Collective when merging (the
+    LoRA factors are all-gathered, in module order): call on every rank."""
+    if is_peft_model(model):
+        if merge_adapters:
+            return _as_on_disk(model.get_base_model(), _merged_items(model, dtype)), False
+        tensors = adapter_tensors(model)
+        if not tensors:
+            raise ValueError("the PeftModel's adapter has no tensors to save; check its `target_modules`.")
+        return [_item(n, t, dtype) for n, t in tensors.items()], True
+    if merge_adapters:
+        raise ValueError("`merge_adapters=True` needs a PeftModel; this model has no adapters.")
+    quantized = [n for n, m in bnb_4bit.named_4bit_modules(model) if bnb_4bit.is_sharded_4bit(m)]
+    if quantized:
+        raise NotImplementedError(
+            f"saving the packed 4-bit base weights ({quantized[0]}, ...) is not supported: train a PEFT adapter "
+            "on the 4-bit model and save the adapter, or save it merged (merge_adapters=True) as a plain model.")
+    return _as_on_disk(model, [_item(n, t, dtype) for n, t in model_tensors(model).items()]), False
+
+
+def _item(name: str, tensor: torch.Tensor, dtype: torch.dtype | None) -> ExportTensor:
+    return ExportTensor(name, tensor, dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype)
+
+
+def _merged_items(model: nn.Module, dtype: torch.dtype | None) -> list[ExportTensor]:
+    """The base model's tensors (base-model names) with the active adapter merged in; a 4-bit base
+    weight is written dequantized (a plain model, as PEFT's merge gives before requantizing) and its
+    absmax not at all."""
+    deltas = adapter_deltas(model, getattr(model, "active_adapter", "default"))
+    quantized = bnb_4bit.sharded_4bit_weights(model)
+    absmax = {id(module.weight_absmax) for module in quantized.values()}
+    cache: dict[str, object] = {}  # one merged block: a fused-experts tensor feeds 2E file tensors in a row
+    items = []
+    for name, tensor in model_tensors(model).items():
+        hf_name = base_model_name(name)
+        if hf_name is None or id(tensor) in absmax:
+            continue
+        delta = deltas.get(id(tensor))
+        if id(tensor) in quantized:
+            module = quantized[id(tensor)]
+            spec = bnb_4bit.spec_of(module)
+            items.append(ExportTensor(hf_name, tensor, dtype if dtype is not None else spec.dtype,
+                                      _dequantized_rows(module, delta), shape=(spec.out_features, spec.in_features)))
+            continue
+        item = _item(hf_name, tensor, dtype)
+        items.append(item if delta is None else dataclasses.replace(item, local_rows=_merged_rows(tensor, delta, cache)))
+    return items
+
+
+def _dequantized_rows(module: nn.Module, delta: RowsDelta | None) -> Callable[[], torch.Tensor]:
+    """This rank's rows of a sharded 4-bit weight, dequantized from its own packed rows (whole
+    quantization blocks, see quantization/bnb_4bit.py), plus the adapter's delta of those rows."""
+    def compute() -> torch.Tensor:
+        start, stop = row_range(module.weight)
+        w = bnb_4bit.dequantize_rows(module, local_tensor(module.weight), local_tensor(module.weight_absmax), start)
+        return w if delta is None else (w.float() + delta(start, stop).to(w.device)).to(w.dtype)
+
+    return compute
+
+
+def _merged_rows(weight: torch.Tensor, delta: RowsDelta, cache: dict) -> Callable[[], torch.Tensor]:
+    def compute() -> torch.Tensor:
+        if cache.get("weight") is not weight:
+            start, stop = row_range(weight)
+            w = local_tensor(weight)
+            cache["weight"], cache["block"] = weight, (w.float() + delta(start, stop).to(w.device)).to(w.dtype)
+        return cache["block"]
+
+    return compute
+
+
+def _as_on_disk(model: nn.Module, items: list[ExportTensor]) -> list[ExportTensor]:
+    """`items` under the names and layout stock `save_pretrained` writes (transformers' conversion
+    mapping reverted, e.g. fused MoE experts split into one tensor per expert), in its order."""
+    views = disk_views(model, {item.name: item.tensor for item in items})
+    if views is None:
+        return items
+    by_name = {item.name: item for item in items}
+    return [dataclasses.replace(by_name[v.source], name=v.name, view=v) for v in views]
