@@ -51,17 +51,20 @@ def found(findings: list[Finding]) -> set[tuple[str, str]]:
 # Running Accelerate's own path on a file, in-process
 
 
-@pytest.mark.parametrize("field, kind", [("cp_size", "context"), ("sp_size", "sequence")])
-def test_model_parallel_sizes_are_refused_where_the_model_is_prepared(field, kind):
-    """Never a silent data-parallel run with tp/cp/sp > 1: the backend's config step refuses by name."""
-    from accelerate.parallelism_config import ParallelismConfig
-
+@pytest.mark.parametrize("fields, message", [
+    ({"sp_size": 2}, "parallelism_config sp_size=2: sequence parallelism"),
+    ({"cp_size": 2, "cp_backend": "deepspeed"}, "cp_backend='deepspeed'"),
+])
+def test_model_parallel_settings_we_cannot_honour_are_refused_where_the_model_is_prepared(fields, message):
+    """Never a silent data-parallel run: sp > 1 (DeepSpeed's Ulysses) and a CP backend other than torch's
+    are refused by name at the backend's config step."""
     from hf_fsdp2.integrations.accelerate import config_from_accelerator
 
-    pc = ParallelismConfig(dp_shard_size=2, **{field: 2})
+    pc = SimpleNamespace(dp_shard_size=2, dp_replicate_size=1, tp_size=1, sp_size=1, cp_size=1, cp_backend="torch")
+    pc.__dict__.update(fields)
     accelerator = SimpleNamespace(state=SimpleNamespace(fsdp_plugin=SimpleNamespace(
         param_init_fn=None, limit_all_gathers=True)), parallelism_config=pc, mixed_precision="no")
-    with pytest.raises(ValueError, match=f"parallelism_config {field}=2: {kind} parallelism is not done"):
+    with pytest.raises(ValueError, match=message):
         config_from_accelerator(accelerator)
 
 
@@ -248,8 +251,12 @@ CASES = {
     "sizes do not multiply to num_processes": (parallel(parallelism_config_dp_replicate_size=2,
                                                         parallelism_config_dp_shard_size=3),
                                                "error", "parallelism_config", "2 x 3 x 1 x 1 x 1 = 6"),
-    "context parallel": (parallel(parallelism_config_dp_shard_size=2, parallelism_config_cp_size=2),
-                         "error", "parallelism_config.parallelism_config_cp_size", "not supported"),
+    "sequence parallel": (parallel(parallelism_config_dp_shard_size=2, parallelism_config_sp_size=2),
+                          "error", "parallelism_config.parallelism_config_sp_size", "not supported"),
+    "context parallel on another backend": (parallel(parallelism_config_dp_shard_size=2,
+                                                     parallelism_config_cp_size=2,
+                                                     parallelism_config_cp_backend="deepspeed"),
+                                            "error", "parallelism_config.parallelism_config_cp_backend", "torch"),
     "nothing to shard over": (parallel(parallelism_config_dp_replicate_size=4),
                               "error", "parallelism_config.parallelism_config_dp_shard_size", "dp_shard"),
     "all sizes 1": (parallel(parallelism_config_dp_replicate_size=1), "error", "parallelism_config", "every size is 1"),

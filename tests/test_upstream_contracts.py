@@ -37,6 +37,13 @@ TORCH_PRIVATE = [
     ("torch.distributed.distributed_c10d", "ProcessGroup._device_types", "runtime/collectives.py"),
     ("torch.distributed.tensor._utils", "compute_local_shape_and_global_offset", "checkpoint/tensor_export.py"),
     ("torch.distributed.fsdp._fully_shard._fsdp_collectives", "foreach_all_gather", "quantization/fp8.py"),
+    ("torch.distributed.tensor.experimental._context_parallel._attention", "_templated_ring_attention",
+     "sharding/context_parallel.py"),
+    ("torch.distributed.tensor.experimental._context_parallel._attention", "_templated_ring_attention_backward",
+     "sharding/context_parallel.py"),
+    ("torch.distributed.tensor", "DTensor._op_dispatcher._custom_op_handlers", "sharding/context_parallel.py"),
+    ("torch.distributed.tensor", "DTensor._op_dispatcher.unwrap_to_op_info", "sharding/context_parallel.py"),
+    ("torch.distributed.tensor._dtensor_spec", "TensorMeta", "sharding/context_parallel.py"),
 ]
 
 
@@ -64,7 +71,7 @@ def checked_seams():
         if seam.where_present and not upstream.present(seam.target):
             continue  # newer than this version set (e.g. TRL's VLLMGeneration)
         try:
-            fn = upstream_function(seam.target)
+            fn = upstream_function(seam.reader or seam.target)
         except ImportError:
             if package in OPTIONAL:
                 continue

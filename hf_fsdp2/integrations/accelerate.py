@@ -34,6 +34,7 @@ from . import trl as trl_backend
 from .accelerate_settings import AccelerateSettings, fsdp2_values, layer_names
 from ..quantization import bnb_optimizers, fp8
 from ..sharding import is_sharded, record_of, shard_model, unwrap_peft
+from ..sharding import context_parallel
 from ..sharding.adopt import sharded_by_transformers
 from ..sharding.layout import resolve_auto_layout
 from ..checkpoint.errors import CheckpointError
@@ -167,23 +168,19 @@ def _refuse_fsdp1_only(plugin) -> None:
                          "in-flight all-gathers by its forward_prefetch/backward_prefetch depths).")
 
 
-_MODEL_PARALLEL = {"cp_size": "context", "sp_size": "sequence"}
-
-
 def _refuse_model_parallelism(pc) -> None:
-    """hf_fsdp2 shards over (dp_replicate, dp_shard) and applies TP on "tp": a cp/sp size above 1 would
-    otherwise become a silent data-parallel run over those ranks (a loop without
-    `maybe_context_parallel` never splits a sequence), so it is refused here, where the model is prepared."""
-    for field, kind in _MODEL_PARALLEL.items():
-        size = getattr(pc, field, 1) if pc is not None else 1
-        if size and size > 1:
-            device = "" if torch.cuda.is_available() else (
-                " (and on CPU, torch's context-parallel attention has no sharding strategy for the CPU SDPA kernel)"
-                if field == "cp_size" else "")
-            raise ValueError(f"parallelism_config {field}={size}: {kind} parallelism is not done in hf_fsdp2, which "
-                             f"shards over dp_replicate x dp_shard (x tp) only{device}. Set parallelism_config_{field} "
-                             "to 1 (give its ranks to parallelism_config_dp_shard_size), or run without "
-                             "hf_fsdp2.register().")
+    """hf_fsdp2 shards over (dp_replicate, dp_shard[, cp]) and applies TP on "tp": a sequence-parallel
+    size above 1 (DeepSpeed's Ulysses) would otherwise become a silent data-parallel run over those
+    ranks, so it is refused here, where the model is prepared; so is a CP backend other than torch's."""
+    if pc is None:
+        return
+    if (getattr(pc, "sp_size", 1) or 1) > 1:
+        raise ValueError(f"parallelism_config sp_size={pc.sp_size}: sequence parallelism (DeepSpeed's Ulysses) is "
+                         "not done in hf_fsdp2, which shards over dp_replicate x dp_shard (x cp, x tp). Use "
+                         "parallelism_config_cp_size (context parallelism) instead, or run without hf_fsdp2.register().")
+    if (getattr(pc, "cp_size", 1) or 1) > 1 and getattr(pc, "cp_backend", "torch") != "torch":
+        raise ValueError(f"parallelism_config cp_backend={pc.cp_backend!r}: hf_fsdp2 runs context parallelism "
+                         "with torch's ring attention only; set parallelism_config_cp_backend: torch.")
 
 
 def config_from_accelerator(accelerator) -> FSDP2Config:
@@ -207,7 +204,8 @@ def config_from_accelerator(accelerator) -> FSDP2Config:
         mixed_precision=str(accelerator.mixed_precision),
         replicate_size=getattr(pc, "dp_replicate_size", 1) if pc is not None else 1,
         shard_size=getattr(pc, "dp_shard_size", 1) if pc is not None else 1,
-        tp_size=getattr(pc, "tp_size", 1) if pc is not None else 1))
+        tp_size=getattr(pc, "tp_size", 1) if pc is not None else 1,
+        cp_size=getattr(pc, "cp_size", 1) if pc is not None else 1))
     policy = getattr(plugin, _USER_POLICY, None)
     if policy is not None:
         values.update(_policy_dtypes(policy))
@@ -435,13 +433,27 @@ def _fsdp2_prepare_model(accelerator, model: nn.Module) -> nn.Module:
     if config.is_auto_layout and from_rank0:
         raise ValueError("shard_size='auto' with `fsdp_cpu_ram_efficient_loading`: the other ranks hold no weights "
                          "to plan with; set the layout yourself or load with hf_fsdp2.from_pretrained.")
+    if config.is_auto_layout and _cp_size(accelerator) > 1:
+        raise ValueError(f"shard_size='auto' with parallelism_config cp_size={_cp_size(accelerator)}: the layout "
+                         "planner does not count context parallelism; set the layout yourself.")
     config = resolve_auto_layout(model, config)  # before the mesh, which it chooses
     # With TP, the accelerator's own mesh ("dp_replicate", "dp_shard", "tp"): a model transformers split
-    # at load (`device_mesh=accelerator.torch_device_mesh`) is on its "tp" dimension already.
-    mesh = accelerator.torch_device_mesh if config.tp_size > 1 else build_mesh(config)
+    # at load (`device_mesh=accelerator.torch_device_mesh`) is on its "tp" dimension already. With CP,
+    # too: `maybe_context_parallel` splits sequences over its "cp" dimension, FSDP2 shards over
+    # "dp_shard_cp" (sharding/context_parallel.py).
+    cp_size = _cp_size(accelerator)
+    mesh = accelerator.torch_device_mesh if config.tp_size > 1 or cp_size > 1 else build_mesh(config)
+    if cp_size > 1:
+        context_parallel.enable_cpu_ring_attention()
+        context_parallel.require_context_parallel(model, cp_size)
     if from_rank0:
         return shard_from_rank0(model, config, mesh)  # fsdp_cpu_ram_efficient_loading
     return shard_model(model, config, mesh=mesh)
+
+
+def _cp_size(accelerator) -> int:
+    pc = getattr(accelerator, "parallelism_config", None)
+    return (getattr(pc, "cp_size", 1) or 1) if pc is not None else 1
 
 
 def _save_model(self, model, save_directory, max_shard_size="10GB", safe_serialization=True):

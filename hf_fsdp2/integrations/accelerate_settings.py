@@ -28,6 +28,7 @@ class AccelerateSettings:
     replicate_size: int = 1  # parallelism_config dp_replicate_size
     shard_size: int = 1  # parallelism_config dp_shard_size
     tp_size: int = 1  # parallelism_config tp_size
+    cp_size: int = 1  # parallelism_config cp_size: FSDP2 shards over dp_shard x cp (sharding/context_parallel.py)
 
 
 def layer_names(raw: Any) -> list[str] | None:
@@ -58,7 +59,8 @@ def fsdp2_values(settings: AccelerateSettings) -> dict[str, Any]:
         values["ignored_modules"] = settings.ignored_modules
     if settings.replicate_size > 1:
         values["replicate_size"] = settings.replicate_size
-        values["shard_size"] = settings.shard_size if settings.shard_size > 1 else None
+        shard = settings.shard_size * settings.cp_size
+        values["shard_size"] = shard if shard > 1 else None
     if settings.tp_size > 1:  # TP on the accelerator's "tp" mesh dimension (sharding/tensor_parallel.py)
         values["tp_size"] = settings.tp_size
     return values

@@ -33,6 +33,8 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
 SHARD_DIM = "dp_shard"
 REPLICATE_DIM = "dp_replicate"
 TP_DIM = "tp"
+CP_DIM = "cp"
+SHARD_CP_DIM = "dp_shard_cp"  # Accelerate's flattened (dp_shard, cp): FSDP2's shard dimension under CP
 # A rank that dies inside a collective leaves the others waiting; this bounds the wait.
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
 _INIT_SCHEMES = ("env://", "tcp://", "file://")
@@ -126,8 +128,19 @@ def init_distributed(
 
 
 def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    """The mesh FSDP2 shards over: `mesh` without its "tp" dimension (the same mesh without one)."""
+    """The mesh FSDP2 shards over: `mesh` without its "tp" dimension (the same mesh without one). With
+    a "cp" dimension (context parallelism), FSDP2 shards over dp_shard x cp flattened ("dp_shard_cp",
+    as Accelerate's own FSDP2 path does): CP ranks hold slices of the same sequences, so their
+    gradients are averaged with the data-parallel ones."""
     names = mesh.mesh_dim_names or ()
+    if CP_DIM in names:
+        try:
+            shard_cp = mesh[SHARD_CP_DIM]  # Accelerate's build_device_mesh flattens it already
+        except KeyError:
+            shard_cp = mesh[tuple(n for n in (SHARD_DIM, CP_DIM) if n in names)]._flatten(SHARD_CP_DIM)
+        if REPLICATE_DIM not in names:
+            return shard_cp
+        return mesh[(REPLICATE_DIM, SHARD_CP_DIM)]
     if TP_DIM not in names:
         return mesh
     rest = tuple(n for n in names if n != TP_DIM)

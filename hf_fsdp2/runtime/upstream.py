@@ -18,6 +18,8 @@ How:
 - SUBCLASSED: a private upstream class we subclass and hand to upstream code.
 - INSTANCE_WRAPPED: a method wrapped on one object hf_fsdp2 sharded (`wrap_instance_method`), its
   class untouched.
+- REGISTERED: entries added to an upstream registry (a dict) that upstream code reads (`add_entries`);
+  the contract recorded is that of the reading function (`reader`).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ SCOPED = "patched inside a with-block"
 CLASS_SWAPPED = "instance class set to a subclass"
 SUBCLASSED = "private class subclassed"
 INSTANCE_WRAPPED = "method wrapped on one instance"
+REGISTERED = "entries added to a registry"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +50,8 @@ class Seam:
     # The target exists only in newer releases of the supported range; where it is absent the seam is
     # not installed (and the contract test does not look for it).
     where_present: bool = False
+    # REGISTERED: the upstream function that reads the registry; its contract is the one recorded.
+    reader: str | None = None
 
 
 _ACC = "integrations/accelerate.py"
@@ -106,6 +111,11 @@ SEAMS: tuple[Seam, ...] = (
          "quantization/fp8.py", "gloo has no float8 dtype: float8 all-gather inputs travel as bytes"),
     Seam("transformers.generation.utils.GenerationMixin.generate", INSTANCE_WRAPPED, "sharding/generation.py",
          "on a model hf_fsdp2 sharded, each group is gathered once per generate() call, not once per token"),
+    Seam("torch.distributed.tensor.experimental._context_parallel._attention.custom_ops", REGISTERED,
+         "sharding/context_parallel.py",
+         "torch's ring attention (context parallelism) handles the CUDA SDPA kernels only; the CPU flash kernel "
+         "gets the same ring attention, through torch's own templated forward/backward",
+         reader="torch.distributed.tensor.experimental._context_parallel._attention._enable_cp_dtensor_dispatcher"),
     # TRL (group "trl", installed when trl is imported: importing it costs seconds, so not before).
     Seam("trl.models.utils.prepare_fsdp", PATCHED, "integrations/trl.py",
          "TRL shards reference, teacher and reward models with one fully_shard at the root (a whole-model "
@@ -260,6 +270,16 @@ def wrap_instance_method(obj: Any, name: str, target: str, make_wrapper: Callabl
     wrapper = make_wrapper(getattr(obj, name))
     wrapper._hf_fsdp2_seam = target
     object.__setattr__(obj, name, wrapper)  # the instance's __dict__; nn.Module.__setattr__ is for tensors/modules
+
+
+def add_entries(target: str, entries: dict) -> None:
+    """Add `entries` to the REGISTERED dict at `target` (idempotent; an entry upstream already has is
+    left alone: upstream's own handler wins)."""
+    if seam(target).how != REGISTERED:
+        raise AssertionError(f"{target} is declared {seam(target).how}, not {REGISTERED}")
+    registry = lookup(target)
+    for key, value in entries.items():
+        registry.setdefault(key, value)
 
 
 def subclass_base(target: str) -> type:

@@ -503,11 +503,15 @@ def _check_parallelism_config(cfg: Mapping[str, Any], out: list[Finding]) -> _Pa
     if not parallel.given:
         return parallel
 
-    for dim, what in (("cp", "context"), ("sp", "sequence")):
-        if parallel.sizes[dim] > 1:
-            _error(out, f"parallelism_config.parallelism_config_{dim}_size",
-                   f"{parallel.sizes[dim]}: hf_fsdp2 shards over (dp_replicate, dp_shard) and applies tensor "
-                   f"parallelism on tp; {what} parallelism is not supported. Set it to 1.")
+    if parallel.sizes["sp"] > 1:
+        _error(out, "parallelism_config.parallelism_config_sp_size",
+               f"{parallel.sizes['sp']}: hf_fsdp2 shards over (dp_replicate, dp_shard, cp) and applies tensor "
+               "parallelism on tp; sequence parallelism (DeepSpeed's Ulysses) is not supported. Set it to 1, or use "
+               "parallelism_config_cp_size (context parallelism).")
+    backend = (section or {}).get("parallelism_config_cp_backend", "torch")
+    if parallel.sizes["cp"] > 1 and backend != "torch":
+        _error(out, "parallelism_config.parallelism_config_cp_backend",
+               f"{backend!r}: hf_fsdp2 runs context parallelism with torch's ring attention only; set it to torch.")
     procs = _int(cfg.get("num_processes"))
     if procs is None or procs < 1:
         return parallel
@@ -567,7 +571,8 @@ def fsdp2_values(cfg: Mapping[str, Any]) -> dict[str, Any]:
         mixed_precision=str(mp),
         replicate_size=_int(sizes.get("parallelism_config_dp_replicate_size", 1)) or 1,
         shard_size=_int(sizes.get("parallelism_config_dp_shard_size", 1)) or 1,
-        tp_size=_int(sizes.get("parallelism_config_tp_size", 1)) or 1))
+        tp_size=_int(sizes.get("parallelism_config_tp_size", 1)) or 1,
+        cp_size=_int(sizes.get("parallelism_config_cp_size", 1)) or 1))
 
 
 def _check_fsdp2_config(cfg: Mapping[str, Any], fsdp: _Fsdp, parallel: _Parallel, out: list[Finding]) -> None:

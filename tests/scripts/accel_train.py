@@ -89,17 +89,40 @@ opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1
 sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
 # The ranks of one tensor-parallel group share a batch: the data splits over the data-parallel ranks.
 tp_size = accelerator.parallelism_config.tp_size if accelerator.parallelism_config else 1
-rows_per_step = args.per_device_batch * (accelerator.num_processes // tp_size) * args.accum
+cp_size = accelerator.parallelism_config.cp_size if accelerator.parallelism_config else 1
+rows_per_step = args.per_device_batch * (accelerator.num_processes // (tp_size * cp_size)) * args.accum
 rows = torch.cat(batches(steps=args.start + args.steps, batch=rows_per_step))
 data = DataLoader(list(rows[args.start * rows_per_step:]), batch_size=args.per_device_batch, shuffle=False)
 model, opt, data, sched = accelerator.prepare(model, opt, data, sched)
 if args.load_state:
     accelerator.load_state(args.load_state)
+
+
+def forward_backward(ids: torch.Tensor) -> torch.Tensor:
+    if cp_size == 1:
+        loss = model(input_ids=ids, labels=ids).loss
+        accelerator.backward(loss)
+        return loss
+    # Context parallelism as Accelerate's nd_parallel example and the Trainer do it: labels shifted before
+    # the sequence is split, positions passed, forward and backward inside maybe_context_parallel. Each CP
+    # rank sums its tokens' losses over the batch's token count / cp_size, so the CP group's mean (FSDP2
+    # averages gradients over dp_shard x cp) is the batch's mean loss, as one process computes it.
+    inputs, labels = ids.clone(), ids.clone()
+    shift = torch.nn.functional.pad(ids, (0, 1), value=-100)[:, 1:].contiguous()
+    positions = torch.arange(ids.shape[1]).expand_as(ids).clone()
+    items = (shift != -100).sum() / cp_size
+    buffers = [inputs, labels, shift, positions]
+    with accelerator.maybe_context_parallel(buffers=buffers, buffer_seq_dims=[1] * 4, no_restore_buffers=set(buffers)):
+        loss = model(input_ids=inputs, labels=labels, shift_labels=shift, position_ids=positions,
+                     num_items_in_batch=items).loss
+        accelerator.backward(loss)
+    return loss
+
+
 losses, micro = [], []
 for ids in data:
     with accelerator.accumulate(model):
-        loss = model(input_ids=ids, labels=ids).loss
-        accelerator.backward(loss)
+        loss = forward_backward(ids)
         if accelerator.sync_gradients:
             accelerator.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()  # AcceleratedOptimizer skips it on accumulation micro-steps

@@ -1,0 +1,120 @@
+"""Context parallelism (CP): each rank of the "cp" mesh dimension holds a slice of every sequence.
+
+The parts are torch's and Accelerate's; this module only fills the one gap on the CPU:
+- Accelerate's `maybe_context_parallel` enters torch's `context_parallel(mesh["cp"])`, which splits
+  the buffers it is given along the sequence (head-tail load balanced for causal attention) and
+  routes SDPA's fused kernels to torch's ring attention (`_templated_ring_attention`): K/V blocks
+  pass around the ring, partial outputs merge by their log-sum-exp. Accelerate drops the attention
+  mask for `is_causal=True` (`_attach_context_parallel_hooks`).
+- FSDP2 shards over the flattened "dp_shard_cp" dimension (engine.py), so each parameter's gradient
+  is averaged over the CP ranks too, as Accelerate's own FSDP2 path does.
+- torch's ring attention has handlers for the CUDA kernels only (flash, efficient, cuDNN); on a CPU
+  SDPA runs `_scaled_dot_product_flash_attention_for_cpu`, for which DTensor has no strategy, so CP
+  fails there. `enable_cpu_ring_attention` registers the same ring attention, through torch's own
+  templated forward and backward, for that kernel: CP runs (and is tested) on CPU with gloo as on GPUs.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+from ..runtime import upstream
+
+_CP_HANDLERS = "torch.distributed.tensor.experimental._context_parallel._attention.custom_ops"
+_SEQ_DIM = 2  # SDPA's [batch, heads, sequence, head_dim]
+
+
+def _cp():
+    from torch.distributed.tensor.experimental._context_parallel import _attention
+
+    return _attention
+
+
+def _bound(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> dict:
+    """The op's arguments by name, defaults filled in (the schema's)."""
+    values = {}
+    for i, argument in enumerate(op._schema.arguments):
+        if i < len(args):
+            values[argument.name] = args[i]
+        elif argument.name in kwargs:
+            values[argument.name] = kwargs[argument.name]
+        elif argument.has_default_value():
+            values[argument.name] = argument.default_value
+    return values
+
+
+def _spec_like(local: torch.Tensor, mesh) -> DTensorSpec:
+    """The spec of a tensor sharded on the sequence dimension over the CP mesh, from its local block."""
+    shape = list(local.shape)
+    shape[_SEQ_DIM] *= mesh.size()
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensorSpec(mesh, (Shard(_SEQ_DIM),), tensor_meta=TensorMeta(torch.Size(shape), stride, local.dtype))
+
+
+def _refuse(values: dict) -> None:
+    if values.get("attn_mask") is not None:
+        raise NotImplementedError("context parallelism runs causal attention without a mask (Accelerate drops the "
+                                  "attention mask for is_causal=True); an explicit SDPA mask is not supported.")
+    if values.get("dropout_p", 0.0):
+        raise NotImplementedError("context parallelism with attention dropout is not supported by torch's ring "
+                                  "attention; set the model's attention_dropout to 0.")
+
+
+def _cpu_flash_forward(op_call, args, kwargs):
+    op_info = DTensor._op_dispatcher.unwrap_to_op_info(op_call, args, kwargs)
+    mesh = op_info.compute_mesh
+    values = _bound(op_call, op_info.local_args, op_info.local_kwargs)
+    _refuse(values)
+    out, lse = _cp()._templated_ring_attention(
+        mesh.get_group(), _SEQ_DIM, torch.ops.aten._scaled_dot_product_flash_attention_for_cpu,
+        query=values["query"], key=values["key"], value=values["value"], is_causal=values["is_causal"],
+        scale=values.get("scale"))
+    return DTensor._op_dispatcher.wrap((out, lse), (_spec_like(out, mesh), _spec_like(lse, mesh)))
+
+
+def _cpu_flash_backward(op_call, args, kwargs):
+    op_info = DTensor._op_dispatcher.unwrap_to_op_info(op_call, args, kwargs)
+    mesh = op_info.compute_mesh
+    values = _bound(op_call, op_info.local_args, op_info.local_kwargs)
+    _refuse(values)
+    grads = _cp()._templated_ring_attention_backward(
+        mesh.get_group(), _SEQ_DIM, torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+        grad_out=values["grad_out"], grad_out_name="grad_out", query=values["query"], key=values["key"],
+        value=values["value"], out=values["out"], logsumexp=values["logsumexp"], is_causal=values["is_causal"],
+        dropout_p=0.0, scale=values.get("scale"))
+    grads = grads[:3]
+    return DTensor._op_dispatcher.wrap(tuple(grads), tuple(_spec_like(g, mesh) for g in grads))
+
+
+def enable_cpu_ring_attention() -> None:
+    """Add the CPU kernel's ring attention to torch's CP handlers (which `context_parallel` installs
+    on entry and removes on exit; idempotent). Safe to call without CP: outside `context_parallel`
+    the handlers are not installed."""
+    aten = torch.ops.aten
+    upstream.add_entries(_CP_HANDLERS, {
+        aten._scaled_dot_product_flash_attention_for_cpu.default: _cpu_flash_forward,
+        aten._scaled_dot_product_flash_attention_for_cpu_backward.default: _cpu_flash_backward,
+    })
+
+
+def context_parallel_active() -> bool:
+    """Whether torch's CP dispatcher is on (inside `context_parallel` / `maybe_context_parallel`)."""
+    return torch.ops.aten._scaled_dot_product_flash_attention.default in DTensor._op_dispatcher._custom_op_handlers
+
+
+def require_context_parallel(model: nn.Module, cp_size: int) -> None:
+    """A training forward outside `maybe_context_parallel` would run every CP rank on whole sequences: a
+    silent data-parallel run with `cp_size` set. Refused by name at that forward (evaluation and
+    generation without CP are correct, each CP rank computing the same thing, and pass)."""
+    def check(module: nn.Module, args, kwargs) -> None:
+        if module.training and torch.is_grad_enabled() and not context_parallel_active():
+            raise RuntimeError(
+                f"parallelism_config cp_size={cp_size}, but this training forward runs outside "
+                "`accelerator.maybe_context_parallel(buffers=[input_ids, labels, position_ids, ...], "
+                "buffer_seq_dims=[1, ...])`: every CP rank would compute whole sequences. Wrap the forward and "
+                "backward in it (the Trainer does), or set parallelism_config_cp_size to 1.")
+
+    model.register_forward_pre_hook(check, with_kwargs=True)

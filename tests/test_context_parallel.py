@@ -1,0 +1,88 @@
+"""Context parallelism x FSDP2 (sharding/context_parallel.py): Accelerate's `maybe_context_parallel`
+with torch's ring attention, on CPU through the CPU SDPA kernel's handler."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from .common import build_model
+from .dist_harness import run_ranks
+
+
+def _ring_attention(rank, world):
+    """torch's `context_parallel` on 2 CPU ranks: SDPA forward and backward equal one process's."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental import context_parallel
+    from torch.distributed.tensor.experimental._attention import context_parallel_unshard
+
+    from hf_fsdp2.sharding import context_parallel as cp
+
+    cp.enable_cpu_ring_attention()
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 16, 8, requires_grad=True) for _ in range(3))
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    out.square().sum().backward()
+    reference = (out.detach(), q.grad, k.grad, v.grad)
+    qs, ks, vs = (t.detach().clone() for t in (q, k, v))
+    with context_parallel(mesh, buffers=[qs, ks, vs], buffer_seq_dims=[2, 2, 2], no_restore_buffers={qs, ks, vs}):
+        assert cp.context_parallel_active()
+        leaves = [t.detach().requires_grad_() for t in (qs, ks, vs)]
+        local = torch.nn.functional.scaled_dot_product_attention(*leaves, is_causal=True)
+        local.square().sum().backward()
+        results = context_parallel_unshard(mesh, [local.detach(), *(t.grad for t in leaves)], [2, 2, 2, 2])
+    assert not cp.context_parallel_active()
+    for got, want in zip(results, reference):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_cpu_ring_attention_equals_one_process():
+    run_ranks(_ring_attention, 2)
+
+
+def test_accelerate_launch_with_cp_size_2_matches_one_process(tmp_path):
+    """`accelerate launch --config_file accelerate_configs/fsdp2_cp.yaml` (dp_shard 2 x cp 2) with
+    register(): every sequence split over 2 ranks inside `maybe_context_parallel`, FSDP2 over the 4
+    ranks; losses equal one process on the same global batch, and the state resumes on plain FSDP."""
+    from .test_accelerate import launch, reference_losses
+
+    out = launch("fsdp2_cp.yaml", 4, tmp_path / "cp.json", "--steps", "3", "--per-device-batch", "4",
+                 "--save-state", str(tmp_path / "state"))
+    assert out["all_dtensor"] and out["mesh"] == [4] and out["world"] == 4
+    assert out["losses"] == pytest.approx(reference_losses(3), rel=1e-4)
+    resumed = launch("fsdp2.yaml", 2, tmp_path / "resumed.json", "--start", "3", "--steps", "1",
+                     "--load-state", str(tmp_path / "state"))
+    assert resumed["losses"] == pytest.approx(reference_losses(4)[3:], rel=1e-4)
+
+
+def test_trainer_under_accelerate_launch_with_cp_size_2_matches_one_process(tmp_path):
+    """A Trainer script under the same CP config: the Trainer enters `maybe_context_parallel` itself
+    (labels shifted and positions made before the split); losses equal one process's."""
+    from pathlib import Path
+
+    from .dist_harness import accelerate_launch
+    from .test_trainer import run_script, train
+
+    config = Path(__file__).resolve().parents[1] / "accelerate_configs" / "fsdp2_cp.yaml"
+    # 2 data-parallel ranks (of 4 processes) x 4 rows = the single process's 8.
+    out = run_script(accelerate_launch(config, processes=4), tmp_path / "cp.json", tmp_path / "cp", 2, 3,
+                     "--save_strategy", "no")
+    single = train(tmp_path, "single", 1, 3, "--save_strategy", "no")
+    assert out["all_dtensor"] and out["world"] == 4
+    assert out["losses"] == pytest.approx(single["losses"], rel=1e-4)
+
+
+def test_a_training_forward_outside_maybe_context_parallel_is_refused_by_name():
+    """With cp_size > 1 a loop that never enters `maybe_context_parallel` would silently run every CP
+    rank on whole sequences; the forward is refused, naming the setting. Evaluation is not."""
+    from hf_fsdp2.sharding import context_parallel as cp
+
+    model = build_model()
+    cp.require_context_parallel(model, 2)
+    ids = torch.arange(8).view(1, 8)
+    with pytest.raises(RuntimeError, match=r"cp_size=2.*maybe_context_parallel"):
+        model(input_ids=ids)
+    model.eval()
+    with torch.no_grad():
+        model(input_ids=ids)
