@@ -32,7 +32,15 @@ def _worker(rank, world):
     report = {"groups": groups}
     report["all_reduces"] = []
     report["out4"], report["gathers4"] = _generate(model, 4, report["all_reduces"])
-    report["out12"], report["gathers12"] = _generate(model, 12, report["all_reduces"])
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    pre_forward, calls = FSDPParamGroup.pre_forward, []
+    FSDPParamGroup.pre_forward = lambda self, *a, **k: calls.append(1) or pre_forward(self, *a, **k)
+    try:  # every group gathered up front: FSDP2's per-forward hooks do not run while decoding
+        report["out12"], report["gathers12"] = _generate(model, 12, report["all_reduces"])
+    finally:
+        FSDPParamGroup.pre_forward = pre_forward
+    report["fsdp_pre_forwards12"] = len(calls)
     # Every group kept: nothing collective per token, so ranks may decode different lengths (stock
     # FSDP2 would hang here: rank 0 would stop joining the per-token all-gathers).
     report["uneven"], _ = _generate(model, 3 if rank == 0 else 7)
@@ -41,6 +49,16 @@ def _worker(rank, world):
     generation.FREE_MEMORY_FRACTION = 0.0
     try:
         report["out4_unkept"], report["gathers4_unkept"] = _generate(model, 4, report["all_reduces"])
+    finally:
+        generation.FREE_MEMORY_FRACTION = original
+    # Mixed precision: the light hooks cast as FSDP2's own do (bf16 compute, fp32 outputs), so decoding
+    # with every group kept equals decoding with FSDP2's hooks per token.
+    mixed = build_model()
+    hf_fsdp2.shard_model(mixed, hf_fsdp2.FSDP2Config(param_dtype="bf16", output_dtype="fp32"))
+    report["mixed_kept"], _ = _generate(mixed, 6)
+    generation.FREE_MEMORY_FRACTION = 0.0
+    try:
+        report["mixed_unkept"], _ = _generate(mixed, 6)
     finally:
         generation.FREE_MEMORY_FRACTION = original
     # Afterwards every group is sharded again and training goes on as before.
@@ -63,6 +81,8 @@ def test_generate_gathers_each_group_once_per_call_and_matches_one_process():
     assert torch.equal(report["out4_unkept"], expected4)
     groups = report["groups"]
     assert report["gathers4"] == report["gathers12"] == groups  # once per group, independent of the tokens
+    assert report["fsdp_pre_forwards12"] == 0
+    assert torch.equal(report["mixed_kept"], report["mixed_unkept"])
     assert report["gathers4_unkept"] >= 4 * 3  # FSDP2 alone: the 3 layers again for every token
     # All-reduces: the memory-budget agreement once per call; transformers' per-token end-of-sequence
     # sync (synced_gpus) only where groups are re-gathered per token.

@@ -44,6 +44,9 @@ TORCH_PRIVATE = [
     ("torch.distributed.tensor", "DTensor._op_dispatcher._custom_op_handlers", "sharding/context_parallel.py"),
     ("torch.distributed.tensor", "DTensor._op_dispatcher.unwrap_to_op_info", "sharding/context_parallel.py"),
     ("torch.distributed.tensor._dtensor_spec", "TensorMeta", "sharding/context_parallel.py"),
+    ("torch.distributed.fsdp._fully_shard._fsdp_state", "FSDPState._lazy_init", "sharding/generation.py"),
+    ("torch.distributed.fsdp._fully_shard._fsdp_state", "FSDPState._cast_forward_inputs", "sharding/generation.py"),
+    ("torch.distributed.fsdp._fully_shard._fsdp_state", "FSDPState._cast_output_dtype", "sharding/generation.py"),
 ]
 
 
