@@ -1,14 +1,17 @@
-"""FSDP alone vs tensor parallelism x FSDP: tokens/s and peak memory per rank, side by side in one run.
+"""FSDP alone vs tensor parallelism x FSDP vs context parallelism x FSDP: tokens/s and peak memory per
+rank, side by side in one run.
 
     python benchmarks/nd_bench.py [--world-size 4] [--seq-lens 64 512] [--layers 4] [--hidden 512]
 
 Same random Llama, same global batch of sequences, AdamW; each layout runs in its own ranks:
   fsdp     dp_shard = world (hf_fsdp2's default)
   fsdp+tp  dp_shard = world / 2 x tp 2 (FSDP2Config(tp_size=2): the model's TP plan, then FSDP2)
+  fsdp+cp  dp_shard = world / 2 x cp 2 (a ("dp_shard", "cp") mesh: FSDP2 over both, every sequence
+           split over the cp pair by torch's context_parallel, ring attention; labels shifted before
+           the split, the loss scaled so that the pair's mean is the batch's)
 Prints the median step time's tokens/s per rank, the peak resident memory each rank added after the
 model was built (training), their ratios to FSDP alone, and the first loss (equal across layouts);
-writes benchmarks/results/nd-<stamp>.json. Context parallelism is not done (see README), so it is
-not measured.
+writes benchmarks/results/nd-<stamp>.json.
 """
 
 from __future__ import annotations
@@ -39,13 +42,21 @@ def run_job(rank: int, world: int, job: dict) -> dict:
                          num_hidden_layers=args.layers, num_attention_heads=8, num_key_value_heads=4,
                          max_position_embeddings=max(args.seq_lens), tie_word_embeddings=False)
     model = LlamaForCausalLM(config)
-    tp = job["tp"]
-    hf_fsdp2.shard_model(model, hf_fsdp2.FSDP2Config(tp_size=tp))
+    tp, cp = job["tp"], job["cp"]
+    if cp > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.experimental import context_parallel
+
+        mesh = init_device_mesh("cpu", (world // cp, cp), mesh_dim_names=("dp_shard", "cp"))
+        hf_fsdp2.shard_model(model, hf_fsdp2.FSDP2Config(), mesh=mesh)
+    else:
+        hf_fsdp2.shard_model(model, hf_fsdp2.FSDP2Config(tp_size=tp))
     harness.malloc_trim()
     base = harness.rss_bytes()
     harness.reset_hwm()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    dp_rank, dp_world = rank // tp, world // tp  # the "tp" dimension is last: neighbouring ranks share a batch
+    split = tp * cp  # the "tp" / "cp" dimension is last: neighbouring ranks share a batch
+    dp_rank, dp_world = rank // split, world // split
     out = {}
     for seq in args.seq_lens:
         g = torch.Generator().manual_seed(seq)
@@ -56,8 +67,20 @@ def run_job(rank: int, world: int, job: dict) -> dict:
             ids = ids[dp_rank * per:(dp_rank + 1) * per]
             dist.barrier()
             start = time.perf_counter()
-            loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
+            if cp > 1:
+                ids, labels = ids.clone(), ids.clone()
+                shift = torch.nn.functional.pad(ids, (0, 1), value=-100)[:, 1:].contiguous()
+                positions = torch.arange(seq).expand_as(ids).clone()
+                items = (shift != -100).sum() / cp  # the cp pair's mean loss is the batch's
+                buffers = [ids, labels, shift, positions]
+                with context_parallel(mesh["cp"], buffers=buffers, buffer_seq_dims=[1] * 4,
+                                      no_restore_buffers=set(buffers)):
+                    loss = model(input_ids=ids, labels=labels, shift_labels=shift, position_ids=positions,
+                                 num_items_in_batch=items).loss
+                    loss.backward()
+            else:
+                loss = model(input_ids=ids, labels=ids).loss
+                loss.backward()
             opt.step()
             opt.zero_grad()
             times.append(time.perf_counter() - start)
@@ -83,8 +106,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     threads = max(1, (os.cpu_count() or 1) // args.world_size)
     results = {}
-    for name, tp in (("fsdp", 1), ("fsdp+tp", 2)):
-        ranks = harness.run_ranks(run_job, args.world_size, {"args": vars(args), "threads": threads, "tp": tp},
+    for name, tp, cp in (("fsdp", 1, 1), ("fsdp+tp", 2, 1), ("fsdp+cp", 1, 2)):
+        ranks = harness.run_ranks(run_job, args.world_size, {"args": vars(args), "threads": threads, "tp": tp, "cp": cp},
                                   timeout=3600, threads=threads)
         results[name] = {"seq": {seq: ranks[0][seq] for seq in args.seq_lens},
                          "peak_added_bytes": max(r["peak_added_bytes"] for r in ranks)}

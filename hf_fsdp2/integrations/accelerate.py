@@ -34,7 +34,6 @@ from . import trl as trl_backend
 from .accelerate_settings import AccelerateSettings, fsdp2_values, layer_names
 from ..quantization import bnb_optimizers, fp8
 from ..sharding import is_sharded, record_of, shard_model, unwrap_peft
-from ..sharding import context_parallel
 from ..sharding.adopt import sharded_by_transformers
 from ..sharding.layout import resolve_auto_layout
 from ..checkpoint.errors import CheckpointError
@@ -443,12 +442,27 @@ def _fsdp2_prepare_model(accelerator, model: nn.Module) -> nn.Module:
     # "dp_shard_cp" (sharding/context_parallel.py).
     cp_size = _cp_size(accelerator)
     mesh = accelerator.torch_device_mesh if config.tp_size > 1 or cp_size > 1 else build_mesh(config)
-    if cp_size > 1:
-        context_parallel.enable_cpu_ring_attention()
-        context_parallel.require_context_parallel(model, cp_size)
+    if cp_size > 1 and getattr(accelerator, "_cp_context", None) is not None:
+        upstream.wrap_instance_method(accelerator, "_cp_context", "accelerate.accelerator.Accelerator._prepare_cp",
+                                      lambda original: _checked_cp_context(original, cp_size))
     if from_rank0:
         return shard_from_rank0(model, config, mesh)  # fsdp_cpu_ram_efficient_loading
     return shard_model(model, config, mesh=mesh)
+
+
+def _checked_cp_context(original, cp_size: int):
+    """`maybe_context_parallel`'s context (torch's `context_parallel`), refusing by name the buffers it
+    cannot split evenly over the cp ranks."""
+    def context(buffers=None, buffer_seq_dims=None, no_restore_buffers=None, **kwargs):
+        lengths = {int(b.shape[d]) for b, d in zip(buffers or [], buffer_seq_dims or [])}
+        if len(lengths) > 1 or any(length % cp_size for length in lengths):
+            raise ValueError(f"maybe_context_parallel: sequence lengths {sorted(lengths)} along buffer_seq_dims must be "
+                             f"one length that parallelism_config cp_size={cp_size} divides (2 x cp_size = "
+                             f"{2 * cp_size} for load-balanced causal attention); pad the batch (e.g. "
+                             f"pad_to_multiple_of={2 * cp_size}).")
+        return original(buffers=buffers, buffer_seq_dims=buffer_seq_dims, no_restore_buffers=no_restore_buffers,
+                        **kwargs)
+    return context
 
 
 def _cp_size(accelerator) -> int:

@@ -84,6 +84,10 @@ SEAMS: tuple[Seam, ...] = (
     Seam("accelerate.utils.dataclasses.FullyShardedDataParallelPlugin.set_auto_wrap_policy", SCOPED, _ACC,
          "a model transformers sharded at load shows FSDP<Name> classes, so Accelerate's wrap-class lookup "
          "fails; during _prepare_fsdp2 of such a model it is skipped (sharding/adopt.py checks the names)"),
+    Seam("accelerate.accelerator.Accelerator._prepare_cp", INSTANCE_WRAPPED, _ACC,
+         "the `_cp_context` it sets (torch's context_parallel on the cp mesh, what maybe_context_parallel enters) is "
+         "wrapped on the prepared accelerator: a sequence length cp_size does not divide is refused by name (torch "
+         "would split it unevenly and its ring attention would fail inside)"),
     Seam("accelerate.parallelism_config.ParallelismConfig._validate_accelerator", SCOPED, _ACC,
          "it rejects the MULTI_CPU state that Accelerator.__init__ passes through before we make it FSDP"),
     # The Transformers Trainer (group "trainer", installed by register()).

@@ -25,13 +25,13 @@ from ..config import FSDP2Config
 from ..quantization import fp8
 from ..quantization.bnb_4bit import prepare_4bit_modules, refuse_8bit_modules
 from ..runtime import collectives
-from ..runtime.distributed import TP_DIM, build_mesh, data_parallel_mesh, default_device, local_tensor
+from ..runtime.distributed import CP_DIM, TP_DIM, build_mesh, data_parallel_mesh, default_device, local_tensor
 from .compile import compile_layers, disable_cache_in_training, is_compiled
 from .groups import ShardPlan, apply_frozen_dtype, plan_groups, replicated_frozen_parameters, unwrap_peft
 from .layout import resolve_auto_layout
 from .generation import wrap_generate
 from .record import record_of
-from . import adopt, tensor_parallel
+from . import adopt, context_parallel, tensor_parallel
 
 
 # ---------------------------------------------------------------------------------------------
@@ -232,6 +232,9 @@ def shard_model(
         materialize(model, torch.device("cpu") if config.cpu_offload else device, init_weights=init_weights)
     if config.fp8 and (init_weights or not on_meta):  # else the loader's weights come later: the
         fp8.precompute_scales(model)  # first all-gather then computes its scales itself
+    if CP_DIM in (mesh.mesh_dim_names or ()) and mesh[CP_DIM].size() > 1:
+        context_parallel.enable_cpu_ring_attention()  # the training loop enters torch's context_parallel
+        context_parallel.require_context_parallel(model, mesh[CP_DIM].size())
     record = record_of(model, create=True)
     record.config, record.mesh = config, mesh
     wrap_generate(model)  # each group gathered once per generate() call
