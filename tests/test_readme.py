@@ -1,6 +1,6 @@
 """The README stays true as the code changes: its runnable snippet runs, its command runs, every file it
-names exists, its code layout names every module, its FSDP2Config table every field, its Setup block is
-what CI runs."""
+(and docs/) names exists, the code layout (docs/internals.md) names every module, its FSDP2Config table
+every field, its Setup block is what CI runs."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from .dist_harness import run_launched, torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
+DOCS = {p.name: p.read_text() for p in sorted((ROOT / "docs").glob("*.md"))}
 
 
 def _blocks(language: str) -> list[str]:
@@ -49,18 +50,18 @@ def test_plan_command_runs(tmp_path):
 
 def test_every_repository_path_it_names_exists():
     tokens = re.findall(r"(?<![\w/.-])((?:tests|benchmarks|examples|accelerate_configs|hf_fsdp2|docs)/[\w./*-]+)",
-                        README)
+                        "\n".join([README, *DOCS.values()]))
     named = {t.rstrip(".") for t in tokens if not t.endswith("/") and "*" not in t}  # a directory, a pattern: skip
     missing = sorted(p for p in named if not (ROOT / p).exists() and not (ROOT / "hf_fsdp2" / p).exists())
     assert not missing, f"README names paths that do not exist: {missing}"
 
 
 def test_code_layout_names_every_module():
-    layout = _section("Code layout")
+    layout = DOCS["internals.md"]
     modules = sorted(p.relative_to(ROOT / "hf_fsdp2") for p in (ROOT / "hf_fsdp2").rglob("*.py")
                      if p.name != "__init__.py")
     unnamed = [str(m) for m in modules if m.name not in layout]
-    assert not unnamed, f"README's code layout does not name: {unnamed}"
+    assert not unnamed, f"docs/internals.md's code layout does not name: {unnamed}"
 
 
 def test_config_table_lists_every_field():
