@@ -10,7 +10,8 @@ Same random Llama, same global batch of sequences, AdamW; each layout runs in it
            split over the cp pair by torch's context_parallel, ring attention; labels shifted before
            the split, the loss scaled so that the pair's mean is the batch's)
 Prints the median step time's tokens/s per rank, the peak resident memory each rank added after the
-model was built (training), their ratios to FSDP alone, and the first loss (equal across layouts);
+model was built (training), their ratios to FSDP alone, the first loss (equal across layouts) and
+the time of a gather-free `save_pretrained` of the trained model in each layout;
 writes benchmarks/results/nd-<stamp>.json.
 """
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import sys
 import time
@@ -92,6 +94,15 @@ def run_job(rank: int, world: int, job: dict) -> dict:
         out[seq] = {"step_s": step_s, "tokens_per_s_per_rank": args.global_batch * seq / step_s / world,
                     "first_loss": first}
     out["peak_added_bytes"] = harness.hwm_bytes() - base
+    # The gather-free save of this layout: a colwise TP block is whole rows of the file, a rowwise one
+    # a column block written one row segment at a time (FileWriter.write_block); median of 3.
+    seconds = []
+    for i in range(3):  # into a directory all ranks share (made by main)
+        dist.barrier()
+        start = time.perf_counter()
+        hf_fsdp2.save_pretrained(model, f"{job['save_dir']}/{i}", progress=False)
+        seconds.append(time.perf_counter() - start)
+    out["save_s"] = statistics.median(seconds)
     return out
 
 
@@ -106,11 +117,17 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     threads = max(1, (os.cpu_count() or 1) // args.world_size)
     results = {}
+    import tempfile
+
     for name, tp, cp in (("fsdp", 1, 1), ("fsdp+tp", 2, 1), ("fsdp+cp", 1, 2)):
-        ranks = harness.run_ranks(run_job, args.world_size, {"args": vars(args), "threads": threads, "tp": tp, "cp": cp},
+        save_dir = tempfile.mkdtemp(prefix="nd_bench-")
+        ranks = harness.run_ranks(run_job, args.world_size, {"args": vars(args), "threads": threads, "tp": tp,
+                                                             "cp": cp, "save_dir": save_dir},
                                   timeout=3600, threads=threads)
+        shutil.rmtree(save_dir, ignore_errors=True)
         results[name] = {"seq": {seq: ranks[0][seq] for seq in args.seq_lens},
-                         "peak_added_bytes": max(r["peak_added_bytes"] for r in ranks)}
+                         "peak_added_bytes": max(r["peak_added_bytes"] for r in ranks),
+                         "save_s": max(r["save_s"] for r in ranks)}
     print(f"{args.layers} layers, hidden {args.hidden}, global batch {args.global_batch}, {args.world_size} ranks, "
           f"{threads} threads per rank ({os.cpu_count()} cores)")
     print(f"{'seq':>5}  {'layout':>8}  {'tokens/s/rank':>13}  {'x fsdp':>7}  {'first loss':>10}")
@@ -126,8 +143,12 @@ def main(argv=None) -> int:
         peak = results[name]["peak_added_bytes"]
         print(f"peak memory added in training, max over ranks: {name:>8} {peak / 2**20:8.1f} MiB "
               f"({peak / max(results['fsdp']['peak_added_bytes'], 1):.2f}x fsdp)")
+    for name in results:
+        print(f"save_pretrained (durable, median of 3, slowest rank): {name:>8} {results[name]['save_s']:6.3f} s "
+              f"({results[name]['save_s'] / results['fsdp']['save_s']:.2f}x fsdp)")
     path = harness.write_results("nd", argv, rows=rows,
-                                 peak_added_bytes={n: results[n]["peak_added_bytes"] for n in results})
+                                 peak_added_bytes={n: results[n]["peak_added_bytes"] for n in results},
+                                 save_s={n: results[n]["save_s"] for n in results})
     print(f"wrote {path}")
     return 0
 
