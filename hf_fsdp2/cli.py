@@ -219,6 +219,8 @@ def _add_estimate_memory(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--offload", action="store_true",
                    help="CPUOffloadPolicy: sharded params, grads and optimizer states in CPU memory")
     p.add_argument("--activation-checkpointing", action="store_true", help="recompute each decoder layer in backward")
+    p.add_argument("--checkpoint-every", type=int, default=1, metavar="K",
+                   help="with --activation-checkpointing: checkpoint every K-th decoder layer (default 1: every layer)")
     p.set_defaults(handler=_run_estimate_memory)
 
 
@@ -230,7 +232,7 @@ def _run_estimate_memory(args: argparse.Namespace) -> int:
         raise ValueError(f"`--hsdp` {replicate}x{shard} covers {replicate * shard} ranks but `--world-size` is "
                          f"{args.world_size}; R*S must equal the world size.")
     config, setup = _model_setup(args, cpu_offload=args.offload, activation_checkpointing=args.activation_checkpointing,
-                                 replicate_size=replicate, shard_size=shard)
+                                 checkpoint_every=args.checkpoint_every, replicate_size=replicate, shard_size=shard)
     try:
         estimate = estimate_memory(args.model, args.world_size, config, batch_size=args.batch_size,
                                    seq_len=args.seq_len, **setup)
@@ -285,7 +287,8 @@ def _run_plan(args: argparse.Namespace) -> int:
         def row(c):
             return {"shard_size": c.shard_size, "replicate_size": c.replicate_size,
                     "reshard_after_forward": c.reshard_after_forward,
-                    "activation_checkpointing": c.activation_checkpointing, "cpu_offload": c.cpu_offload,
+                    "activation_checkpointing": c.activation_checkpointing, "checkpoint_every": c.checkpoint_every,
+                    "cpu_offload": c.cpu_offload,
                     "needed_bytes": c.needed_bytes, "host_bytes": c.host_bytes, "fits": c.fits}
         print(json.dumps({"budget_bytes": budget, "world_size": args.world_size, "device": args.device,
                           "chosen": row(plan.chosen) if plan.chosen else None,

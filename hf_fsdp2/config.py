@@ -151,7 +151,10 @@ class FSDP2Config:
             and asynchronously; 0 on accelerators, where FSDP2's implicit prefetch already
             overlaps on its own stream.
         backward_prefetch: how many preceding layers each layer prefetches in backward (FSDP2's default is 1).
-        activation_checkpointing: recompute each decoder layer's activations in backward.
+        activation_checkpointing: recompute decoder layers' activations in backward.
+        checkpoint_every: with `activation_checkpointing`, checkpoint every k-th decoder layer (layers 0,
+            k, 2k, ...; torchtitan's selective layer checkpointing, its `selective_ac_option`): 1, every
+            layer; 2 keeps half the layers' activations for half the recomputation.
         cpu_offload: keep sharded params, grads and optimizer states in CPU memory.
         replicate_size: HSDP replicas (1 = plain FSDP).
         tp_size: tensor parallelism (sharding/tensor_parallel.py): the model's own TP plan (transformers'
@@ -161,7 +164,7 @@ class FSDP2Config:
             planner (sharding/layout.py) picks, before anything is allocated, the cheapest layout whose
             estimated peak fits `memory_budget` per rank: the smallest shard group S (HSDP with world/S
             replicas; S=1 is DDP-like replication), then `reshard_after_forward`, then
-            `activation_checkpointing`, then `cpu_offload`. With "auto" those four are the planner's
+            `activation_checkpointing` (every other layer, then every layer), then `cpu_offload`. With "auto" those four are the planner's
             (a True `activation_checkpointing` or `cpu_offload` you set is kept); `replicate_size` must stay 1.
         memory_budget: bytes per rank the auto layout must fit (an int or "80GB", "12GiB"); None: the
             device's memory x 0.85 (CUDA), or the machine's RAM x 0.75 / local ranks (CPU). Needs
@@ -194,6 +197,7 @@ class FSDP2Config:
     forward_prefetch: int | None = None
     backward_prefetch: int = 1
     activation_checkpointing: bool = False
+    checkpoint_every: int = 1
     cpu_offload: bool = False
     replicate_size: int = 1
     shard_size: int | str | None = None
@@ -229,6 +233,11 @@ class FSDP2Config:
             self.forward_prefetch = _parse_int(self.forward_prefetch, "forward_prefetch", 0)
         self.backward_prefetch = _parse_int(self.backward_prefetch, "backward_prefetch", 0)
         self.activation_checkpointing = parse_bool(self.activation_checkpointing, "activation_checkpointing")
+        self.checkpoint_every = _parse_int(self.checkpoint_every, "checkpoint_every", 1)
+        if self.checkpoint_every > 1 and not self.activation_checkpointing:
+            raise ValueError(f"`checkpoint_every`={self.checkpoint_every} picks which layers activation checkpointing "
+                             "recomputes, but `activation_checkpointing` is off; turn it on, or leave "
+                             "checkpoint_every at 1.")
         self.cpu_offload = parse_bool(self.cpu_offload, "cpu_offload")
         self.async_save = parse_bool(self.async_save, "async_save")
         self.fp8 = parse_bool(self.fp8, "fp8")

@@ -27,8 +27,10 @@ def _plan(budget: int, world: int = 4, device: str = "cuda", **config):
 
 def test_candidates_in_cost_order_and_the_first_that_fits_wins():
     plan = _plan(budget=1 << 40)
-    keys = [(c.cpu_offload, c.activation_checkpointing, c.reshard_after_forward, c.shard_size) for c in plan.candidates]
-    assert keys == sorted(keys) and len(keys) == 2 * 2 * 2 * 3  # offload x AC x reshard x S in {1, 2, 4}
+    keys = [(c.cpu_offload, c.activation_checkpointing, -c.checkpoint_every, c.reshard_after_forward, c.shard_size)
+            for c in plan.candidates]
+    # offload x AC (none, every other layer, every layer) x reshard x S in {1, 2, 4}
+    assert keys == sorted(keys) and len(keys) == 2 * 3 * 2 * 3
     assert plan.chosen is plan.candidates[0] and plan.chosen.shard_size == 1 and plan.chosen.replicate_size == 4
     # Sharding wider needs less per rank; each knob on top of full sharding needs less again.
     full = [c for c in plan.candidates if not (c.cpu_offload or c.activation_checkpointing or c.reshard_after_forward)]
@@ -44,9 +46,31 @@ def test_candidates_in_cost_order_and_the_first_that_fits_wins():
 
 def test_cpu_plans_without_offload_and_gpu_offload_needs_host_room():
     cpu = _plan(budget=1 << 40, device="cpu")
-    assert not any(c.cpu_offload for c in cpu.candidates) and len(cpu.candidates) == 12
-    kept = _plan(budget=1 << 40, activation_checkpointing=True)  # a True you set is kept
-    assert all(c.activation_checkpointing for c in kept.candidates)
+    assert not any(c.cpu_offload for c in cpu.candidates) and len(cpu.candidates) == 18
+    kept = _plan(budget=1 << 40, activation_checkpointing=True)  # a True you set is kept, every layer
+    assert all(c.activation_checkpointing and c.checkpoint_every == 1 for c in kept.candidates)
+
+
+def test_checkpointing_every_other_layer_is_costed_between_none_and_every_layer():
+    """Selective layer checkpointing (checkpoint_every=2): the estimate keeps the other layers'
+    activations and recomputes one checkpointed layer; the planner tries it before every layer."""
+    from hf_fsdp2.sharding.memory import estimate_memory
+
+    def activations(**kwargs):
+        return estimate_memory(tiny_config(), 2, FSDP2Config(**kwargs), batch_size=4, seq_len=256).activations
+
+    none, every, other = (activations(), activations(activation_checkpointing=True),
+                          activations(activation_checkpointing=True, checkpoint_every=2))
+    assert len(other.layer_bytes) == 3 and every.peak_bytes < other.peak_bytes < none.peak_bytes
+    assert other.peak_bytes == (other.outside_layers_bytes + other.layer_inputs_bytes + other.layer_bytes[1]
+                                + max(other.layer_bytes[0], other.layer_bytes[2]))  # layers 0 and 2 checkpointed
+    plan = _plan(budget=1 << 40, device="cpu")
+    leanest_other = min(c.needed_bytes for c in plan.candidates if c.checkpoint_every == 2)
+    tight = _plan(budget=leanest_other, device="cpu")
+    assert tight.chosen.checkpoint_every == 2 and tight.chosen.activation_checkpointing
+    assert tight.config(FSDP2Config(shard_size="auto", memory_budget=1)).checkpoint_every == 2
+    with pytest.raises(ValueError, match="checkpoint_every.*activation_checkpointing"):
+        FSDP2Config(checkpoint_every=2)
 
 
 def test_nothing_fits_names_the_smallest_budget():
@@ -81,7 +105,7 @@ def test_plan_command(tmp_path, capsys):
     assert "<- chosen" in table and "chosen: shard_size=1 x 4 replicas" in table
     assert cli_main(["plan", "--model", str(config_json), "--world-size", "4", "--memory", "1KB", "--json"]) == 1
     out = json.loads(capsys.readouterr().out)
-    assert out["chosen"] is None and out["smallest_workable_budget"] > 1000 and len(out["candidates"]) == 24
+    assert out["chosen"] is None and out["smallest_workable_budget"] > 1000 and len(out["candidates"]) == 36
 
 
 def _auto_and_compile(rank: int, world: int, root: str) -> dict:

@@ -116,7 +116,7 @@ def trace_activations(model: nn.Module, layers: Sequence[nn.Module], batch_size:
     return ActivationMemory(
         batch_size=batch_size, seq_len=seq_len, checkpointing=False, peak_bytes=saved, saved_bytes=saved,
         outside_layers_bytes=total(outside), layer_inputs_bytes=total(inputs - outside),
-        largest_layer_bytes=largest,
+        largest_layer_bytes=largest, layer_bytes=tuple(per_layer),
     ).with_checkpointing(checkpointing)
 
 

@@ -48,15 +48,16 @@ def apply_fp8(model: nn.Module, plan: ShardPlan) -> fp8.Fp8Conversion:
     return conversion
 
 
-def apply_activation_checkpointing(model: nn.Module, layers: list[nn.Module]) -> list[nn.Module]:
-    """Wrap each layer in torch's non-reentrant `CheckpointWrapper`, in place; returns the wrappers.
+def apply_activation_checkpointing(model: nn.Module, layers: list[nn.Module], every: int = 1) -> list[nn.Module]:
+    """Wrap every `every`-th layer (0, every, 2 x every, ...) in torch's non-reentrant
+    `CheckpointWrapper`, in place; returns the layers with those replaced by their wrappers.
 
     Applied before `fully_shard` so each wrapper becomes the group: FSDP's unshard happens outside
     the checkpointed region and again, through its pre-backward hook, for the recomputation.
     """
     wrapped: list[nn.Module] = []
-    for layer in layers:
-        if isinstance(layer, CheckpointWrapper):
+    for index, layer in enumerate(layers):
+        if isinstance(layer, CheckpointWrapper) or index % every:
             wrapped.append(layer)
             continue
         parent, name = _parent_of(model, layer)
@@ -220,7 +221,7 @@ def shard_model(
         apply_fp8(model, plan)
     apply_frozen_dtype(model, config.frozen_dtype)
     if config.activation_checkpointing:
-        plan.layers = apply_activation_checkpointing(model, plan.layers)
+        plan.layers = apply_activation_checkpointing(model, plan.layers, config.checkpoint_every)
     if config.compile:
         compile_layers(plan.layers)
     if any(is_compiled(layer) or isinstance(layer, CheckpointWrapper) for layer in plan.layers):

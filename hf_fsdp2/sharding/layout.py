@@ -45,6 +45,7 @@ class Candidate:
     replicate_size: int
     reshard_after_forward: bool
     activation_checkpointing: bool
+    checkpoint_every: int
     cpu_offload: bool
     estimate: MemoryEstimate
     needed_bytes: int  # what must fit the budget: the device peak (on CPU: device + host, one RAM)
@@ -55,7 +56,9 @@ class Candidate:
         layout = (f"shard_size={self.shard_size}" if self.replicate_size == 1
                   else f"shard_size={self.shard_size} x {self.replicate_size} replicas")
         return (f"{layout}, reshard_after_forward={self.reshard_after_forward}, "
-                f"activation_checkpointing={self.activation_checkpointing}, cpu_offload={self.cpu_offload}")
+                f"activation_checkpointing={self.activation_checkpointing}"
+                + (f" (checkpoint_every={self.checkpoint_every})" if self.checkpoint_every > 1 else "")
+                + f", cpu_offload={self.cpu_offload}")
 
 
 @dataclass(frozen=True)
@@ -86,6 +89,7 @@ class LayoutPlan:
         return base.replace(shard_size=chosen.shard_size, replicate_size=chosen.replicate_size,
                             reshard_after_forward=chosen.reshard_after_forward,
                             activation_checkpointing=chosen.activation_checkpointing,
+                            checkpoint_every=chosen.checkpoint_every,
                             cpu_offload=chosen.cpu_offload, memory_budget=None)
 
     def failure(self) -> str:
@@ -120,11 +124,17 @@ class LayoutPlan:
         for i, c in enumerate(self.candidates, 1):
             mark = "  <- chosen" if c is chosen else ""
             lines.append(f"{i:>3}  {f'{c.shard_size} x {c.replicate_size}':>12}  {str(c.reshard_after_forward):>7}  "
-                         f"{str(c.activation_checkpointing):>5}  {str(c.cpu_offload):>7}  "
+                         f"{_ac_label(c):>5}  {str(c.cpu_offload):>7}  "
                          f"{format_bytes(c.needed_bytes):>12}  {format_bytes(c.host_bytes) if c.host_bytes else '-':>10}  "
                          f"{'yes' if c.fits else 'no'}{mark}")
         lines.append(f"chosen: {chosen.describe()}" if chosen else self.failure())
         return "\n".join(lines)
+
+
+def _ac_label(c: Candidate) -> str:
+    if not c.activation_checkpointing:
+        return "False"
+    return "True" if c.checkpoint_every == 1 else f"1/{c.checkpoint_every}"
 
 
 def default_budget(device_type: str, local_world_size: int) -> tuple[int, str]:
@@ -182,14 +192,18 @@ def plan_layout(prepared: MetaTrainingModel, world_size: int, config: FSDP2Confi
     shard_sizes = divisors(world_size)
     keep_ac = config.activation_checkpointing or checkpointing_fixed
     offloads = [True] if config.cpu_offload else ([False] if device_type == "cpu" else [False, True])
+    # Checkpointing every other layer recomputes half as much as every layer: tried in between.
+    # Checkpointing you set (or layers already wrapped, every one) is kept as it is.
+    checkpointing = ([(True, 1)] if checkpointing_fixed else [(True, config.checkpoint_every)] if keep_ac
+                     else [(False, 1), (True, 2), (True, 1)])
     candidates = []
     for offload in offloads:
-        for ac in ([True] if keep_ac else [False, True]):
+        for ac, every in checkpointing:
             for reshard in (False, True):
                 for shard in shard_sizes:
                     layout = config.replace(shard_size=shard, replicate_size=world_size // shard, memory_budget=None,
                                             reshard_after_forward=reshard, activation_checkpointing=ac,
-                                            cpu_offload=offload)
+                                            checkpoint_every=every, cpu_offload=offload)
                     estimate = prepared.estimate(world_size, layout, batch_size=batch_size, seq_len=seq_len)
                     if estimate.activations is None:
                         raise ValueError(f"shard_size='auto' cannot plan {estimate.model_type}: its activations "
@@ -198,7 +212,7 @@ def plan_layout(prepared: MetaTrainingModel, world_size: int, config: FSDP2Confi
                     host = estimate.host_bytes if device_type != "cpu" else 0
                     needed = estimate.device_bytes + (estimate.host_bytes if device_type == "cpu" else 0)
                     fits = needed <= budget_bytes and (host_budget_bytes is None or host <= host_budget_bytes)
-                    candidates.append(Candidate(shard, world_size // shard, reshard, ac, offload, estimate,
+                    candidates.append(Candidate(shard, world_size // shard, reshard, ac, every, offload, estimate,
                                                 needed, host, fits))
     return LayoutPlan(world_size=world_size, device_type=device_type, budget_bytes=budget_bytes,
                       budget_source=budget_source, host_budget_bytes=host_budget_bytes, batch_size=batch_size,

@@ -32,13 +32,23 @@ class ActivationMemory:
     outside_layers_bytes: int  # saved by the embedding, final norm, lm_head and loss, + the logits
     layer_inputs_bytes: int  # all decoder layers' inputs: what checkpointing keeps per layer
     largest_layer_bytes: int  # one decoder layer's saved activations (recomputed during backward with AC)
+    layer_bytes: tuple[int, ...] = ()  # each decoder layer's saved activations, inputs excluded
+    checkpoint_every: int = 1
 
-    def with_checkpointing(self, checkpointing: bool) -> "ActivationMemory":
+    def with_checkpointing(self, checkpointing: bool, every: int = 1) -> "ActivationMemory":
         """The same trace, its peak with or without activation checkpointing: everything outside the
-        layers + every layer's inputs + one layer recomputed, or everything saved."""
-        peak = (self.outside_layers_bytes + self.layer_inputs_bytes + self.largest_layer_bytes
-                if checkpointing else self.saved_bytes)
-        return dataclasses.replace(self, checkpointing=checkpointing, peak_bytes=peak)
+        layers + every layer's inputs + what the layers that are not checkpointed save + one
+        checkpointed layer recomputed (`every`: layers 0, every, 2 x every, ... are checkpointed), or
+        everything saved."""
+        if not checkpointing:
+            return dataclasses.replace(self, checkpointing=False, checkpoint_every=1, peak_bytes=self.saved_bytes)
+        if every == 1 or not self.layer_bytes:
+            kept, recomputed = 0, self.largest_layer_bytes
+        else:
+            kept = sum(b for i, b in enumerate(self.layer_bytes) if i % every)
+            recomputed = max(b for i, b in enumerate(self.layer_bytes) if i % every == 0)
+        peak = self.outside_layers_bytes + self.layer_inputs_bytes + kept + recomputed
+        return dataclasses.replace(self, checkpointing=True, checkpoint_every=every, peak_bytes=peak)
 
 
 @dataclass(frozen=True)
@@ -149,7 +159,8 @@ class MemoryEstimate:
             rows.append(("4-bit: largest weight dequantized for its matmul", self.dequantized_peak_bytes, 0))
         a = self.activations
         if a is not None:
-            ac = "with activation checkpointing" if a.checkpointing else "no checkpointing"
+            ac = ("no checkpointing" if not a.checkpointing else "with activation checkpointing"
+                  + (f" of 1 layer in {a.checkpoint_every}" if a.checkpoint_every > 1 else ""))
             rows.append((f"activations: batch {a.batch_size} x seq {a.seq_len}, {ac}", a.peak_bytes, 0))
         return rows
 
