@@ -45,6 +45,9 @@ CONTESTANTS
               plus each decoder layer): the configuration PEFT's docs and the seeds use.
               full: `transformer_auto_wrap_policy` on the decoder layer class (Accelerate's FSDP1
               TRANSFORMER_BASED_WRAP); `--fsdp1-full-policy peft` uses PEFT's policy there too.
+  transformers  opt-in peer: transformers' own FSDP2, `from_pretrained(..., distributed_config=
+              DistributedConfig(fsdp_size=world))` on the same weights (saved first); full fine-tune only
+              (transformers does not support PEFT with it).
   ddp         `DistributedDataParallel` (default buckets, broadcast_buffers=True) with torch's own
               `default_hooks.allreduce_hook` registered, so its gradient all-reduces go through
               `dist.all_reduce` where they can be counted (the same divide + all-reduce the built-in
@@ -111,7 +114,8 @@ REPO, RESULTS_DIR = harness.REPO, harness.RESULTS_DIR
 MiB = 1 << 20
 CONTESTANTS = ("ours", "accelerate", "fsdp1", "ddp")
 EXTRA = ("ours_zero2", "ours_plain", "ours_bf16", "ours_fp8", "ours_auto", "ours_auto_tight", "ours_compile",
-         "replicate")  # opt-in settings of ours (and torch's replicate, a candidate): not peers, not in the targets
+         "replicate", "transformers")  # opt-in settings of ours (and torch's replicate, a candidate; transformers'
+# own FSDP, a peer run on request since it needs its own load): not in the targets
 PEERS = ("accelerate", "fsdp1", "ddp")
 OPTIMIZERS = {"fused": {"fused": True}, "foreach": {"foreach": True}, "loop": {"foreach": False}}
 MODES = ("lora", "full")
@@ -374,6 +378,35 @@ def wrap_replicate(model, ctx):
     return replicate(model)
 
 
+def wrap_transformers(model, ctx):
+    """transformers' own FSDP2 (>= 5.2x): the same weights saved, then `from_pretrained(...,
+    distributed_config=DistributedConfig(fsdp_size=world))`, which applies `fully_shard` per its
+    model's FSDP plan at load (transformers/distributed/fsdp.py). Full fine-tune only: transformers'
+    FSDP is not made to work with PEFT (its own TODO there), so LoRA reports "not supported"."""
+    import tempfile
+
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+    from transformers.distributed import DistributedConfig
+
+    if hasattr(model, "peft_config"):
+        raise NotImplementedError("transformers' distributed_config FSDP with PEFT: not supported by transformers")
+    directory = [tempfile.mkdtemp(prefix="train_bench-") if ctx["rank"] == 0 else None]
+    dist.broadcast_object_list(directory)
+    if ctx["rank"] == 0:
+        model.save_pretrained(directory[0])
+    dist.barrier()
+    sharded = AutoModelForCausalLM.from_pretrained(
+        directory[0], dtype=next(model.parameters()).dtype,
+        distributed_config=DistributedConfig(fsdp_size=dist.get_world_size()))
+    dist.barrier()
+    if ctx["rank"] == 0:
+        import shutil
+
+        shutil.rmtree(directory[0], ignore_errors=True)
+    return sharded
+
+
 def wrap_ours_compile(model, ctx):
     from hf_fsdp2 import FSDP2Config, shard_model
 
@@ -383,7 +416,7 @@ def wrap_ours_compile(model, ctx):
 WRAPPERS = {"ours": wrap_ours, "accelerate": wrap_accelerate, "fsdp1": wrap_fsdp1, "ddp": wrap_ddp,
             "ours_zero2": wrap_ours_zero2, "ours_plain": wrap_ours_plain, "ours_bf16": wrap_ours_bf16,
             "ours_fp8": wrap_ours_fp8, "ours_auto": wrap_ours_auto, "ours_auto_tight": wrap_ours_auto_tight,
-            "ours_compile": wrap_ours_compile, "replicate": wrap_replicate}
+            "ours_compile": wrap_ours_compile, "replicate": wrap_replicate, "transformers": wrap_transformers}
 
 
 def make_optimizer(model, lr: float, kind: str):

@@ -11,39 +11,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from .common import batches, build_model, lora
-from .dist_harness import accelerate_launch, free_port, run_launched
+from .common import build_model
+from .dist_harness import accelerate_launch, free_port
+from .launched_runs import launch, reference_losses
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "scripts" / "accel_train.py"
 CONFIGS = ROOT / "accelerate_configs"
 GLOBAL_BATCH = 8
-
-
-def launch(config: str, processes: int, out: Path, *script_args: str, launch_args: tuple = (), env=None,
-           timeout: int = 300) -> dict:
-    cmd = accelerate_launch(CONFIGS / config, *launch_args, processes=processes) + [
-        str(SCRIPT), "--out", str(out), "--per-device-batch", str(GLOBAL_BATCH // processes), *script_args]
-    run_launched(cmd, cwd=ROOT, env=env, timeout=timeout)
-    return json.loads(out.read_text())
-
-
-def reference_losses(steps: int = 5, use_lora: bool = False, model=None) -> list[float]:
-    """tests/scripts/accel_train.py's loop on one process, on `model` (trained in place) or a new one."""
-    if model is None:
-        model = lora(build_model()) if use_lora else build_model()
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.01)
-    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
-    losses = []
-    for ids in batches(steps=steps, batch=GLOBAL_BATCH):
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
 
 
 @pytest.mark.oldest

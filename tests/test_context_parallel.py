@@ -45,7 +45,7 @@ def test_accelerate_launch_with_cp_size_2_matches_one_process(tmp_path):
     """`accelerate launch --config_file accelerate_configs/fsdp2_cp.yaml` (dp_shard 2 x cp 2) with
     register(): every sequence split over 2 ranks inside `maybe_context_parallel`, FSDP2 over the 4
     ranks; losses equal one process on the same global batch, and the state resumes on plain FSDP."""
-    from .test_accelerate import launch, reference_losses
+    from .launched_runs import launch, reference_losses
 
     out = launch("fsdp2_cp.yaml", 4, tmp_path / "cp.json", "--steps", "3", "--per-device-batch", "4",
                  "--save-state", str(tmp_path / "state"))
@@ -59,18 +59,11 @@ def test_accelerate_launch_with_cp_size_2_matches_one_process(tmp_path):
 def test_trainer_under_accelerate_launch_with_cp_size_2_matches_one_process(tmp_path):
     """A Trainer script under the same CP config: the Trainer enters `maybe_context_parallel` itself
     (labels shifted and positions made before the split); losses equal one process's."""
-    from pathlib import Path
+    from .launched_runs import single_trainer_losses, trainer_under_launch
 
-    from .dist_harness import accelerate_launch
-    from .test_trainer import run_script, train
-
-    config = Path(__file__).resolve().parents[1] / "accelerate_configs" / "fsdp2_cp.yaml"
-    # 2 data-parallel ranks (of 4 processes) x 4 rows = the single process's 8.
-    out = run_script(accelerate_launch(config, processes=4), tmp_path / "cp.json", tmp_path / "cp", 2, 3,
-                     "--save_strategy", "no")
-    single = train(tmp_path, "single", 1, 3, "--save_strategy", "no")
+    out = trainer_under_launch("fsdp2_cp.yaml", tmp_path)
     assert out["all_dtensor"] and out["world"] == 4
-    assert out["losses"] == pytest.approx(single["losses"], rel=1e-4)
+    assert out["losses"] == pytest.approx(single_trainer_losses(tmp_path, 3), rel=1e-4)
 
 
 def test_a_training_forward_outside_maybe_context_parallel_is_refused_by_name():

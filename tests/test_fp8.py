@@ -186,9 +186,9 @@ def test_accelerate_mixed_precision_fp8_with_torchao_is_ours(tmp_path):
     prepared optimizer precomputes the scales, losses track fp32's, the model saves as usual."""
     from transformers import AutoModelForCausalLM
 
-    from tests.test_accelerate import launch
+    from tests.launched_runs import launch
 
-    from tests.test_accelerate import reference_losses
+    from tests.launched_runs import reference_losses
 
     fp8_run = launch("fsdp2.yaml", 2, tmp_path / "fp8.json", "--steps", "4", "--save-model", str(tmp_path / "model"),
                      launch_args=("--mixed_precision", "fp8"), env={"ACCELERATE_FP8_BACKEND": "AO"})

@@ -129,7 +129,7 @@ def test_accelerate_backend_saves_and_resumes_with_a_default_group_that_refuses_
     mesh), `save_model`, a background `save_state`, then `load_state` in a new launch."""
     from transformers import AutoModelForCausalLM
 
-    from tests.test_accelerate import launch, reference_losses
+    from tests.launched_runs import launch, reference_losses
 
     reference = reference_losses()
     build_model().save_pretrained(tmp_path / "base")
@@ -147,7 +147,7 @@ def test_accelerate_backend_saves_and_resumes_with_a_default_group_that_refuses_
 
 def test_trainer_checkpoint_and_resume_with_a_default_group_that_refuses_cpu_tensors(tmp_path):
     """The Trainer (`--fsdp`, torchrun): a checkpoint at step 2, then resumed to step 3 in a new launch."""
-    from tests.test_trainer import train
+    from tests.launched_runs import train
 
     first = train(tmp_path, "first", 2, 3, "--save_strategy", "steps", "--save_steps", "2", env=NCCL_LIKE_SCRIPTS)
     assert first["all_dtensor"] and first["world"] == 2

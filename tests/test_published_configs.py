@@ -78,7 +78,7 @@ def test_peft_qlora_config_unchanged_shards_rank0s_4bit_weights(tmp_path):
     from peft import PeftModel
 
     from tests.common import batches, build_model, lora
-    from tests.test_accelerate import launch, reference_losses
+    from tests.launched_runs import launch, reference_losses
     from tests.test_qlora import stock_4bit
 
     base = tmp_path / "base"  # as tests/test_qlora.py's bf16_dir: in_features multiples of the blocksize 64
@@ -102,7 +102,7 @@ def test_trl_fsdp2_config_unchanged_loads_from_rank0_and_saves_full_state(tmp_pa
     from transformers import AutoModelForCausalLM
 
     from tests.common import build_model
-    from tests.test_accelerate import launch, reference_losses
+    from tests.launched_runs import launch, reference_losses
 
     build_model().save_pretrained(tmp_path / "base")
     out = launch(str(trl_config("fsdp2.yaml")), 2, tmp_path / "a.json", "--steps", "3", "--from-pretrained",

@@ -277,7 +277,7 @@ def test_qlora_sharded_equals_one_process(bf16_dir, tmp_path):
 
 def test_accelerate_qlora_yaml_shards_the_4bit_base(bf16_dir, tmp_path):
     from tests.common import lora
-    from tests.test_accelerate import launch, reference_losses
+    from tests.launched_runs import launch, reference_losses
 
     # mixed_precision overridden to 'no' (the yaml says bf16) so losses compare with an fp32 reference.
     out = launch("fsdp2_qlora.yaml", 2, tmp_path / "a.json", "--steps", "3", "--lora", "--from-pretrained",
@@ -303,7 +303,7 @@ def test_trainer_flag_trains_qlora_with_a_sharded_4bit_base(bf16_dir, tmp_path):
     """The Trainer's own flag shards the 4-bit base and checkpoints adapter + optimizer. (Equality
     with one process is the Accelerate test's, the same engine; elastic resume of a QLoRA state is
     the 4-rank/2-rank test's; the Trainer's resume path is tests/test_trainer.py's.)"""
-    from tests.test_trainer import train
+    from tests.launched_runs import train
 
     flags = ("--lora", "true", "--load_in_4bit", str(bf16_dir))
     sharded = train(tmp_path, "sharded", 2, 3, "--save_strategy", "steps", "--save_steps", "3", *flags)

@@ -221,7 +221,7 @@ def test_accelerate_launch_with_tp_size_2_matches_one_process(tmp_path):
     register(): Accelerate's own TP step (broken on transformers 5.x) is passed over, hf_fsdp2 applies
     the model's TP plan on the accelerator's mesh; losses equal one process on the same global batch,
     and the state it saves resumes on plain FSDP."""
-    from .test_accelerate import launch, reference_losses
+    from .launched_runs import launch, reference_losses
 
     out = launch("fsdp2_tp.yaml", 4, tmp_path / "tp.json", "--steps", "3", "--per-device-batch", "4",
                  "--save-state", str(tmp_path / "state"))
@@ -239,7 +239,7 @@ def test_lora_under_accelerate_launch_with_tp_size_2_matches_one_process(tmp_pat
     from peft import PeftModel
 
     from .common import lora
-    from .test_accelerate import launch, reference_losses
+    from .launched_runs import launch, reference_losses
 
     out = launch("fsdp2_tp.yaml", 4, tmp_path / "tp.json", "--steps", "3", "--per-device-batch", "4", "--lora",
                  "--save-model", str(tmp_path / "adapter"))
@@ -255,15 +255,8 @@ def test_lora_under_accelerate_launch_with_tp_size_2_matches_one_process(tmp_pat
 def test_trainer_under_accelerate_launch_with_tp_size_2_matches_one_process(tmp_path):
     """A Trainer script under the same TP config: the Trainer builds its Accelerator from the launch
     config's parallelism settings; hf_fsdp2 applies TP x FSDP2; losses equal one process's."""
-    from pathlib import Path
+    from .launched_runs import single_trainer_losses, trainer_under_launch
 
-    from .dist_harness import accelerate_launch
-    from .test_trainer import run_script, train
-
-    config = Path(__file__).resolve().parents[1] / "accelerate_configs" / "fsdp2_tp.yaml"
-    # 2 data-parallel ranks (of 4 processes) x 4 rows = the single process's 8.
-    out = run_script(accelerate_launch(config, processes=4), tmp_path / "tp.json", tmp_path / "tp", 2, 3,
-                     "--save_strategy", "no")
-    single = train(tmp_path, "single", 1, 3, "--save_strategy", "no")
+    out = trainer_under_launch("fsdp2_tp.yaml", tmp_path)
     assert out["all_dtensor"] and out["world"] == 4
-    assert out["losses"] == pytest.approx(single["losses"], rel=1e-4)
+    assert out["losses"] == pytest.approx(single_trainer_losses(tmp_path, 3), rel=1e-4)

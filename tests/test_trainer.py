@@ -11,31 +11,12 @@ from pathlib import Path
 import pytest
 
 from .common import saved_tensors
-from .dist_harness import accelerate_launch, run_launched, torchrun
+from .dist_harness import accelerate_launch
+from .launched_runs import run_script, train
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "scripts" / "trainer_train.py"
 GLOBAL_BATCH = 8
-
-
-def run_script(launcher: list[str], report: Path, output_dir: Path, processes: int, max_steps: int,
-               *extra: str, env: dict | None = None) -> dict:
-    """Run the Trainer script under `launcher` with the shared training arguments; its report."""
-    cmd = [*launcher, str(SCRIPT), "--report", str(report), "--output_dir", str(output_dir),
-           "--max_steps", str(max_steps), "--per_device_train_batch_size", str(GLOBAL_BATCH // processes),
-           "--learning_rate", "1e-2", "--lr_scheduler_type", "constant", "--logging_steps", "1",
-           "--report_to", "none", "--disable_tqdm", "true", *extra]
-    run_launched(cmd, cwd=ROOT, env=env, timeout=300)
-    out = json.loads(report.read_text())
-    out["losses"] = [out["losses"][str(i)] for i in range(1, max_steps + 1)]
-    return out
-
-
-def train(tmp: Path, name: str, processes: int, max_steps: int, *extra: str, env: dict | None = None) -> dict:
-    """torchrun with the Trainer's own flag: `--fsdp full_shard --fsdp_config accelerate_configs/fsdp2.json`."""
-    launcher = torchrun(processes)
-    return run_script(launcher, tmp / f"{name}.json", tmp / "out", processes, max_steps, "--fsdp", "full_shard",
-                      "--fsdp_config", str(ROOT / "accelerate_configs" / "fsdp2.json"), *extra, env=env)
 
 
 @pytest.mark.parametrize("use_lora, before, after", [(False, 2, 1), (True, 1, 2)])
