@@ -288,7 +288,7 @@ def _run_plan(args: argparse.Namespace) -> int:
             return {"shard_size": c.shard_size, "replicate_size": c.replicate_size,
                     "reshard_after_forward": c.reshard_after_forward,
                     "activation_checkpointing": c.activation_checkpointing, "checkpoint_every": c.checkpoint_every,
-                    "cpu_offload": c.cpu_offload,
+                    "activation_offload": c.activation_offload, "cpu_offload": c.cpu_offload,
                     "needed_bytes": c.needed_bytes, "host_bytes": c.host_bytes, "fits": c.fits}
         print(json.dumps({"budget_bytes": budget, "world_size": args.world_size, "device": args.device,
                           "chosen": row(plan.chosen) if plan.chosen else None,

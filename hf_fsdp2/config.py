@@ -155,6 +155,9 @@ class FSDP2Config:
         checkpoint_every: with `activation_checkpointing`, checkpoint every k-th decoder layer (layers 0,
             k, 2k, ...; torchtitan's selective layer checkpointing, its `selective_ac_option`): 1, every
             layer; 2 keeps half the layers' activations for half the recomputation.
+        activation_offload: move what each decoder layer saves for backward to host memory in forward
+            and back in backward (sharding/activation_offload.py; pinned on CUDA; nothing moves on a CPU
+            device). An alternative to `activation_checkpointing`: no recomputation, two copies.
         cpu_offload: keep sharded params, grads and optimizer states in CPU memory.
         replicate_size: HSDP replicas (1 = plain FSDP).
         tp_size: tensor parallelism (sharding/tensor_parallel.py): the model's own TP plan (transformers'
@@ -198,6 +201,7 @@ class FSDP2Config:
     backward_prefetch: int = 1
     activation_checkpointing: bool = False
     checkpoint_every: int = 1
+    activation_offload: bool = False
     cpu_offload: bool = False
     replicate_size: int = 1
     shard_size: int | str | None = None
@@ -238,6 +242,11 @@ class FSDP2Config:
             raise ValueError(f"`checkpoint_every`={self.checkpoint_every} picks which layers activation checkpointing "
                              "recomputes, but `activation_checkpointing` is off; turn it on, or leave "
                              "checkpoint_every at 1.")
+        self.activation_offload = parse_bool(self.activation_offload, "activation_offload")
+        if self.activation_offload and (self.activation_checkpointing or self.wrap_policy != "transformer"):
+            raise ValueError("`activation_offload` moves each decoder layer's saved activations to the host: it needs "
+                             "`wrap_policy`='transformer' and replaces `activation_checkpointing` (a checkpointed "
+                             "layer saves only its inputs); set one of the two.")
         self.cpu_offload = parse_bool(self.cpu_offload, "cpu_offload")
         self.async_save = parse_bool(self.async_save, "async_save")
         self.fp8 = parse_bool(self.fp8, "fp8")

@@ -27,13 +27,14 @@ def _plan(budget: int, world: int = 4, device: str = "cuda", **config):
 
 def test_candidates_in_cost_order_and_the_first_that_fits_wins():
     plan = _plan(budget=1 << 40)
-    keys = [(c.cpu_offload, c.activation_checkpointing, -c.checkpoint_every, c.reshard_after_forward, c.shard_size)
-            for c in plan.candidates]
-    # offload x AC (none, every other layer, every layer) x reshard x S in {1, 2, 4}
-    assert keys == sorted(keys) and len(keys) == 2 * 3 * 2 * 3
+    keys = [(c.cpu_offload, c.activation_offload, c.activation_checkpointing, -c.checkpoint_every,
+             c.reshard_after_forward, c.shard_size) for c in plan.candidates]
+    # offload x activations (kept, checkpointed every other layer, every layer, offloaded) x reshard x S in {1, 2, 4}
+    assert keys == sorted(keys) and len(keys) == 2 * 4 * 2 * 3
     assert plan.chosen is plan.candidates[0] and plan.chosen.shard_size == 1 and plan.chosen.replicate_size == 4
     # Sharding wider needs less per rank; each knob on top of full sharding needs less again.
-    full = [c for c in plan.candidates if not (c.cpu_offload or c.activation_checkpointing or c.reshard_after_forward)]
+    full = [c for c in plan.candidates if not (c.cpu_offload or c.activation_checkpointing or c.reshard_after_forward
+                                               or c.activation_offload)]
     assert [c.needed_bytes for c in full] == sorted((c.needed_bytes for c in full), reverse=True)
     for budget_from in plan.candidates[1:]:
         tight = _plan(budget=budget_from.needed_bytes)
@@ -73,6 +74,37 @@ def test_checkpointing_every_other_layer_is_costed_between_none_and_every_layer(
         FSDP2Config(checkpoint_every=2)
 
 
+def test_activation_offload_moves_the_layers_activations_to_the_host():
+    """Activation offload (sharding/activation_offload.py): the device keeps what the embedding, head and
+    loss save plus one layer brought back; the host holds the layers' activations. A planner
+    candidate on accelerators only (on a CPU host and device are one memory)."""
+    from hf_fsdp2.sharding.memory import estimate_memory
+
+    def estimate(**kwargs):
+        return estimate_memory(tiny_config(), 2, FSDP2Config(**kwargs), batch_size=4, seq_len=256)
+
+    kept, moved = estimate(), estimate(activation_offload=True)
+    a = moved.activations
+    assert a.offloaded and a.peak_bytes == a.outside_layers_bytes + a.largest_layer_bytes
+    assert a.host_bytes == a.layer_inputs_bytes + sum(a.layer_bytes) and moved.host_bytes == a.host_bytes
+    assert a.peak_bytes < kept.activations.peak_bytes
+    assert not any(c.activation_offload for c in _plan(budget=1 << 40, device="cpu").candidates)
+    gpu = _plan(budget=1 << 40)
+    kept_by_layout = {(c.shard_size, c.reshard_after_forward, c.cpu_offload): c for c in gpu.candidates
+                      if not (c.activation_offload or c.activation_checkpointing)}
+    offloaded = [c for c in gpu.candidates if c.activation_offload]
+    assert len(offloaded) == len(kept_by_layout) == 12
+    for c in offloaded:  # the same layout with activations moved: less on the device, more on the host
+        same = kept_by_layout[(c.shard_size, c.reshard_after_forward, c.cpu_offload)]
+        assert c.needed_bytes < same.needed_bytes and c.host_bytes > same.host_bytes
+    tight = _plan(budget=min(c.needed_bytes for c in offloaded))
+    config = tight.config(FSDP2Config(shard_size="auto", memory_budget=1))
+    assert (config.activation_offload, config.activation_checkpointing) == (
+        tight.chosen.activation_offload, tight.chosen.activation_checkpointing)
+    with pytest.raises(ValueError, match="activation_offload.*replaces `activation_checkpointing`"):
+        FSDP2Config(activation_offload=True, activation_checkpointing=True)
+
+
 def test_nothing_fits_names_the_smallest_budget():
     plan = _plan(budget=1000)
     assert plan.chosen is None
@@ -105,7 +137,7 @@ def test_plan_command(tmp_path, capsys):
     assert "<- chosen" in table and "chosen: shard_size=1 x 4 replicas" in table
     assert cli_main(["plan", "--model", str(config_json), "--world-size", "4", "--memory", "1KB", "--json"]) == 1
     out = json.loads(capsys.readouterr().out)
-    assert out["chosen"] is None and out["smallest_workable_budget"] > 1000 and len(out["candidates"]) == 36
+    assert out["chosen"] is None and out["smallest_workable_budget"] > 1000 and len(out["candidates"]) == 48
 
 
 def _auto_and_compile(rank: int, world: int, root: str) -> dict:

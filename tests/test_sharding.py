@@ -327,3 +327,24 @@ def test_wrap_policy_and_ignored_modules_are_validated():
 
     with pytest.raises(ValueError, match=r"matches no module of LlamaForCausalLM .*model\.embed_tokens"):
         ignored_parameters(build_model(), "vision_tower")
+
+
+def _offloaded_activations(rank, world):
+    """`activation_offload=True` (on this CPU device nothing would move), plus the same hooks made to
+    copy host tensors as a device's would be copied: the round trip trains like one process."""
+    from hf_fsdp2.sharding import activation_offload
+
+    model = build_model()
+    shard_model(model, FSDP2Config(activation_offload=True))
+    moved: list[int] = []
+    activation_offload.apply_activation_offload(list(model.model.layers), copy_host_tensors=True, counter=moved)
+    losses = sharded_train(model, batches(), rank, world)
+    return {"losses": losses, "params": full_params(model), "moved_bytes": sum(moved)}
+
+
+def test_activation_offload_round_trip_trains_like_one_process():
+    ref_losses, ref_params = _reference(build_model, batches())
+    out = run_ranks(_offloaded_activations, 2)
+    assert out[0]["losses"] == pytest.approx(ref_losses, abs=LOSS_ATOL)
+    assert_close_dicts(out[0]["params"], ref_params, atol=PARAM_ATOL)
+    assert out[0]["moved_bytes"] > 0

@@ -31,7 +31,8 @@ TRANSFORMERS_SHARD_DIM = "fsdp"  # transformers' name for the dimension FSDP2 sh
 # FSDP2Config fields that decide how a model is sharded: they cannot change once transformers did it.
 _SHARDING_FIELDS = ("wrap_policy", "min_num_params", "ignored_modules", "param_dtype", "reduce_dtype",
                     "output_dtype", "reshard_after_forward", "forward_prefetch", "backward_prefetch",
-                    "activation_checkpointing", "cpu_offload", "frozen_dtype", "fp8", "compile", "memory_budget")
+                    "activation_checkpointing", "checkpoint_every", "activation_offload", "cpu_offload", "frozen_dtype",
+                    "fp8", "compile", "memory_budget")
 
 
 def sharded_by_transformers(model: nn.Module) -> bool:

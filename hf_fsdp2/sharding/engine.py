@@ -31,7 +31,7 @@ from .groups import ShardPlan, apply_frozen_dtype, plan_groups, replicated_froze
 from .layout import resolve_auto_layout
 from .generation import wrap_generate
 from .record import record_of
-from . import adopt, context_parallel, tensor_parallel
+from . import activation_offload, adopt, context_parallel, tensor_parallel
 
 
 # ---------------------------------------------------------------------------------------------
@@ -222,6 +222,8 @@ def shard_model(
     apply_frozen_dtype(model, config.frozen_dtype)
     if config.activation_checkpointing:
         plan.layers = apply_activation_checkpointing(model, plan.layers, config.checkpoint_every)
+    if config.activation_offload:
+        activation_offload.apply_activation_offload(plan.layers)
     if config.compile:
         compile_layers(plan.layers)
     if any(is_compiled(layer) or isinstance(layer, CheckpointWrapper) for layer in plan.layers):

@@ -1,7 +1,9 @@
 """The layout planner: `FSDP2Config(shard_size="auto")` -> the cheapest layout whose estimated peak
 fits the memory budget per rank, decided before anything is allocated.
 
-A layout is (shard size S, `reshard_after_forward`, `activation_checkpointing`, `cpu_offload`); with
+A layout is (shard size S, `reshard_after_forward`, what happens to activations (kept; checkpointed
+every other layer or every layer: `activation_checkpointing`, `checkpoint_every`; or, on an
+accelerator, `activation_offload` to the host), `cpu_offload`); with
 S < world the ranks form world/S HSDP replicas, and S=1 is DDP-like replication (gradients are
 all-reduced, no weight is all-gathered over the network). Each knob buys memory at a price, and the
 planner escalates the cheapest first: a wider shard group costs only all-gather bandwidth,
@@ -46,6 +48,7 @@ class Candidate:
     reshard_after_forward: bool
     activation_checkpointing: bool
     checkpoint_every: int
+    activation_offload: bool
     cpu_offload: bool
     estimate: MemoryEstimate
     needed_bytes: int  # what must fit the budget: the device peak (on CPU: device + host, one RAM)
@@ -58,6 +61,7 @@ class Candidate:
         return (f"{layout}, reshard_after_forward={self.reshard_after_forward}, "
                 f"activation_checkpointing={self.activation_checkpointing}"
                 + (f" (checkpoint_every={self.checkpoint_every})" if self.checkpoint_every > 1 else "")
+                + (", activation_offload=True" if self.activation_offload else "")
                 + f", cpu_offload={self.cpu_offload}")
 
 
@@ -89,7 +93,7 @@ class LayoutPlan:
         return base.replace(shard_size=chosen.shard_size, replicate_size=chosen.replicate_size,
                             reshard_after_forward=chosen.reshard_after_forward,
                             activation_checkpointing=chosen.activation_checkpointing,
-                            checkpoint_every=chosen.checkpoint_every,
+                            checkpoint_every=chosen.checkpoint_every, activation_offload=chosen.activation_offload,
                             cpu_offload=chosen.cpu_offload, memory_budget=None)
 
     def failure(self) -> str:
@@ -132,6 +136,8 @@ class LayoutPlan:
 
 
 def _ac_label(c: Candidate) -> str:
+    if c.activation_offload:
+        return "host"
     if not c.activation_checkpointing:
         return "False"
     return "True" if c.checkpoint_every == 1 else f"1/{c.checkpoint_every}"
@@ -193,17 +199,28 @@ def plan_layout(prepared: MetaTrainingModel, world_size: int, config: FSDP2Confi
     keep_ac = config.activation_checkpointing or checkpointing_fixed
     offloads = [True] if config.cpu_offload else ([False] if device_type == "cpu" else [False, True])
     # Checkpointing every other layer recomputes half as much as every layer: tried in between.
-    # Checkpointing you set (or layers already wrapped, every one) is kept as it is.
-    checkpointing = ([(True, 1)] if checkpointing_fixed else [(True, config.checkpoint_every)] if keep_ac
-                     else [(False, 1), (True, 2), (True, 1)])
+    # What to do with activations: keep them, checkpoint every other layer, every layer, or (on an
+    # accelerator) move them to the host. Checkpointing or offload you set (or layers already wrapped,
+    # every one) is kept as it is.
+    if checkpointing_fixed:
+        checkpointing = [(True, 1, False)]
+    elif keep_ac:
+        checkpointing = [(True, config.checkpoint_every, False)]
+    elif config.activation_offload:
+        checkpointing = [(False, 1, True)]
+    else:
+        checkpointing = [(False, 1, False), (True, 2, False), (True, 1, False)]
+        if device_type != "cpu":
+            checkpointing.append((False, 1, True))
     candidates = []
     for offload in offloads:
-        for ac, every in checkpointing:
+        for ac, every, act_offload in checkpointing:
             for reshard in (False, True):
                 for shard in shard_sizes:
                     layout = config.replace(shard_size=shard, replicate_size=world_size // shard, memory_budget=None,
                                             reshard_after_forward=reshard, activation_checkpointing=ac,
-                                            checkpoint_every=every, cpu_offload=offload)
+                                            checkpoint_every=every, activation_offload=act_offload,
+                                            cpu_offload=offload)
                     estimate = prepared.estimate(world_size, layout, batch_size=batch_size, seq_len=seq_len)
                     if estimate.activations is None:
                         raise ValueError(f"shard_size='auto' cannot plan {estimate.model_type}: its activations "
@@ -212,8 +229,8 @@ def plan_layout(prepared: MetaTrainingModel, world_size: int, config: FSDP2Confi
                     host = estimate.host_bytes if device_type != "cpu" else 0
                     needed = estimate.device_bytes + (estimate.host_bytes if device_type == "cpu" else 0)
                     fits = needed <= budget_bytes and (host_budget_bytes is None or host <= host_budget_bytes)
-                    candidates.append(Candidate(shard, world_size // shard, reshard, ac, every, offload, estimate,
-                                                needed, host, fits))
+                    candidates.append(Candidate(shard, world_size // shard, reshard, ac, every, act_offload, offload,
+                                                estimate, needed, host, fits))
     return LayoutPlan(world_size=world_size, device_type=device_type, budget_bytes=budget_bytes,
                       budget_source=budget_source, host_budget_bytes=host_budget_bytes, batch_size=batch_size,
                       seq_len=seq_len, candidates=tuple(candidates))

@@ -183,7 +183,8 @@ class MetaTrainingModel:
     _activations: dict = field(default_factory=dict)
 
     def activations(self, batch_size: int, seq_len: int, compute_dtype: torch.dtype | None,
-                    checkpointing: bool, every: int = 1) -> tuple[ActivationMemory | None, str | None]:
+                    checkpointing: bool, every: int = 1,
+                    offload: bool = False) -> tuple[ActivationMemory | None, str | None]:
         """One meta trace per (batch, seq, dtype) on a copy (the trace casts the model); both the
         plain and the checkpointed peak follow from it."""
         key = (batch_size, seq_len, compute_dtype)
@@ -199,6 +200,8 @@ class MetaTrainingModel:
         traced, error = self._activations[key]
         if traced is None:
             return None, error
+        if offload:
+            return traced.offloaded_to_host(), None
         return traced.with_checkpointing(checkpointing, every), None
 
     def estimate(self, world_size: int, config: FSDP2Config, *, batch_size: int | None = 1,
@@ -274,7 +277,8 @@ def _estimate(prepared: MetaTrainingModel, world_size: int, config: FSDP2Config,
     activations, act_error = None, None
     if batch_size is not None:
         activations, act_error = prepared.activations(batch_size, seq_len, config.param_dtype,
-                                                      config.activation_checkpointing, config.checkpoint_every)
+                                                      config.activation_checkpointing, config.checkpoint_every,
+                                                      config.activation_offload)
 
     trainable = [p for p in params if p.requires_grad]
     notes = [

@@ -34,6 +34,16 @@ class ActivationMemory:
     largest_layer_bytes: int  # one decoder layer's saved activations (recomputed during backward with AC)
     layer_bytes: tuple[int, ...] = ()  # each decoder layer's saved activations, inputs excluded
     checkpoint_every: int = 1
+    offloaded: bool = False
+    host_bytes: int = 0  # with activation offload: the layers' saved activations, in host memory
+
+    def offloaded_to_host(self) -> "ActivationMemory":
+        """Activation offload: what the layers save (their inputs too) lives on the host; the device
+        holds what the embedding, head and loss save, plus one layer's activations brought back in
+        its backward."""
+        layers = self.layer_inputs_bytes + sum(self.layer_bytes)
+        return dataclasses.replace(self, checkpointing=False, checkpoint_every=1, offloaded=True, host_bytes=layers,
+                                   peak_bytes=self.outside_layers_bytes + self.largest_layer_bytes)
 
     def with_checkpointing(self, checkpointing: bool, every: int = 1) -> "ActivationMemory":
         """The same trace, its peak with or without activation checkpointing: everything outside the
@@ -123,7 +133,8 @@ class MemoryEstimate:
     @property
     def host_bytes(self) -> int:
         """Host (CPU) memory for the training state; the process's own RSS is not included."""
-        return self.state_bytes if self.cpu_offload else 0
+        activations = self.activations.host_bytes if self.activations is not None else 0
+        return (self.state_bytes if self.cpu_offload else 0) + activations
 
     def setup(self) -> str:
         """The FSDP2 setup the numbers describe, in one line."""
@@ -159,9 +170,10 @@ class MemoryEstimate:
             rows.append(("4-bit: largest weight dequantized for its matmul", self.dequantized_peak_bytes, 0))
         a = self.activations
         if a is not None:
-            ac = ("no checkpointing" if not a.checkpointing else "with activation checkpointing"
+            ac = ("offloaded to the host" if a.offloaded else "no checkpointing" if not a.checkpointing
+                  else "with activation checkpointing"
                   + (f" of 1 layer in {a.checkpoint_every}" if a.checkpoint_every > 1 else ""))
-            rows.append((f"activations: batch {a.batch_size} x seq {a.seq_len}, {ac}", a.peak_bytes, 0))
+            rows.append((f"activations: batch {a.batch_size} x seq {a.seq_len}, {ac}", a.peak_bytes, a.host_bytes))
         return rows
 
     def format_table(self) -> str:
