@@ -7,19 +7,24 @@ import pytest
 import torch
 
 from .common import build_model
-from .dist_harness import run_ranks
+from .dist_harness import NCCL_LIKE, run_ranks
 
 
 def _ring_attention(rank, world):
-    """torch's `context_parallel` on 2 CPU ranks: SDPA forward and backward equal one process's."""
+    """torch's `context_parallel` on 2 CPU ranks: SDPA forward and backward equal one process's. The cp
+    mesh gets gloo groups of its own where the default group refuses CPU tensors (as
+    `hf_fsdp2.build_mesh` does under NCCL), so nothing may go through the default group."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.experimental import context_parallel
     from torch.distributed.tensor.experimental._attention import context_parallel_unshard
 
     from hf_fsdp2.sharding import context_parallel as cp
 
+    from hf_fsdp2.runtime import collectives
+
     cp.enable_cpu_ring_attention()
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
+    override = None if "cpu" in collectives.default_group_devices() else {0: "gloo"}
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",), backend_override=override)
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, 4, 16, 8, requires_grad=True) for _ in range(3))
     out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -37,8 +42,9 @@ def _ring_attention(rank, world):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
-def test_cpu_ring_attention_equals_one_process():
-    run_ranks(_ring_attention, 2)
+@pytest.mark.parametrize("backend", ["gloo", NCCL_LIKE])
+def test_cpu_ring_attention_equals_one_process(backend):
+    run_ranks(_ring_attention, 2, backend=backend)
 
 
 def test_accelerate_launch_with_cp_size_2_matches_one_process(tmp_path):

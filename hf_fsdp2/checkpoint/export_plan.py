@@ -81,7 +81,7 @@ def _dequantized_rows(module: nn.Module, delta: RowsDelta | None) -> Callable[[]
     def compute() -> torch.Tensor:
         start, stop = row_range(module.weight)
         w = bnb_4bit.dequantize_rows(module, local_tensor(module.weight), local_tensor(module.weight_absmax), start)
-        return w if delta is None else (w.float() + delta(start, stop).to(w.device)).to(w.dtype)
+        return w if delta is None else _plus_delta(w, delta, start, stop)
 
     return compute
 
@@ -90,11 +90,15 @@ def _merged_rows(weight: torch.Tensor, delta: RowsDelta, cache: dict) -> Callabl
     def compute() -> torch.Tensor:
         if cache.get("weight") is not weight:
             start, stop = row_range(weight)
-            w = local_tensor(weight)
-            cache["weight"], cache["block"] = weight, (w.float() + delta(start, stop).to(w.device)).to(w.dtype)
+            cache["weight"], cache["block"] = weight, _plus_delta(local_tensor(weight), delta, start, stop)
         return cache["block"]
 
     return compute
+
+
+def _plus_delta(rows: torch.Tensor, delta: RowsDelta, start: int, stop: int) -> torch.Tensor:
+    """Base rows [start, stop) + the adapter's delta of those rows, added in fp32, in the rows' dtype."""
+    return (rows.float() + delta(start, stop).to(rows.device)).to(rows.dtype)
 
 
 def _as_on_disk(model: nn.Module, items: list[ExportTensor]) -> list[ExportTensor]:

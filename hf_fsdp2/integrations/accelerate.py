@@ -432,15 +432,15 @@ def _fsdp2_prepare_model(accelerator, model: nn.Module) -> nn.Module:
     if config.is_auto_layout and from_rank0:
         raise ValueError("shard_size='auto' with `fsdp_cpu_ram_efficient_loading`: the other ranks hold no weights "
                          "to plan with; set the layout yourself or load with hf_fsdp2.from_pretrained.")
-    if config.is_auto_layout and _cp_size(accelerator) > 1:
-        raise ValueError(f"shard_size='auto' with parallelism_config cp_size={_cp_size(accelerator)}: the layout "
+    cp_size = _cp_size(accelerator)
+    if config.is_auto_layout and cp_size > 1:
+        raise ValueError(f"shard_size='auto' with parallelism_config cp_size={cp_size}: the layout "
                          "planner does not count context parallelism; set the layout yourself.")
     config = resolve_auto_layout(model, config)  # before the mesh, which it chooses
     # With TP, the accelerator's own mesh ("dp_replicate", "dp_shard", "tp"): a model transformers split
     # at load (`device_mesh=accelerator.torch_device_mesh`) is on its "tp" dimension already. With CP,
     # too: `maybe_context_parallel` splits sequences over its "cp" dimension, FSDP2 shards over
     # "dp_shard_cp" (sharding/context_parallel.py).
-    cp_size = _cp_size(accelerator)
     mesh = accelerator.torch_device_mesh if config.tp_size > 1 or cp_size > 1 else build_mesh(config)
     if cp_size > 1 and getattr(accelerator, "_cp_context", None) is not None:
         upstream.wrap_instance_method(accelerator, "_cp_context", "accelerate.accelerator.Accelerator._prepare_cp",

@@ -196,15 +196,13 @@ def plan_layout(prepared: MetaTrainingModel, world_size: int, config: FSDP2Confi
     `cpu_offload` are kept (as is checkpointing when the layers are already wrapped:
     `checkpointing_fixed`). On CPU, offload moves nothing off the device, so it is not a candidate."""
     shard_sizes = divisors(world_size)
-    keep_ac = config.activation_checkpointing or checkpointing_fixed
     offloads = [True] if config.cpu_offload else ([False] if device_type == "cpu" else [False, True])
-    # Checkpointing every other layer recomputes half as much as every layer: tried in between.
-    # What to do with activations: keep them, checkpoint every other layer, every layer, or (on an
-    # accelerator) move them to the host. Checkpointing or offload you set (or layers already wrapped,
-    # every one) is kept as it is.
+    # What to do with activations: keep them, checkpoint every other layer (half the recomputation of
+    # every layer), every layer, or (on an accelerator) move them to the host. Checkpointing or offload
+    # you set (or layers already wrapped, every one) is kept as it is.
     if checkpointing_fixed:
         checkpointing = [(True, 1, False)]
-    elif keep_ac:
+    elif config.activation_checkpointing:
         checkpointing = [(True, config.checkpoint_every, False)]
     elif config.activation_offload:
         checkpointing = [(False, 1, True)]

@@ -52,7 +52,7 @@ class ActivationMemory:
         everything saved."""
         if not checkpointing:
             return dataclasses.replace(self, checkpointing=False, checkpoint_every=1, peak_bytes=self.saved_bytes)
-        if every == 1 or not self.layer_bytes:
+        if not self.layer_bytes:  # a trace without per-layer bytes: every layer checkpointed
             kept, recomputed = 0, self.largest_layer_bytes
         else:
             kept = sum(b for i, b in enumerate(self.layer_bytes) if i % every)
