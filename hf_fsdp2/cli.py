@@ -197,6 +197,7 @@ def _flag_names(e: ValueError) -> ValueError:
     """The library names its arguments; say which flag they came from."""
     message = str(e)
     for name, flag in (("model", "--model"), ("lora_targets", "--lora-targets"), ("lora_r", "--lora-r"),
+                       ("tp_size", "--tp-size"), ("cp_size", "--cp-size"), ("seq_len", "--seq-len"),
                        ("load_in_4bit", "--load-in-4bit"), ("bnb_4bit_use_double_quant", "--double-quant")):
         message = message.replace(f"`{name}`", f"`{flag}`")
     return ValueError(message)
@@ -221,6 +222,12 @@ def _add_estimate_memory(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--activation-checkpointing", action="store_true", help="recompute each decoder layer in backward")
     p.add_argument("--checkpoint-every", type=int, default=1, metavar="K",
                    help="with --activation-checkpointing: checkpoint every K-th decoder layer (default 1: every layer)")
+    p.add_argument("--tp-size", type=_positive_int, default=1, metavar="T",
+                   help="tensor parallelism over T ranks with the model's own TP plan; FSDP shards each rank's block "
+                        "over the other ranks (--world-size / T, or the S of --hsdp)")
+    p.add_argument("--cp-size", type=_positive_int, default=1, metavar="C",
+                   help="context parallelism: C of the shard ranks split every sequence (each holds --seq-len / C "
+                        "tokens)")
     p.set_defaults(handler=_run_estimate_memory)
 
 
@@ -228,14 +235,18 @@ def _run_estimate_memory(args: argparse.Namespace) -> int:
     from .sharding.memory import estimate_memory
 
     replicate, shard = args.hsdp or (1, None)
-    if args.hsdp and replicate * shard != args.world_size:
-        raise ValueError(f"`--hsdp` {replicate}x{shard} covers {replicate * shard} ranks but `--world-size` is "
-                         f"{args.world_size}; R*S must equal the world size.")
+    if args.world_size % args.tp_size:
+        raise ValueError(f"`--tp-size` {args.tp_size} does not divide `--world-size` {args.world_size}.")
+    if args.hsdp and replicate * shard * args.tp_size != args.world_size:
+        raise ValueError(f"`--hsdp` {replicate}x{shard} x `--tp-size` {args.tp_size} covers "
+                         f"{replicate * shard * args.tp_size} ranks but `--world-size` is {args.world_size}; "
+                         "R*S*T must equal the world size.")
     config, setup = _model_setup(args, cpu_offload=args.offload, activation_checkpointing=args.activation_checkpointing,
-                                 checkpoint_every=args.checkpoint_every, replicate_size=replicate, shard_size=shard)
+                                 checkpoint_every=args.checkpoint_every, replicate_size=replicate, shard_size=shard,
+                                 tp_size=args.tp_size)
     try:
         estimate = estimate_memory(args.model, args.world_size, config, batch_size=args.batch_size,
-                                   seq_len=args.seq_len, **setup)
+                                   seq_len=args.seq_len, cp_size=args.cp_size, **setup)
     except ValueError as e:
         raise _flag_names(e) from None
     print(estimate.to_json(indent=2) if args.json else estimate.format_table())
@@ -251,25 +262,44 @@ def _add_plan(commands: argparse._SubParsersAction) -> None:
         "plan",
         help="The layout shard_size='auto' picks: the cheapest that fits a memory budget per rank.",
         description="Cost every layout (shard size S dividing the world size, reshard_after_forward, activation "
-                    "checkpointing, CPU offload) with the estimate-memory accounting and pick the first that fits "
-                    "--memory per rank, in cost order: wider sharding first, then resharding, then checkpointing, "
-                    "then offload. The same decision FSDP2Config(shard_size='auto', memory_budget=...) makes "
-                    "(hf_fsdp2/sharding/layout.py). Exits with 1 when nothing fits, naming the smallest budget "
-                    "that would.",
+                    "checkpointing, context and tensor parallelism, CPU offload) with the estimate-memory accounting "
+                    "and pick the first that fits --memory per rank, in cost order: wider sharding first, then "
+                    "resharding, then checkpointing, then context parallelism, then tensor parallelism, then "
+                    "offload. The same decision FSDP2Config(shard_size='auto', memory_budget=...) makes with the "
+                    "run's own tp/cp sizes (hf_fsdp2/sharding/layout.py). Exits with 1 when nothing fits, naming "
+                    "the smallest budget that would.",
     )
     _add_model_setup(p)
     p.add_argument("--memory", required=True, metavar="SIZE",
                    help="budget per rank, e.g. 80GB, 24GiB (what must hold the estimated peak)")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                    help="cuda (default): offload is a candidate; cpu: one RAM, offload gains nothing")
+    p.add_argument("--tp-sizes", type=_sizes, default="auto", metavar="auto|T,T",
+                   help="tensor-parallel sizes to cost (default auto: those dividing the world and the model's heads, "
+                        "8 at most, when its config has a TP plan; 1: FSDP only)")
+    p.add_argument("--cp-sizes", type=_sizes, default="auto", metavar="auto|C,C",
+                   help="context-parallel sizes to cost (default auto: those dividing the world and half of --seq-len; "
+                        "1: none)")
     p.set_defaults(handler=_run_plan)
+
+
+def _sizes(text: str):
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        sizes = [int(t) for t in text.split(",")]
+    except ValueError:
+        sizes = []
+    if not sizes or any(s < 1 for s in sizes):
+        raise argparse.ArgumentTypeError(f"must be auto or positive integers separated by commas, got {text!r}")
+    return sorted(set(sizes) | {1})
 
 
 def _run_plan(args: argparse.Namespace) -> int:
     import json
 
     from .config import parse_bytes
-    from .sharding.layout import plan_layout
+    from .sharding.layout import parallel_sizes, plan_layout
     from .sharding.memory import prepare_meta_model
 
     try:
@@ -279,13 +309,20 @@ def _run_plan(args: argparse.Namespace) -> int:
     config, setup = _model_setup(args)
     try:
         prepared = prepare_meta_model(args.model, config, **setup)
+        auto_tp, auto_cp = parallel_sizes(prepared, args.world_size, args.seq_len)
+        if args.load_in_4bit or args.fp8:  # not done with TP (shard_model refuses it)
+            auto_tp = [1]
+        tp_sizes = auto_tp if args.tp_sizes == "auto" else args.tp_sizes
+        cp_sizes = auto_cp if args.cp_sizes == "auto" else args.cp_sizes
         plan = plan_layout(prepared, args.world_size, config, budget_bytes=budget, budget_source="--memory",
-                           device_type=args.device, batch_size=args.batch_size, seq_len=args.seq_len)
+                           device_type=args.device, batch_size=args.batch_size, seq_len=args.seq_len,
+                           tp_sizes=tp_sizes, cp_sizes=cp_sizes)
     except ValueError as e:
         raise _flag_names(e) from None
     if args.json:
         def row(c):
-            return {"shard_size": c.shard_size, "replicate_size": c.replicate_size,
+            return {"shard_size": c.shard_size, "replicate_size": c.replicate_size, "tp_size": c.tp_size,
+                    "cp_size": c.cp_size,
                     "reshard_after_forward": c.reshard_after_forward,
                     "activation_checkpointing": c.activation_checkpointing, "checkpoint_every": c.checkpoint_every,
                     "activation_offload": c.activation_offload, "cpu_offload": c.cpu_offload,

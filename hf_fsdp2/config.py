@@ -169,6 +169,7 @@ class FSDP2Config:
             replicas; S=1 is DDP-like replication), then `reshard_after_forward`, then
             `activation_checkpointing` (every other layer, then every layer), then `cpu_offload`. With "auto" those four are the planner's
             (a True `activation_checkpointing` or `cpu_offload` you set is kept); `replicate_size` must stay 1.
+            `tp_size` (and Accelerate's cp_size) are kept and counted: the planner costs the layout with them.
         memory_budget: bytes per rank the auto layout must fit (an int or "80GB", "12GiB"); None: the
             device's memory x 0.85 (CUDA), or the machine's RAM x 0.75 / local ranks (CPU). Needs
             shard_size="auto".
@@ -267,9 +268,6 @@ class FSDP2Config:
             if self.replicate_size != 1:
                 raise ValueError(f"`shard_size`='auto' picks the replicas too; leave `replicate_size` at 1 "
                                  f"(got {self.replicate_size}).")
-            if self.tp_size != 1:
-                raise ValueError(f"`shard_size`='auto' with `tp_size`={self.tp_size}: the layout planner does not "
-                                 "count tensor parallelism yet; give shard_size (or leave it None).")
         elif self.shard_size is not None:
             self.shard_size = _parse_int(self.shard_size, "shard_size", 1)
         if self.memory_budget is not None:

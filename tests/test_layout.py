@@ -105,6 +105,60 @@ def test_activation_offload_moves_the_layers_activations_to_the_host():
         FSDP2Config(activation_offload=True, activation_checkpointing=True)
 
 
+def test_tp_and_cp_divide_what_they_split_and_are_proposed_when_fsdp_alone_does_not_fit():
+    """Tensor and context parallelism in the estimate and the planner (sharding/parallel_shapes.py; the
+    per-rank parameter bytes of TP x FSDP are checked on real ranks in tests/test_memory.py)."""
+    from hf_fsdp2.sharding.activation_trace import trace_activations
+    from hf_fsdp2.sharding.layout import parallel_sizes
+    from hf_fsdp2.sharding.memory import estimate_memory
+    from hf_fsdp2.sharding.meta_model import build_meta_model
+
+    def estimate(cp=1, **kwargs):
+        return estimate_memory(tiny_config(), 4, FSDP2Config(**kwargs), batch_size=2, seq_len=64, cp_size=cp)
+
+    plain, tp, cp = estimate(), estimate(tp_size=2), estimate(cp=2)
+    # CP: each rank traces seq / cp tokens; FSDP still shards over all 4 ranks (dp_shard x cp).
+    assert cp.activations == estimate_memory(tiny_config(), 4, FSDP2Config(), batch_size=2, seq_len=32).activations
+    assert cp.param_bytes == plain.param_bytes
+    # TP: a rank computes with half the heads and MLP features, which is a model with half of them
+    # (embedding, norms and the gathered logits unsplit; hidden size and head_dim unchanged).
+    half = build_meta_model(tiny_config(num_attention_heads=2, num_key_value_heads=1, intermediate_size=64,
+                                        head_dim=16))
+    layers = list(half.model.layers)
+    assert tp.activations.saved_bytes == trace_activations(half, layers, 2, 64).saved_bytes < plain.activations.saved_bytes
+    assert tp.tp_size == 2 and tp.shard_size == 2 and plain.param_bytes < tp.param_bytes < 2 * plain.param_bytes
+    for bad, match in ((dict(cp=3), "`cp_size`=3 must divide the shard size 4"),
+                       (dict(cp=2, tp_size=4), "`cp_size`=2 must divide the shard size 1")):
+        with pytest.raises(ValueError, match=match):
+            estimate(**bad)
+    with pytest.raises(ValueError, match="must divide `seq_len`=63"):
+        estimate_memory(tiny_config(), 4, FSDP2Config(), batch_size=2, seq_len=63, cp_size=2)
+    with pytest.raises(ValueError, match="`tp_size`=2 with `fp8` is not done"):
+        estimate_memory(tiny_config(), 4, FSDP2Config(tp_size=2, fp8=True))
+
+    # The planner: FSDP layouts first (all of them, checkpointing included), then CP, then TP, then both.
+    prepared = prepare_meta_model(tiny_config(), FSDP2Config())
+    tp_sizes, cp_sizes = parallel_sizes(prepared, 4, 64)
+    assert (tp_sizes, cp_sizes) == ([1, 2], [1, 2, 4])  # 2 KV heads: no TP over 4
+
+    def plan(budget):
+        return plan_layout(prepared, 4, FSDP2Config(), budget_bytes=budget, device_type="cpu", batch_size=2,
+                           seq_len=64, tp_sizes=tp_sizes, cp_sizes=cp_sizes)
+
+    candidates = plan(1 << 40).candidates
+    order = [(c.tp_size > 1, c.tp_size, c.cp_size) for c in candidates]
+    assert order == sorted(order) and {(c.tp_size, c.cp_size) for c in candidates} == {
+        (1, 1), (1, 2), (1, 4), (2, 1), (2, 2)}
+    assert all(c.shard_size % c.cp_size == 0 and c.shard_size * c.replicate_size * c.tp_size == 4 for c in candidates)
+    fsdp_only = min(c.needed_bytes for c in candidates if (c.tp_size, c.cp_size) == (1, 1))
+    needs_more = plan(fsdp_only - 1).chosen
+    assert needs_more is not None and needs_more.cp_size > 1 and needs_more.tp_size == 1
+    leanest = min(candidates, key=lambda c: c.needed_bytes)
+    assert leanest.tp_size > 1 or leanest.cp_size > 1
+    assert plan(leanest.needed_bytes).config(FSDP2Config(shard_size="auto", memory_budget=1)).tp_size == \
+        plan(leanest.needed_bytes).chosen.tp_size
+
+
 def test_nothing_fits_names_the_smallest_budget():
     plan = _plan(budget=1000)
     assert plan.chosen is None
@@ -137,7 +191,24 @@ def test_plan_command(tmp_path, capsys):
     assert "<- chosen" in table and "chosen: shard_size=1 x 4 replicas" in table
     assert cli_main(["plan", "--model", str(config_json), "--world-size", "4", "--memory", "1KB", "--json"]) == 1
     out = json.loads(capsys.readouterr().out)
-    assert out["chosen"] is None and out["smallest_workable_budget"] > 1000 and len(out["candidates"]) == 48
+    assert out["chosen"] is None and out["smallest_workable_budget"] > 1000
+    # TP (2 divides both head counts) and CP (1, 2, 4 divide half of seq 2048) are costed too
+    assert {(c["tp_size"], c["cp_size"]) for c in out["candidates"]} == {(1, 1), (1, 2), (1, 4), (2, 1), (2, 2)}
+    assert cli_main(["plan", "--model", str(config_json), "--world-size", "4", "--memory", "1KB", "--json",
+                     "--tp-sizes", "1", "--cp-sizes", "1"]) == 1
+    assert len(json.loads(capsys.readouterr().out)["candidates"]) == 48  # FSDP alone
+    with pytest.raises(SystemExit):
+        cli_main(["plan", "--model", str(config_json), "--world-size", "4", "--memory", "1KB", "--tp-sizes", "two"])
+    assert "--tp-sizes: must be auto or positive integers" in capsys.readouterr().err
+    assert cli_main(["estimate-memory", "--model", str(config_json), "--world-size", "4", "--tp-size", "2",
+                     "--cp-size", "2", "--seq-len", "64", "--json"]) == 0
+    from hf_fsdp2.sharding.memory import estimate_memory
+
+    got = json.loads(capsys.readouterr().out)
+    want = estimate_memory(str(config_json), 4, FSDP2Config(tp_size=2), seq_len=64, cp_size=2)
+    assert (got["tp_size"], got["cp_size"]) == (2, 2) and got["per_rank_max"]["device_bytes"] == want.device_bytes
+    assert cli_main(["estimate-memory", "--model", str(config_json), "--world-size", "4", "--tp-size", "3"]) == 1
+    assert "`--tp-size` 3 does not divide `--world-size` 4" in capsys.readouterr().err
 
 
 def _auto_and_compile(rank: int, world: int, root: str) -> dict:

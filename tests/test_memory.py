@@ -42,10 +42,15 @@ SETUPS = {  # name: (FSDP2Config kwargs, LoRA rank, model overrides)
     # 4-bit with double quantization, loaded by the ranks from a bf16 checkpoint: uint8 rows are neither
     # cast by param_dtype nor by frozen_dtype (which still stores the embedding, norms and lm_head in bf16)
     "qlora_4bit": ({"param_dtype": "bf16", "frozen_dtype": "bf16"}, LORA_R, QLORA_MODEL),
+    # TP x FSDP (2 x 2): the model's TP plan splits q/k/v/gate/up by rows, o/down by columns, the lm_head's
+    # 131 rows 66 + 65 (TP rank 1 holds less); FSDP shards each rank's block. LoRA's factors follow.
+    "tp_2x2": ({"tp_size": 2, "param_dtype": "bf16"}, None, {}),
+    "lora_tp_2x2": ({"tp_size": 2, "param_dtype": "bf16", "frozen_dtype": "bf16"}, LORA_R, {}),
 }
 QUANTIZED = {"qlora_4bit"}
 SETUPS_BY_WORLD = {2: ["full_fp32", "lora_bf16", "tied_bf16"],
-                   4: ["full_bf16", "lora_bf16", "hsdp_2x2", *(["qlora_4bit"] if HAVE_BNB else [])]}
+                   4: ["full_bf16", "lora_bf16", "hsdp_2x2", "tp_2x2", "lora_tp_2x2",
+                       *(["qlora_4bit"] if HAVE_BNB else [])]}
 
 
 def _model(lora_r, overrides):
@@ -100,7 +105,7 @@ def _record_gathered(model, group_names) -> dict[str, int]:
         members = [modules[n] for n in name.split("+")]
 
         def hook(module, args, name=name, members=members):
-            seen[name] = _storage_bytes(p for m in members for p in m.parameters())
+            seen[name] = _storage_bytes(_local(p) for m in members for p in m.parameters())
 
         members[-1].register_forward_pre_hook(hook)
     return seen
@@ -123,6 +128,7 @@ def _measure(rank, world, names, group_names, checkpoints):
             shard_model(model, FSDP2Config(**config_kwargs))
         mesh = record_of(model).mesh
         shard_rank = mesh.get_local_rank("dp_shard") if mesh.ndim > 1 else rank
+        tp_rank = mesh.get_local_rank("tp") if "tp" in (mesh.mesh_dim_names or ()) else 0
         gathered = _record_gathered(model, group_names[name])
         ids = local_rows(batches(steps=1, vocab=MODEL["vocab_size"])[0], rank, world)
         model(input_ids=ids, labels=ids).loss.backward()
@@ -133,6 +139,7 @@ def _measure(rank, world, names, group_names, checkpoints):
         states = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
         out[name] = {
             "shard_rank": shard_rank,
+            "tp_rank": tp_rank,
             "params": sum(_local(p).nbytes for p in params),
             "params_allocated": _storage_bytes(_local(p) for p in params),
             "grads": sum(_local(g).nbytes for g in grads),
@@ -161,8 +168,13 @@ def test_estimate_matches_bytes_on_every_rank(world, tmp_path):
         for rank, per_rank in enumerate(results):
             got = per_rank[name]
             r = got["shard_rank"]
+            where = f"{name}, rank {rank} (shard rank {r}, TP rank {got['tp_rank']})"
+            if got["tp_rank"] > 0:  # the estimate is TP rank 0's, the largest blocks (torch.chunk)
+                for key, value in (("params", est.param_bytes_per_rank[r]), ("grads", est.grad_bytes_per_rank[r]),
+                                   ("optimizer", est.optimizer_bytes_per_rank[r])):
+                    assert 0 < got[key] <= value, where
+                continue
             shard_ranks.add(r)
-            where = f"{name}, rank {rank} (shard rank {r})"
             # to_local(): the unpadded torch.chunk rows of this rank
             assert got["params"] == est.param_bytes_per_rank[r], where
             assert got["grads"] == est.grad_bytes_per_rank[r], where
@@ -178,6 +190,11 @@ def test_estimate_matches_bytes_on_every_rank(world, tmp_path):
     if world == 4:
         lora_est = estimates["lora_bf16"]
         assert lora_est.grad_bytes_per_rank[-1] < lora_est.grad_bytes_per_rank[0]  # LoRA A: 3 rows on 4 ranks
+    if world == 4:  # TP halves each rank's share of the split weights; the lm_head's odd rows differ by TP rank
+        no_tp = estimate_memory(build_model(**MODEL), 2, FSDP2Config(param_dtype="bf16"), batch_size=None)
+        assert estimates["tp_2x2"].param_bytes < 0.6 * no_tp.param_bytes
+        tp1 = [(r["tp_2x2"]["params"], r["tp_2x2"]["shard_rank"]) for r in results if r["tp_2x2"]["tp_rank"] == 1]
+        assert any(got < estimates["tp_2x2"].param_bytes_per_rank[r] for got, r in tp1)
     if "qlora_4bit" in estimates:
         q = estimates["qlora_4bit"]
         assert "nf4" in q.storage_dtypes and q.load_in_4bit and q.double_quant

@@ -53,14 +53,21 @@ def _tp_train_save(rank, world, root):
     return {"losses": _train_checkpointing(model, root, "tp"), "layout": layout}
 
 
-def _resume(rank, world, directory, config, resave):
+def _resume(rank, world, directory, config, resave, with_layout=False):
     model = build_model(seed=123)  # other weights: everything must come from the state
     shard_model(model, config)
     opt = optimizer(model)
     start, _ = load_state(directory, model, opt)
     if resave:
         save_state(resave, model, opt, step=start)
-    return _steps(model, opt, batches(STEPS)[start:])
+    losses = _steps(model, opt, batches(STEPS)[start:])
+    if not with_layout:
+        return losses
+    from hf_fsdp2.sharding import record_of
+
+    record = record_of(model)
+    return losses, {"mesh": list(record.mesh.mesh_dim_names), "shape": list(record.mesh.shape),
+                    "candidates_tp": sorted({c.tp_size for c in record.layout.candidates})}
 
 
 def test_tp_x_fsdp_trains_like_one_process_and_checkpoints_on_any_mesh(tmp_path):
@@ -83,7 +90,8 @@ def test_tp_x_fsdp_trains_like_one_process_and_checkpoints_on_any_mesh(tmp_path)
         torch.testing.assert_close(value, expected[name], atol=1e-4, rtol=0)  # 4 AdamW steps of lr 1e-2
 
     # The TP state resumes on plain FSDP over 4 ranks (which saves it again), on one process, and the
-    # plain save resumes back on TP.
+    # plain save resumes back on TP, laid out by the planner (shard_size="auto" keeps tp_size=2 and
+    # counts it: an ample budget replicates the two TP groups, 2 replicas x 1 shard x tp 2).
     tail = out["losses"][SPLIT:]
     plain = run_ranks(_resume, 4, str(tmp_path / "tp-state"), FSDP2Config(), str(tmp_path / "plain-state"))[0]
     assert plain == pytest.approx(tail, rel=1e-4)
@@ -92,8 +100,10 @@ def test_tp_x_fsdp_trains_like_one_process_and_checkpoints_on_any_mesh(tmp_path)
     start, _ = load_state(tmp_path / "tp-state", model, opt)
     single = reference_train(model, batches(STEPS)[start:], opt=opt)
     assert single == pytest.approx(tail, rel=1e-4)
-    back = run_ranks(_resume, 4, str(tmp_path / "plain-state"), TP, None)[0]
+    auto_tp = FSDP2Config(tp_size=2, shard_size="auto", memory_budget="20GB", plan_seq_len=16)
+    back, layout = run_ranks(_resume, 4, str(tmp_path / "plain-state"), auto_tp, None, with_layout=True)[0]
     assert back == pytest.approx(tail, rel=1e-4)
+    assert layout == {"mesh": ["dp_replicate", "dp_shard", "tp"], "shape": [2, 1, 2], "candidates_tp": [2]}
     # What the TP ranks wrote equals what plain FSDP writes for the same state.
     tp_files, plain_files = saved_tensors(tmp_path / "tp-state"), saved_tensors(tmp_path / "plain-state")
     assert tp_files.keys() == plain_files.keys() and all(torch.equal(tp_files[k], plain_files[k]) for k in tp_files)
@@ -205,7 +215,6 @@ def test_a_model_transformers_sharded_at_load_gets_our_checkpoints(tmp_path):
 
 
 @pytest.mark.parametrize("make, message", [
-    (lambda: FSDP2Config(tp_size=2, shard_size="auto"), "layout planner does not count tensor parallelism"),
     (lambda: FSDP2Config(tp_size=2, wrap_policy="size"), "needs `wrap_policy`='transformer'"),
 ])
 def test_tp_settings_that_cannot_hold_are_refused_by_name(make, message):

@@ -433,15 +433,14 @@ def _fsdp2_prepare_model(accelerator, model: nn.Module) -> nn.Module:
         raise ValueError("shard_size='auto' with `fsdp_cpu_ram_efficient_loading`: the other ranks hold no weights "
                          "to plan with; set the layout yourself or load with hf_fsdp2.from_pretrained.")
     cp_size = _cp_size(accelerator)
-    if config.is_auto_layout and cp_size > 1:
-        raise ValueError(f"shard_size='auto' with parallelism_config cp_size={cp_size}: the layout "
-                         "planner does not count context parallelism; set the layout yourself.")
-    config = resolve_auto_layout(model, config)  # before the mesh, which it chooses
     # With TP, the accelerator's own mesh ("dp_replicate", "dp_shard", "tp"): a model transformers split
     # at load (`device_mesh=accelerator.torch_device_mesh`) is on its "tp" dimension already. With CP,
     # too: `maybe_context_parallel` splits sequences over its "cp" dimension, FSDP2 shards over
-    # "dp_shard_cp" (sharding/context_parallel.py).
-    mesh = accelerator.torch_device_mesh if config.tp_size > 1 or cp_size > 1 else build_mesh(config)
+    # "dp_shard_cp" (sharding/context_parallel.py). That mesh is given, so the auto layout keeps its shape.
+    given = accelerator.torch_device_mesh if config.tp_size > 1 or cp_size > 1 else None
+    config = resolve_auto_layout(model, config, cp_size=cp_size,  # before the mesh, unless the mesh is given
+                                 mesh_shape=_data_parallel_shape(given) if given is not None else None)
+    mesh = given if given is not None else build_mesh(config)
     if cp_size > 1 and getattr(accelerator, "_cp_context", None) is not None:
         upstream.wrap_instance_method(accelerator, "_cp_context", "accelerate.accelerator.Accelerator._prepare_cp",
                                       lambda original: _checked_cp_context(original, cp_size))
@@ -463,6 +462,12 @@ def _checked_cp_context(original, cp_size: int):
         return original(buffers=buffers, buffer_seq_dims=buffer_seq_dims, no_restore_buffers=no_restore_buffers,
                         **kwargs)
     return context
+
+
+def _data_parallel_shape(mesh) -> tuple[int, int]:
+    """(replicate, shard) of an Accelerate mesh: FSDP2 shards over dp_shard x cp."""
+    sizes = dict(zip(mesh.mesh_dim_names or (), mesh.shape))
+    return sizes.get("dp_replicate", 1), sizes.get("dp_shard", 1) * sizes.get("cp", 1)
 
 
 def _cp_size(accelerator) -> int:

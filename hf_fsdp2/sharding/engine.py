@@ -215,6 +215,9 @@ def shard_model(
     prepare_4bit_modules(model)
     config = resolve_auto_layout(model, config)
     mesh = mesh if mesh is not None else build_mesh(config)
+    if TP_DIM in (mesh.mesh_dim_names or ()):
+        # Before TP splits them: a TP DTensor parameter keeps its dtype through `param.data = ...to()`.
+        apply_frozen_dtype(model, config.frozen_dtype)
     config = _tensor_parallel(model, config, mesh, on_meta)
     plan = plan_groups(model, config)
     if config.fp8:

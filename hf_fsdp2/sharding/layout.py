@@ -9,9 +9,18 @@ all-reduced, no weight is all-gathered over the network). Each knob buys memory 
 planner escalates the cheapest first: a wider shard group costs only all-gather bandwidth,
 resharding after forward a second all-gather in backward, activation checkpointing about a third
 more compute, offload host-device copies and an optimizer step on the CPU. So candidates are tried
-in the order (offload, checkpointing, reshard, S) and the first that fits wins. Every candidate is
+in the order (offload, parallelism, checkpointing, reshard, S) and the first that fits wins. Every candidate is
 costed by the same estimator `hf-fsdp2 estimate-memory` uses (memory.py, checked byte for byte
 against real ranks), on a meta copy of the model built once.
+
+Tensor and context parallelism (TP, CP) are tried when FSDP alone does not fit, before CPU offload:
+context parallelism first (each rank holds seq / cp tokens: activations divide by cp; K/V blocks
+pass around the ring, overlapped with attention), then tensor parallelism (each rank holds 1/tp of
+the split weights and of the heads' and MLP features' activations, at the price of an all-reduce of
+the activations per layer pair in forward and backward, on the critical path), then both. `hf-fsdp2
+plan` offers every TP size that divides the world and the model's heads (when its config has a TP
+plan, one machine's 8 devices at most) and every CP size that divides the world and half the
+sequence; `shard_size="auto"` keeps the TP and CP sizes of the run (its mesh decides them).
 
 The default budget keeps a documented margin for what the estimate does not count: on CUDA 0.85 x
 the device's memory (the CUDA context, NCCL buffers, the caching allocator's fragmentation); on CPU
@@ -43,7 +52,7 @@ logger = logging.getLogger("hf_fsdp2")
 
 @dataclass(frozen=True)
 class Candidate:
-    shard_size: int
+    shard_size: int  # data-parallel ranks FSDP2 shards over (cp ranks included)
     replicate_size: int
     reshard_after_forward: bool
     activation_checkpointing: bool
@@ -54,10 +63,14 @@ class Candidate:
     needed_bytes: int  # what must fit the budget: the device peak (on CPU: device + host, one RAM)
     host_bytes: int  # offloaded state in host memory (CUDA only)
     fits: bool
+    tp_size: int = 1
+    cp_size: int = 1
 
     def describe(self) -> str:
         layout = (f"shard_size={self.shard_size}" if self.replicate_size == 1
                   else f"shard_size={self.shard_size} x {self.replicate_size} replicas")
+        layout += f", tp_size={self.tp_size}" if self.tp_size > 1 else ""
+        layout += f", cp_size={self.cp_size}" if self.cp_size > 1 else ""
         return (f"{layout}, reshard_after_forward={self.reshard_after_forward}, "
                 f"activation_checkpointing={self.activation_checkpointing}"
                 + (f" (checkpoint_every={self.checkpoint_every})" if self.checkpoint_every > 1 else "")
@@ -90,7 +103,7 @@ class LayoutPlan:
         chosen = self.chosen
         if chosen is None:
             raise ValueError(self.failure())
-        return base.replace(shard_size=chosen.shard_size, replicate_size=chosen.replicate_size,
+        return base.replace(shard_size=chosen.shard_size, replicate_size=chosen.replicate_size, tp_size=chosen.tp_size,
                             reshard_after_forward=chosen.reshard_after_forward,
                             activation_checkpointing=chosen.activation_checkpointing,
                             checkpoint_every=chosen.checkpoint_every, activation_offload=chosen.activation_offload,
@@ -123,11 +136,12 @@ class LayoutPlan:
         chosen = self.chosen
         lines = [f"budget {format_bytes(self.budget_bytes)} per rank ({self.budget_source}); {self.world_size} "
                  f"ranks on {self.device_type}; micro-batch {self.batch_size} x {self.seq_len} per rank",
-                 f"{'#':>3}  {'shard x repl':>12}  {'reshard':>7}  {'AC':>5}  {'offload':>7}  {'peak/rank':>12}  "
-                 f"{'host/rank':>10}  fits"]
+                 f"{'#':>3}  {'shard x repl':>12}  {'tp x cp':>7}  {'reshard':>7}  {'AC':>5}  {'offload':>7}  "
+                 f"{'peak/rank':>12}  {'host/rank':>10}  fits"]
         for i, c in enumerate(self.candidates, 1):
             mark = "  <- chosen" if c is chosen else ""
-            lines.append(f"{i:>3}  {f'{c.shard_size} x {c.replicate_size}':>12}  {str(c.reshard_after_forward):>7}  "
+            lines.append(f"{i:>3}  {f'{c.shard_size} x {c.replicate_size}':>12}  {f'{c.tp_size} x {c.cp_size}':>7}  "
+                         f"{str(c.reshard_after_forward):>7}  "
                          f"{_ac_label(c):>5}  {str(c.cpu_offload):>7}  "
                          f"{format_bytes(c.needed_bytes):>12}  {format_bytes(c.host_bytes) if c.host_bytes else '-':>10}  "
                          f"{'yes' if c.fits else 'no'}{mark}")
@@ -187,15 +201,36 @@ def plan_seq_len(model: nn.Module | Any, config: FSDP2Config) -> int:
     return min(DEFAULT_PLAN_SEQ_LEN, positions) if isinstance(positions, int) and positions > 0 else DEFAULT_PLAN_SEQ_LEN
 
 
+def parallel_sizes(prepared: MetaTrainingModel, world_size: int, seq_len: int) -> tuple[list[int], list[int]]:
+    """(TP sizes, CP sizes) worth costing: TP sizes (8 at most, one machine) dividing the world and
+    the model's attention and KV heads, when the model has a TP plan; CP sizes dividing the world and
+    half the sequence (load-balanced causal attention splits it into 2 x cp chunks)."""
+    text = getattr(unwrap_peft(prepared.model), "config", None)
+    text = text.get_text_config() if hasattr(text, "get_text_config") else text
+    heads = [getattr(text, k, None) for k in ("num_attention_heads", "num_key_value_heads")]
+    tp_sizes = [1]
+    if getattr(unwrap_peft(prepared.model), "tp_plan", None) and all(isinstance(h, int) for h in heads):
+        tp_sizes += [t for t in divisors(world_size) if 1 < t <= 8 and all(h % t == 0 for h in heads)]
+    cp_sizes = [c for c in divisors(world_size) if seq_len % (2 * c) == 0 or c == 1]
+    return tp_sizes, cp_sizes
+
+
+def _parallel_options(world_size: int, tp_sizes, cp_sizes) -> list[tuple[int, int]]:
+    """(tp, cp) in cost order: neither, CP, TP, both (each by size)."""
+    options = [(t, c) for t in sorted(set(tp_sizes)) for c in sorted(set(cp_sizes)) if world_size % (t * c) == 0]
+    return sorted(options, key=lambda tc: (tc[0] > 1, tc[0], tc[1]))
+
+
 def plan_layout(prepared: MetaTrainingModel, world_size: int, config: FSDP2Config, *, budget_bytes: int,
                 budget_source: str = "memory_budget", device_type: str = "cuda", host_budget_bytes: int | None = None,
-                batch_size: int = 1, seq_len: int = DEFAULT_PLAN_SEQ_LEN,
-                checkpointing_fixed: bool = False) -> LayoutPlan:
+                batch_size: int = 1, seq_len: int = DEFAULT_PLAN_SEQ_LEN, checkpointing_fixed: bool = False,
+                tp_sizes=(1,), cp_sizes=(1,), mesh_shape: tuple[int, int] | None = None) -> LayoutPlan:
     """Cost every candidate layout of `prepared` on `world_size` ranks, in cost order. `config`: the
     rest of the setup (dtypes, wrapping, prefetch); its True `activation_checkpointing` /
     `cpu_offload` are kept (as is checkpointing when the layers are already wrapped:
-    `checkpointing_fixed`). On CPU, offload moves nothing off the device, so it is not a candidate."""
-    shard_sizes = divisors(world_size)
+    `checkpointing_fixed`). On CPU, offload moves nothing off the device, so it is not a candidate.
+    `tp_sizes` / `cp_sizes`: the tensor / context parallel sizes to cost (`parallel_sizes` lists the
+    workable ones); `mesh_shape`: (replicate, shard) when a given mesh fixes them."""
     offloads = [True] if config.cpu_offload else ([False] if device_type == "cpu" else [False, True])
     # What to do with activations: keep them, checkpoint every other layer (half the recomputation of
     # every layer), every layer, or (on an accelerator) move them to the host. Checkpointing or offload
@@ -210,35 +245,48 @@ def plan_layout(prepared: MetaTrainingModel, world_size: int, config: FSDP2Confi
         checkpointing = [(False, 1, False), (True, 2, False), (True, 1, False)]
         if device_type != "cpu":
             checkpointing.append((False, 1, True))
+    layouts = [(offload, tp, cp, activations, reshard, shard)
+               for offload in offloads for tp, cp in _parallel_options(world_size, tp_sizes, cp_sizes)
+               for activations in checkpointing for reshard in (False, True)
+               for shard in _shard_sizes(world_size // tp, cp, mesh_shape)]
     candidates = []
-    for offload in offloads:
-        for ac, every, act_offload in checkpointing:
-            for reshard in (False, True):
-                for shard in shard_sizes:
-                    layout = config.replace(shard_size=shard, replicate_size=world_size // shard, memory_budget=None,
-                                            reshard_after_forward=reshard, activation_checkpointing=ac,
-                                            checkpoint_every=every, activation_offload=act_offload,
-                                            cpu_offload=offload)
-                    estimate = prepared.estimate(world_size, layout, batch_size=batch_size, seq_len=seq_len)
-                    if estimate.activations is None:
-                        raise ValueError(f"shard_size='auto' cannot plan {estimate.model_type}: its activations "
-                                         f"could not be estimated ({estimate.activations_error}); set the layout "
-                                         "(shard_size, reshard_after_forward, ...) yourself.")
-                    host = estimate.host_bytes if device_type != "cpu" else 0
-                    needed = estimate.device_bytes + (estimate.host_bytes if device_type == "cpu" else 0)
-                    fits = needed <= budget_bytes and (host_budget_bytes is None or host <= host_budget_bytes)
-                    candidates.append(Candidate(shard, world_size // shard, reshard, ac, every, act_offload, offload,
-                                                estimate, needed, host, fits))
+    for offload, tp, cp, (ac, every, act_offload), reshard, shard in layouts:
+        replicate = world_size // tp // shard
+        layout = config.replace(shard_size=shard, replicate_size=replicate, tp_size=tp, memory_budget=None,
+                                reshard_after_forward=reshard, activation_checkpointing=ac, checkpoint_every=every,
+                                activation_offload=act_offload, cpu_offload=offload)
+        estimate = prepared.estimate(world_size, layout, batch_size=batch_size, seq_len=seq_len, cp_size=cp)
+        if estimate.activations is None:
+            raise ValueError(f"shard_size='auto' cannot plan {estimate.model_type}: its activations "
+                             f"could not be estimated ({estimate.activations_error}); set the layout "
+                             "(shard_size, reshard_after_forward, ...) yourself.")
+        host = estimate.host_bytes if device_type != "cpu" else 0
+        needed = estimate.device_bytes + (estimate.host_bytes if device_type == "cpu" else 0)
+        fits = needed <= budget_bytes and (host_budget_bytes is None or host <= host_budget_bytes)
+        candidates.append(Candidate(shard, replicate, reshard, ac, every, act_offload, offload, estimate, needed, host,
+                                    fits, tp, cp))
+    if not candidates:
+        raise ValueError(f"no layout to plan: the mesh shape {mesh_shape} (replicate, shard) does not fit "
+                         f"{world_size} ranks with tp_size={tuple(tp_sizes)} and cp_size={tuple(cp_sizes)}.")
     return LayoutPlan(world_size=world_size, device_type=device_type, budget_bytes=budget_bytes,
                       budget_source=budget_source, host_budget_bytes=host_budget_bytes, batch_size=batch_size,
                       seq_len=seq_len, candidates=tuple(candidates))
 
 
-def resolve_auto_layout(model: nn.Module, config: FSDP2Config) -> FSDP2Config:
+def _shard_sizes(dp: int, cp: int, mesh_shape: tuple[int, int] | None) -> list[int]:
+    """FSDP2's shard sizes over `dp` data-parallel ranks: the cp ranks are part of each shard group."""
+    if mesh_shape is not None:
+        return [mesh_shape[1]] if mesh_shape[0] * mesh_shape[1] == dp and mesh_shape[1] % cp == 0 else []
+    return [s for s in divisors(dp) if s % cp == 0]
+
+
+def resolve_auto_layout(model: nn.Module, config: FSDP2Config, *, cp_size: int = 1,
+                        mesh_shape: tuple[int, int] | None = None) -> FSDP2Config:
     """`config` with `shard_size="auto"` resolved for `model` on this process group (else unchanged).
 
     Every rank computes the same plan from the same model; a default budget is agreed on (the
-    smallest over ranks) first. The decision is logged on rank 0 and kept in the model's record
+    smallest over ranks) first. The run's `tp_size` and `cp_size` are kept; `mesh_shape` (replicate,
+    shard): the data-parallel shape of a mesh already built (Accelerate's, with TP or CP), kept too. The decision is logged on rank 0 and kept in the model's record
     (`record_of(model).layout`). Collective when the budget is the default: call on every rank.
     """
     if not config.is_auto_layout:
@@ -263,7 +311,8 @@ def resolve_auto_layout(model: nn.Module, config: FSDP2Config) -> FSDP2Config:
     plan = plan_layout(prepared, world, config, budget_bytes=budget, budget_source=source, device_type=device,
                        host_budget_bytes=host_budget, batch_size=config.plan_batch_size,
                        seq_len=plan_seq_len(model, config),
-                       checkpointing_fixed=any(isinstance(m, CheckpointWrapper) for m in model.modules()))
+                       checkpointing_fixed=any(isinstance(m, CheckpointWrapper) for m in model.modules()),
+                       tp_sizes=(config.tp_size,), cp_sizes=(cp_size,), mesh_shape=mesh_shape)
     if collectives.rank() == 0:
         logger.warning(plan.summary())
     resolved = plan.config(config)
@@ -273,4 +322,4 @@ def resolve_auto_layout(model: nn.Module, config: FSDP2Config) -> FSDP2Config:
     return resolved
 
 
-__all__ = ["Candidate", "LayoutPlan", "default_budget", "plan_layout", "resolve_auto_layout"]
+__all__ = ["Candidate", "LayoutPlan", "default_budget", "parallel_sizes", "plan_layout", "resolve_auto_layout"]

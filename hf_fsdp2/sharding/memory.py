@@ -76,6 +76,7 @@ from .activation_trace import trace_activations
 from .groups import ShardPlan, apply_frozen_dtype, plan_groups, replicated_frozen_parameters, unwrap_peft
 from .memory_report import ActivationMemory, GroupMemory, MemoryEstimate
 from .meta_model import DEFAULT_LORA_TARGETS, add_lora, build_meta_model, meta_copy
+from .parallel_shapes import narrow_for_trace, tp_local_shapes
 
 ADAM_STATES = ("exp_avg", "exp_avg_sq")
 STEP_BYTES = 4  # AdamW's `step`: a 0-dim fp32 tensor per trainable parameter
@@ -122,6 +123,7 @@ def estimate_memory(
     seq_len: int | None = 2048,
     load_in_4bit: bool = False,
     bnb_4bit_use_double_quant: bool = False,
+    cp_size: int = 1,
 ) -> MemoryEstimate:
     """Per-rank memory of training `model_or_config` with `shard_model(model, fsdp_config)` and AdamW
     on `world_size` ranks. Pure: no process group, no real tensor is allocated.
@@ -131,7 +133,9 @@ def estimate_memory(
     activation estimate (`batch_size=None` skips it). `load_in_4bit`: QLoRA, the linears transformers
     quantizes become bitsandbytes 4-bit (NF4) weights as `from_pretrained(..., quantization_config=
     BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_use_double_quant=...))` shards them, quantized from
-    `dtype`; needs `lora_r` and bitsandbytes. See the module docstring for the accounting.
+    `dtype`; needs `lora_r` and bitsandbytes. `fsdp_config.tp_size` > 1: tensor parallelism with the
+    model's own TP plan, `cp_size` > 1: context parallelism over `cp_size` of the shard ranks
+    (sharding/parallel_shapes.py). See the module docstring for the accounting.
     """
     config = fsdp_config if fsdp_config is not None else FSDP2Config()
     if not isinstance(config, FSDP2Config):
@@ -159,9 +163,12 @@ def estimate_memory(
             raise ValueError("`model` is already quantized; pass its config (or the unquantized model) with "
                              "`load_in_4bit=True`.")
 
+    if config.tp_size > 1 and (load_in_4bit or config.fp8):
+        raise ValueError(f"`tp_size`={config.tp_size} with {'`load_in_4bit`' if load_in_4bit else '`fp8`'} is not "
+                         "done in hf_fsdp2 (shard_model refuses it); estimate with tp_size=1.")
     prepared = prepare_meta_model(model_or_config, config, dtype=dtype, lora_r=lora_r, lora_targets=lora_targets,
                                   load_in_4bit=load_in_4bit, bnb_4bit_use_double_quant=bnb_4bit_use_double_quant)
-    return prepared.estimate(world_size, config, batch_size=batch_size, seq_len=seq_len)
+    return prepared.estimate(world_size, config, batch_size=batch_size, seq_len=seq_len, cp_size=cp_size)
 
 
 @dataclass
@@ -181,19 +188,30 @@ class MetaTrainingModel:
     load_in_4bit: bool
     double_quant: bool
     _activations: dict = field(default_factory=dict)
+    _tp_shapes: dict = field(default_factory=dict)
+
+    def tp_shapes(self, tp_size: int) -> dict[int, tuple[torch.Size, bool]]:
+        """id(param) -> its TP rank-0 block's shape (parallel_shapes.tp_local_shapes), once per size."""
+        if tp_size not in self._tp_shapes:
+            self._tp_shapes[tp_size] = tp_local_shapes(self.model, tp_size)
+        return self._tp_shapes[tp_size]
 
     def activations(self, batch_size: int, seq_len: int, compute_dtype: torch.dtype | None,
-                    checkpointing: bool, every: int = 1,
-                    offload: bool = False) -> tuple[ActivationMemory | None, str | None]:
-        """One meta trace per (batch, seq, dtype) on a copy (the trace casts the model); both the
-        plain and the checkpointed peak follow from it."""
-        key = (batch_size, seq_len, compute_dtype)
+                    checkpointing: bool, every: int = 1, offload: bool = False, tp_size: int = 1,
+                    cp_size: int = 1) -> tuple[ActivationMemory | None, str | None]:
+        """One meta trace per (batch, tokens per rank, dtype, tp) on a copy (the trace casts the model,
+        and narrows the TP-split layers to one rank's block); both the plain and the checkpointed
+        peak follow from it. With CP a rank holds seq_len / cp_size tokens of each sequence."""
+        key = (batch_size, seq_len // cp_size, compute_dtype, tp_size)
         if key not in self._activations:
             names = {id(m): n for n, m in self.model.named_modules()}
             copy_ = meta_copy(self.model)
             layers = [copy_.get_submodule(names[id(layer)]) for layer in self.plan.layers]
+            if tp_size > 1:
+                by_name = {n: self.tp_shapes(tp_size).get(id(p)) for n, p in self.model.named_parameters()}
+                narrow_for_trace(copy_, {id(p): by_name[n] for n, p in copy_.named_parameters() if by_name.get(n)})
             try:
-                self._activations[key] = (trace_activations(copy_, layers, batch_size, seq_len,
+                self._activations[key] = (trace_activations(copy_, layers, batch_size, seq_len // cp_size,
                                                             compute_dtype=compute_dtype), None)
             except Exception as e:  # noqa: BLE001 - an architecture the meta trace cannot run; report why
                 self._activations[key] = (None, f"{type(e).__name__}: {e}")
@@ -205,9 +223,10 @@ class MetaTrainingModel:
         return traced.with_checkpointing(checkpointing, every), None
 
     def estimate(self, world_size: int, config: FSDP2Config, *, batch_size: int | None = 1,
-                 seq_len: int | None = 2048) -> MemoryEstimate:
-        """Per-rank memory of this model sharded with `config` on `world_size` ranks."""
-        return _estimate(self, world_size, config, batch_size, seq_len)
+                 seq_len: int | None = 2048, cp_size: int = 1) -> MemoryEstimate:
+        """Per-rank memory of this model sharded with `config` on `world_size` ranks (`cp_size` of
+        each shard group's ranks splitting the sequences)."""
+        return _estimate(self, world_size, config, batch_size, seq_len, cp_size)
 
 
 def prepare_meta_model(model_or_config: Any, config: FSDP2Config, *, dtype: torch.dtype | str | None = None,
@@ -241,9 +260,11 @@ def prepare_meta_model(model_or_config: Any, config: FSDP2Config, *, dtype: torc
 
 
 def _estimate(prepared: MetaTrainingModel, world_size: int, config: FSDP2Config, batch_size: int | None,
-              seq_len: int | None) -> MemoryEstimate:
+              seq_len: int | None, cp_size: int = 1) -> MemoryEstimate:
     model, plan, quantized, fp8_weights = prepared.model, prepared.plan, prepared.quantized, prepared.fp8_weights
     replicate, shard = config.mesh_shape(world_size)
+    _check_cp(cp_size, shard, seq_len if batch_size is not None else None)
+    tp_shapes = prepared.tp_shapes(config.tp_size)
     params = list(model.parameters())  # deduplicated: a tied weight counts once
     storage_dtypes: dict[str, int] = {}
     trainable_dtypes: dict[str, int] = {}
@@ -251,7 +272,7 @@ def _estimate(prepared: MetaTrainingModel, world_size: int, config: FSDP2Config,
     grad_rank = [0] * shard
     opt_rank = [0] * shard
     for p in params:
-        rows, row_numel = _rows_and_row_numel(p.shape)
+        rows, row_numel = _rows_and_row_numel(_local_shape(p, tp_shapes))
         size = p.element_size()
         kind = quantized[id(p)][0] if id(p) in quantized else _dtype_name(p.dtype)
         storage_dtypes[kind] = storage_dtypes.get(kind, 0) + _numel(p, quantized)
@@ -268,7 +289,7 @@ def _estimate(prepared: MetaTrainingModel, world_size: int, config: FSDP2Config,
     # Frozen weights of a one-rank shard group stay out of FSDP (groups.replicated_frozen_parameters):
     # stored as above, never all-gathered.
     outside = replicated_frozen_parameters(model, config, shard)
-    groups = _group_memory(model, plan, config, shard, quantized, fp8_weights, outside)
+    groups = _group_memory(model, plan, config, shard, quantized, fp8_weights, outside, tp_shapes)
     dequantized = _dequantized_peak(model, config.param_dtype)
     window = 1 + max(1, config.forward_prefetch or 0, config.backward_prefetch)
     gathered_peak, peak_names = _gathered_peak(groups, plan, config, window)
@@ -278,7 +299,7 @@ def _estimate(prepared: MetaTrainingModel, world_size: int, config: FSDP2Config,
     if batch_size is not None:
         activations, act_error = prepared.activations(batch_size, seq_len, config.param_dtype,
                                                       config.activation_checkpointing, config.checkpoint_every,
-                                                      config.activation_offload)
+                                                      config.activation_offload, config.tp_size, cp_size)
 
     trainable = [p for p in params if p.requires_grad]
     notes = [
@@ -292,6 +313,14 @@ def _estimate(prepared: MetaTrainingModel, world_size: int, config: FSDP2Config,
                      "the CPU; the GPU holds only gathered groups, unsharded grads and activations.")
     if replicate > 1:
         notes.append(f"HSDP: shards over {shard} ranks; the {replicate} replicas each hold the same shards.")
+    if config.tp_size > 1:
+        notes.append(f"TP: {len(tp_shapes)} parameters split over {config.tp_size} ranks by the model's TP plan, "
+                     f"FSDP shards each rank's block; per-rank numbers are TP rank 0's. Each TP layer pair "
+                     f"all-reduces its output in forward and its input gradient in backward (batch x seq x hidden "
+                     f"per layer pair, not counted here).")
+    if cp_size > 1:
+        notes.append(f"CP: each rank holds seq_len / {cp_size} tokens; ring attention passes K/V blocks among the "
+                     f"{cp_size} ranks (one block in flight, not counted here); FSDP shards over dp_shard x cp.")
     if config.fp8:
         notes.append(f"FP8: {len(fp8_weights)} decoder-layer linear weights are all-gathered in float8 (1 byte a "
                      "value); they stay stored, and their gradients and AdamW states kept, in the storage dtype.")
@@ -317,7 +346,25 @@ def _estimate(prepared: MetaTrainingModel, world_size: int, config: FSDP2Config,
         gathered_peak_groups=tuple(peak_names), reduce_scatter_peak_bytes=reduce_scatter_peak,
         activations=activations, activations_error=act_error, notes=tuple(notes),
         load_in_4bit=prepared.load_in_4bit, double_quant=prepared.double_quant, dequantized_peak_bytes=dequantized,
+        tp_size=config.tp_size, cp_size=cp_size,
     )
+
+
+def _check_cp(cp_size: int, shard: int, seq_len: int | None) -> None:
+    if isinstance(cp_size, bool) or not isinstance(cp_size, int) or cp_size < 1:
+        raise ValueError(f"`cp_size`={cp_size!r} must be a positive integer.")
+    if shard % cp_size:
+        raise ValueError(f"`cp_size`={cp_size} must divide the shard size {shard}: FSDP2 shards over "
+                         "dp_shard x cp, so the cp ranks are part of each shard group.")
+    if seq_len is not None and seq_len % cp_size:
+        raise ValueError(f"`cp_size`={cp_size} must divide `seq_len`={seq_len}: each rank holds an equal slice "
+                         f"of every sequence (2 x cp_size = {2 * cp_size} for load-balanced causal attention).")
+
+
+def _local_shape(p: torch.Tensor, tp_shapes: dict[int, tuple[torch.Size, bool]]) -> torch.Size:
+    """The tensor FSDP2 shards on this rank: the TP rank-0 block of a TP-split parameter, else all of it."""
+    entry = tp_shapes.get(id(p))
+    return entry[0] if entry is not None else p.shape
 
 
 def _quantized_params(model: nn.Module) -> dict[int, tuple[str, int]]:
@@ -355,7 +402,8 @@ def _dequantized_peak(model: nn.Module, param_dtype: torch.dtype | None) -> int:
 
 def _group_memory(model: nn.Module, plan: ShardPlan, config: FSDP2Config, shard: int,
                   quantized: dict[int, tuple[str, int]] | None = None,
-                  fp8_weights: set[int] = frozenset(), outside: set = frozenset()) -> list[GroupMemory]:
+                  fp8_weights: set[int] = frozenset(), outside: set = frozenset(),
+                  tp_shapes: dict | None = None) -> list[GroupMemory]:
     """Unsharded sizes of each `fully_shard` group, in forward order: [embedding], layers, head, root."""
     names = {id(m): n or "<root>" for n, m in model.named_modules()}
     members: list[tuple[str, list[nn.Module]]] = []
@@ -372,18 +420,20 @@ def _group_memory(model: nn.Module, plan: ShardPlan, config: FSDP2Config, shard:
             if id(p) not in seen:  # a tied weight is one parameter, in one group, once
                 seen.add(id(p))
                 ps.append(p)
-        groups.append(_one_group(name, ps, config, shard, quantized or {}, fp8_weights))
+        groups.append(_one_group(name, ps, config, shard, quantized or {}, fp8_weights, tp_shapes or {}))
     rest = [p for p in model.parameters() if id(p) not in seen]
     if rest:
-        groups.append(_one_group("<root>", rest, config, shard, quantized or {}, fp8_weights))
+        groups.append(_one_group("<root>", rest, config, shard, quantized or {}, fp8_weights, tp_shapes or {}))
     return groups
 
 
 def _one_group(name: str, params: Iterable[nn.Parameter], config: FSDP2Config, shard: int,
-               quantized: dict[int, tuple[str, int]], fp8_weights: set[int] = frozenset()) -> GroupMemory:
+               quantized: dict[int, tuple[str, int]], fp8_weights: set[int] = frozenset(),
+               tp_shapes: dict | None = None) -> GroupMemory:
     numel = trainable = gathered = grads = rs_input = 0
     for p in params:
-        rows, row_numel = _rows_and_row_numel(p.shape)
+        local = _local_shape(p, tp_shapes or {})
+        rows, row_numel = _rows_and_row_numel(local)
         padded = -(-rows // shard) * shard * row_numel
         # FSDP2 (_fsdp_param.init_dtype_attrs): param_dtype applies to floating params of another dtype;
         # 4-bit weights (uint8 packed values and absmax) are gathered as their own bytes.
@@ -393,7 +443,7 @@ def _one_group(name: str, params: Iterable[nn.Parameter], config: FSDP2Config, s
         numel += _numel(p, quantized)
         if p.requires_grad:
             trainable += p.numel()
-            grads += p.numel() * _itemsize(compute)
+            grads += local.numel() * _itemsize(compute)
             rs_input += padded * _itemsize(config.reduce_dtype or compute)
     return GroupMemory(name=name, numel=numel, trainable_numel=trainable, gathered_bytes=gathered,
                        reduce_scatter_bytes=grads + rs_input)

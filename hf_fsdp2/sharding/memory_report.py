@@ -96,6 +96,8 @@ class MemoryEstimate:
     load_in_4bit: bool = False
     double_quant: bool = False
     dequantized_peak_bytes: int = 0  # 4-bit: the largest weight bitsandbytes dequantizes for a matmul
+    tp_size: int = 1  # tensor parallelism: the numbers are TP rank 0's (the largest blocks)
+    cp_size: int = 1  # context parallelism: each rank's activations hold seq_len / cp_size tokens
 
     # ---- max over ranks
     @property
@@ -150,7 +152,7 @@ class MemoryEstimate:
         def place(n: int) -> tuple[int, int]:
             return (0, n) if self.cpu_offload else (n, 0)
 
-        s = self.shard_size
+        s = f"{self.shard_size} of the 1/{self.tp_size} TP block" if self.tp_size > 1 else self.shard_size
         storage = "/".join(self.storage_dtypes)
         trainable = "/".join(self.trainable_dtypes) or "-"
         compute = self.param_dtype or storage
@@ -173,7 +175,9 @@ class MemoryEstimate:
             ac = ("offloaded to the host" if a.offloaded else "no checkpointing" if not a.checkpointing
                   else "with activation checkpointing"
                   + (f" of 1 layer in {a.checkpoint_every}" if a.checkpoint_every > 1 else ""))
-            rows.append((f"activations: batch {a.batch_size} x seq {a.seq_len}, {ac}", a.peak_bytes, a.host_bytes))
+            split = (f", the heads and MLP features 1/{self.tp_size}" if self.tp_size > 1 else "")
+            rows.append((f"activations: batch {a.batch_size} x seq {a.seq_len}{split}, {ac}", a.peak_bytes,
+                         a.host_bytes))
         return rows
 
     def format_table(self) -> str:
@@ -181,6 +185,10 @@ class MemoryEstimate:
         width = max(len(r[0]) for r in rows) + 2
         mesh = (f"{self.world_size} ranks = {self.replicate_size} replicas x {self.shard_size} shards (HSDP)"
                 if self.replicate_size > 1 else f"{self.world_size} ranks")
+        if self.tp_size > 1:
+            mesh += f", tensor parallel over {self.tp_size}"
+        if self.cp_size > 1:
+            mesh += f", context parallel over {self.cp_size} (in the {self.shard_size} shards)"
         lora = f", LoRA r={self.lora_r} on {','.join(self.lora_targets or ())}" if self.lora_r else ""
         if self.load_in_4bit:
             lora += f" over a 4-bit base{' (double quantization)' if self.double_quant else ''}"

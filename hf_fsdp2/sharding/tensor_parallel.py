@@ -116,13 +116,21 @@ def plan_with_lora(model: nn.Module, tp_plan: dict[str, str]) -> dict[str, str]:
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     """The model's own TP plan on `tp_mesh`, resolved and applied by transformers (every rank must hold
     the same full weights: each keeps its own part of them, with no communication)."""
-    from transformers.distributed import DistributedConfig
     from transformers.distributed.tensor_parallel import apply_tensor_parallelism
+
+    apply_tensor_parallelism(unwrap_peft(model), tp_mesh, resolved_plan(model, tp_mesh.size()))
+
+
+def resolved_plan(model: nn.Module, tp_size: int) -> dict[str, str]:
+    """The model's TP plan for `tp_size` ranks, one entry per module or parameter of the model under
+    PEFT (as `from_pretrained(distributed_config=...)` resolves it: `_resolve_parallel_plans`, then
+    `plan_with_lora`). Pure: the memory estimate reads it too (sharding/parallel_shapes.py)."""
+    from transformers.distributed import DistributedConfig
 
     inner = unwrap_peft(model)
     resolve = getattr(inner, "_resolve_parallel_plans", None)
     if resolve is None:
-        raise ValueError(f"`tp_size`={tp_mesh.size()}: {type(inner).__name__} is not a transformers model with a "
+        raise ValueError(f"`tp_size`={tp_size}: {type(inner).__name__} is not a transformers model with a "
                          "tensor-parallel plan.")
-    tp_plan, _, _ = resolve(DistributedConfig(tp_size=tp_mesh.size()))
-    apply_tensor_parallelism(inner, tp_mesh, plan_with_lora(inner, tp_plan))
+    tp_plan, _, _ = resolve(DistributedConfig(tp_size=tp_size))
+    return plan_with_lora(inner, tp_plan)
