@@ -157,6 +157,7 @@ def test_register_installs_and_unregister_restores_every_patched_seam():
     import types
 
     import trl.models.utils  # TRL's seam is installed once TRL is imported
+    import transformers.trainer  # noqa: F401 - the Trainer's, once the Trainer is (test_trainer_seams_wait_...)
 
     # A module that bound the name at import, as TRL's trainers do (`from ..models.utils import prepare_fsdp`).
     dpo = types.ModuleType("trl._hf_fsdp2_probe")
@@ -219,3 +220,33 @@ if __name__ == "__main__":
     if sys.argv[1:] != ["--record"]:
         sys.exit("usage: python -m tests.test_upstream_contracts --record")
     record()
+
+
+def test_trainer_seams_wait_for_the_trainer_import():
+    """register() does not import the Trainer (about 2 s a process: peft, datasets, pandas): its seams
+    are installed when the script imports transformers.training_args / transformers.trainer, and
+    unregister() before then cancels them (a fresh interpreter: this one has the Trainer loaded)."""
+    import subprocess
+
+    script = (
+        "import sys\n"
+        "import hf_fsdp2, accelerate\n"
+        "from hf_fsdp2.runtime import upstream, import_hooks\n"
+        "hf_fsdp2.register()\n"
+        "from transformers import LlamaForCausalLM\n"
+        "print(sorted(m for m in ('transformers.trainer', 'transformers.training_args', 'datasets', 'peft') "
+        "if m in sys.modules), upstream.installed('trainer'))\n"
+        "from transformers import TrainingArguments\n"
+        "print(upstream.installed('trainer'))\n"
+        "from transformers import Trainer\n"
+        "import transformers.trainer as module\n"
+        "print(len(upstream.installed('trainer')), type(module.__loader__).__name__, import_hooks.pending())\n"
+        "hf_fsdp2.unregister(); hf_fsdp2.register(); hf_fsdp2.unregister()\n"
+        "print(upstream.installed(), import_hooks.pending(), Trainer.save_model.__module__)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                         cwd=PACKAGE.parent)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.strip().splitlines()
+    assert lines == ["[] []", "['transformers.TrainingArguments.__post_init__']", "8 SourceFileLoader []",
+                     "[] [] transformers.trainer"]

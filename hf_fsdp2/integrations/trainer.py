@@ -17,7 +17,7 @@ from pathlib import Path
 from ..checkpoint import async_save
 from ..checkpoint.pretrained import load_pretrained, save_pretrained
 from ..checkpoint.state import MANIFEST, load_rng_state, load_state, save_state
-from ..runtime import upstream
+from ..runtime import import_hooks, upstream
 from ..sharding import is_sharded, record_of
 
 GROUP = "trainer"
@@ -28,16 +28,31 @@ def _original(name: str):
     return upstream.original(target)
 
 
+# Installed when the script imports them (runtime/import_hooks.py): a script that never uses the
+# Trainer does not pay their import (about 2 s per process).
+TRAINING_ARGS_MODULE, TRAINER_MODULE = "transformers.training_args", "transformers.trainer"
+
+
 def register() -> None:
     """Idempotent. The replaced names are declared in runtime/upstream.py."""
-    if upstream.installed(GROUP):
-        return
+    import_hooks.when_imported(TRAINING_ARGS_MODULE, _install_training_arguments)
+    import_hooks.when_imported(TRAINER_MODULE, _install_trainer)
+
+
+def _install_training_arguments() -> None:
     try:
-        from transformers import Trainer, TrainingArguments
+        from transformers import TrainingArguments
     except ImportError:  # transformers without torch/accelerate extras: nothing to patch
         return
     upstream.replace("transformers.TrainingArguments.__post_init__",
                      functools.wraps(TrainingArguments.__post_init__)(_post_init), GROUP)
+
+
+def _install_trainer() -> None:
+    try:
+        from transformers import Trainer
+    except ImportError:
+        return
     replacements = {"save_model": _save_model, "_save_checkpoint": _save_checkpoint,
                     "_load_from_checkpoint": _load_from_checkpoint,
                     "_load_optimizer_and_scheduler": _load_optimizer_and_scheduler,
@@ -49,6 +64,8 @@ def register() -> None:
 
 
 def unregister() -> None:
+    import_hooks.cancel(TRAINING_ARGS_MODULE)
+    import_hooks.cancel(TRAINER_MODULE)
     upstream.restore(GROUP)
 
 

@@ -1,0 +1,89 @@
+"""Run a function once a module has been imported (at once if it already is).
+
+`register()` patches the Transformers Trainer, but a plain Accelerate script never imports it, and
+importing it costs about 2 s of CPU per process (`transformers.training_args` and `.trainer` pull in
+peft, datasets and pandas): on 4 ranks, seconds of every launch. So the Trainer's seams are installed
+when the script itself imports those modules, by a finder at the front of `sys.meta_path` that wraps
+the real loader of the named modules only, runs the callbacks after the module's code, and then puts
+the real loader back on the module (`__loader__`, `__spec__.loader`).
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import sys
+import threading
+from typing import Callable
+
+_pending: dict[str, list[Callable[[], None]]] = {}
+_lock = threading.RLock()
+
+
+def when_imported(module: str, callback: Callable[[], None]) -> None:
+    """`callback()` now if `module` is imported, else right after its import completes (once)."""
+    with _lock:
+        if module not in sys.modules:
+            _pending.setdefault(module, []).append(callback)
+            if _FINDER not in sys.meta_path:
+                sys.meta_path.insert(0, _FINDER)
+            return
+    callback()
+
+
+def cancel(module: str) -> None:
+    """Forget the callbacks still waiting for `module`."""
+    with _lock:
+        _pending.pop(module, None)
+        if not _pending and _FINDER in sys.meta_path:
+            sys.meta_path.remove(_FINDER)
+
+
+def pending() -> list[str]:
+    with _lock:
+        return sorted(_pending)
+
+
+def _run(module: str) -> None:
+    with _lock:
+        callbacks = _pending.pop(module, [])
+        if not _pending and _FINDER in sys.meta_path:
+            sys.meta_path.remove(_FINDER)
+    for callback in callbacks:
+        callback()
+
+
+class _Loader(importlib.abc.Loader):
+    def __init__(self, loader, name: str):
+        self._loader, self._name = loader, name
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module):
+        module.__loader__ = self._loader  # the real loader, before its code runs
+        if getattr(module, "__spec__", None) is not None:
+            module.__spec__.loader = self._loader
+        self._loader.exec_module(module)
+        _run(self._name)
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    def find_spec(self, fullname, path, target=None):
+        if fullname not in _pending:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+            spec.loader = _Loader(spec.loader, fullname)
+        return spec
+
+
+_FINDER = _Finder()
+
+__all__ = ["cancel", "pending", "when_imported"]
