@@ -7,6 +7,7 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import random
 import socket
 import subprocess
 import sys
@@ -32,10 +33,38 @@ _CONTEXT = mp.get_context("forkserver")
 _CONTEXT.set_forkserver_preload(PRELOAD)
 
 
+# The running test's markers (tests/conftest.py sets them; None outside pytest): launching without
+# the `launch` mark, or forking ranks without `ranks`, fails by name.
+CURRENT_MARKS: set[str] | None = None
+
+
+def _require_mark(mark: str, what: str) -> None:
+    if CURRENT_MARKS is not None and mark not in CURRENT_MARKS:
+        raise AssertionError(f"this test {what} but is not marked `{mark}`: tests/conftest.py marks a test by the "
+                             "functions it reaches; name the entry point there.")
+
+
+_PORT_BAND = 1500  # ports per pytest-xdist worker, from 20000 up: below Linux's ephemeral range (32768+)
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port free on 127.0.0.1 now. Under pytest-xdist (`-n 2`) each worker draws from a band of
+    its own below the ephemeral range, so neither the other worker nor an outgoing connection can be
+    handed the same port between this check and the launcher's use of it."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if not worker.startswith("gw"):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+    low = 20000 + int(worker[2:]) * _PORT_BAND
+    for port in random.sample(range(low, low + _PORT_BAND - 16), 200):  # + a few: restarts use port + attempt
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {low}-{low + _PORT_BAND} for pytest-xdist worker {worker}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -61,6 +90,7 @@ def torchrun(processes: int, *launch_args: str) -> list[str]:
 def run_launched(cmd: list[str], *, cwd, env: dict | None = None, timeout: float = 400,
                  check: bool = True) -> subprocess.CompletedProcess:
     """Run a launcher command (one thread per process); with `check`, fail with its output's tail."""
+    _require_mark("launch", "starts a launcher")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=cwd,
                           env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
     if check:
@@ -112,6 +142,7 @@ def run_ranks_collecting_errors(fn: Callable[..., Any], world_size: int, *args: 
 
     `pg_timeout`: the process group's timeout, the bound on how long a collective waits for a peer.
     """
+    _require_mark("ranks", "forks gloo ranks")
     results = _CONTEXT.Queue()
     port = free_port()
     environ = dict(os.environ)

@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from hf_fsdp2 import FSDP2Config
+
 from .common import build_model
 from .dist_harness import accelerate_launch, free_port
 from .launched_runs import launch, reference_losses
@@ -46,15 +48,27 @@ def test_fsdp2_yaml_on_cpu_shards_trains_saves_and_resumes_elsewhere(tmp_path):
 
 def test_cpu_ram_efficient_loading_broadcasts_rank0_weights(tmp_path):
     """transformers leaves weights the checkpoint lacks on the meta device on every rank but 0, which
-    initialises them; the shards must hold rank 0's values, and the loaded weights untouched."""
+    initialises them; the shards must hold rank 0's values, and the loaded weights untouched. The
+    layout is the planner's (shard_size="auto"): it plans from shapes, so the ranks holding the model
+    on meta make rank 0's plan; a budget only sharding fits makes it shard over both ranks."""
     from safetensors.torch import save_file
+
+    from hf_fsdp2.sharding.layout import plan_layout
+    from hf_fsdp2.sharding.memory import prepare_meta_model
 
     model = build_model()
     model.save_pretrained(tmp_path / "base")
     state = {k: v for k, v in model.state_dict().items() if k != "model.norm.weight"}  # init: ones, as saved
     save_file(state, tmp_path / "base" / "model.safetensors", metadata={"format": "pt"})
+    candidates = plan_layout(prepare_meta_model(model, FSDP2Config()), 2, FSDP2Config(), budget_bytes=1 << 40,
+                             device_type="cpu", batch_size=1, seq_len=16).candidates
+    budget = int(1.05 * min(c.needed_bytes for c in candidates if c.shard_size == 2))
+    assert budget < min(c.needed_bytes for c in candidates if c.shard_size == 1)
     out = launch("fsdp2.yaml", 2, tmp_path / "a.json", "--steps", "3", "--from-pretrained", str(tmp_path / "base"),
-                 launch_args=("--fsdp_cpu_ram_efficient_loading", "true", "--fsdp_sync_module_states", "true"))
+                 launch_args=("--fsdp_cpu_ram_efficient_loading", "true", "--fsdp_sync_module_states", "true"),
+                 env={"HF_FSDP2_SHARD_SIZE": "auto", "HF_FSDP2_MEMORY_BUDGET": str(budget),
+                      "HF_FSDP2_PLAN_SEQ_LEN": "16"})
+    assert out["mesh"] == [2]  # one shard group of both ranks (a 1-D mesh)
     assert out["losses"] == pytest.approx(reference_losses(3), abs=1e-4)
 
 

@@ -157,6 +157,13 @@ def test_tp_and_cp_divide_what_they_split_and_are_proposed_when_fsdp_alone_does_
     assert leanest.tp_size > 1 or leanest.cp_size > 1
     assert plan(leanest.needed_bytes).config(FSDP2Config(shard_size="auto", memory_budget=1)).tp_size == \
         plan(leanest.needed_bytes).chosen.tp_size
+    # shard_size="auto" under Accelerate with TP or CP: the run's sizes and its mesh's data-parallel shape kept.
+    fixed = plan_layout(prepared, 4, FSDP2Config(), budget_bytes=1 << 40, device_type="cpu", batch_size=2,
+                        seq_len=64, tp_sizes=(2,), cp_sizes=(2,), mesh_shape=(1, 2))
+    assert {(c.replicate_size, c.shard_size, c.tp_size, c.cp_size) for c in fixed.candidates} == {(1, 2, 2, 2)}
+    with pytest.raises(ValueError, match=r"no layout to plan: the mesh shape \(2, 2\)"):
+        plan_layout(prepared, 4, FSDP2Config(), budget_bytes=1 << 40, device_type="cpu", batch_size=2, seq_len=64,
+                    tp_sizes=(2,), mesh_shape=(2, 2))
 
 
 def test_nothing_fits_names_the_smallest_budget():

@@ -428,10 +428,9 @@ def _fsdp2_prepare_model(accelerator, model: nn.Module) -> nn.Module:
         for param in model.parameters():
             if param.requires_grad and param.is_floating_point() and param.dtype != torch.float32:
                 param.data = param.data.float()
+    # With rank-0 loading the other ranks hold the model on meta: the planner needs only its shapes
+    # (it costs a meta copy), so every rank makes the same plan.
     from_rank0 = getattr(accelerator.state.fsdp_plugin, "cpu_ram_efficient_loading", False)
-    if config.is_auto_layout and from_rank0:
-        raise ValueError("shard_size='auto' with `fsdp_cpu_ram_efficient_loading`: the other ranks hold no weights "
-                         "to plan with; set the layout yourself or load with hf_fsdp2.from_pretrained.")
     cp_size = _cp_size(accelerator)
     # With TP, the accelerator's own mesh ("dp_replicate", "dp_shard", "tp"): a model transformers split
     # at load (`device_mesh=accelerator.torch_device_mesh`) is on its "tp" dimension already. With CP,
