@@ -47,6 +47,11 @@ def test_cpu_ring_attention_equals_one_process(backend):
     run_ranks(_ring_attention, 2, backend=backend)
 
 
+# shard_size="auto" under Accelerate's TP/CP mesh: the planner keeps the run's sizes and the mesh's
+# data-parallel shape, and with an ample budget turns resharding off.
+AUTO_LAYOUT = {"HF_FSDP2_SHARD_SIZE": "auto", "HF_FSDP2_MEMORY_BUDGET": "20GB", "HF_FSDP2_PLAN_SEQ_LEN": "16"}
+
+
 def test_accelerate_launch_with_cp_size_2_matches_one_process(tmp_path):
     """`accelerate launch --config_file accelerate_configs/fsdp2_cp.yaml` (dp_shard 2 x cp 2) with
     register(): every sequence split over 2 ranks inside `maybe_context_parallel`, FSDP2 over the 4
@@ -54,8 +59,9 @@ def test_accelerate_launch_with_cp_size_2_matches_one_process(tmp_path):
     from .launched_runs import launch, reference_losses
 
     out = launch("fsdp2_cp.yaml", 4, tmp_path / "cp.json", "--steps", "3", "--per-device-batch", "4",
-                 "--save-state", str(tmp_path / "state"))
+                 "--save-state", str(tmp_path / "state"), env=AUTO_LAYOUT)
     assert out["all_dtensor"] and out["mesh"] == [4] and out["world"] == 4
+    assert out["reshard_after_forward"] is False  # the planner's choice (the yaml says true), on Accelerate's mesh
     assert out["losses"] == pytest.approx(reference_losses(3), rel=1e-4)
     resumed = launch("fsdp2.yaml", 2, tmp_path / "resumed.json", "--start", "3", "--steps", "1",
                      "--load-state", str(tmp_path / "state"))

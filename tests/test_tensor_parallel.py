@@ -225,6 +225,11 @@ def test_tp_settings_that_cannot_hold_are_refused_by_name(make, message):
     assert FSDP2Config(tp_size=2).mesh_shape(4) == (1, 2)
 
 
+# shard_size="auto" under Accelerate's TP/CP mesh: the planner keeps the run's sizes and the mesh's
+# data-parallel shape, and with an ample budget turns resharding off.
+AUTO_LAYOUT = {"HF_FSDP2_SHARD_SIZE": "auto", "HF_FSDP2_MEMORY_BUDGET": "20GB", "HF_FSDP2_PLAN_SEQ_LEN": "16"}
+
+
 def test_accelerate_launch_with_tp_size_2_matches_one_process(tmp_path):
     """`accelerate launch --config_file accelerate_configs/fsdp2_tp.yaml` (tp 2 x dp_shard 2) with
     register(): Accelerate's own TP step (broken on transformers 5.x) is passed over, hf_fsdp2 applies
@@ -233,8 +238,9 @@ def test_accelerate_launch_with_tp_size_2_matches_one_process(tmp_path):
     from .launched_runs import launch, reference_losses
 
     out = launch("fsdp2_tp.yaml", 4, tmp_path / "tp.json", "--steps", "3", "--per-device-batch", "4",
-                 "--save-state", str(tmp_path / "state"))
+                 "--save-state", str(tmp_path / "state"), env=AUTO_LAYOUT)
     assert out["all_dtensor"] and out["mesh"] == [2, 2] and out["world"] == 4
+    assert out["reshard_after_forward"] is False  # the planner's choice (the yaml says true), on Accelerate's mesh
     assert out["losses"] == pytest.approx(reference_losses(3), rel=1e-4)
     resumed = launch("fsdp2.yaml", 2, tmp_path / "resumed.json", "--start", "3", "--steps", "1",
                      "--load-state", str(tmp_path / "state"))
