@@ -222,6 +222,9 @@ def _add_estimate_memory(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--activation-checkpointing", action="store_true", help="recompute each decoder layer in backward")
     p.add_argument("--checkpoint-every", type=int, default=1, metavar="K",
                    help="with --activation-checkpointing: checkpoint every K-th decoder layer (default 1: every layer)")
+    p.add_argument("--checkpoint-save-matmuls", action="store_true",
+                   help="with --activation-checkpointing: op-level selective checkpointing (keep matmul and attention "
+                        "outputs, recompute the cheap ops)")
     p.add_argument("--tp-size", type=_positive_int, default=1, metavar="T",
                    help="tensor parallelism over T ranks with the model's own TP plan; FSDP shards each rank's block "
                         "over the other ranks (--world-size / T, or the S of --hsdp)")
@@ -243,6 +246,7 @@ def _run_estimate_memory(args: argparse.Namespace) -> int:
                          "R*S*T must equal the world size.")
     config, setup = _model_setup(args, cpu_offload=args.offload, activation_checkpointing=args.activation_checkpointing,
                                  checkpoint_every=args.checkpoint_every, replicate_size=replicate, shard_size=shard,
+                                 checkpoint_save_matmuls=args.checkpoint_save_matmuls,
                                  tp_size=args.tp_size)
     try:
         estimate = estimate_memory(args.model, args.world_size, config, batch_size=args.batch_size,
@@ -325,6 +329,7 @@ def _run_plan(args: argparse.Namespace) -> int:
                     "cp_size": c.cp_size,
                     "reshard_after_forward": c.reshard_after_forward,
                     "activation_checkpointing": c.activation_checkpointing, "checkpoint_every": c.checkpoint_every,
+                    "checkpoint_save_matmuls": c.checkpoint_save_matmuls,
                     "activation_offload": c.activation_offload, "cpu_offload": c.cpu_offload,
                     "needed_bytes": c.needed_bytes, "host_bytes": c.host_bytes, "fits": c.fits}
         print(json.dumps({"budget_bytes": budget, "world_size": args.world_size, "device": args.device,

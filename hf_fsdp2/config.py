@@ -155,6 +155,9 @@ class FSDP2Config:
         checkpoint_every: with `activation_checkpointing`, checkpoint every k-th decoder layer (layers 0,
             k, 2k, ...; torchtitan's selective layer checkpointing, its `selective_ac_option`): 1, every
             layer; 2 keeps half the layers' activations for half the recomputation.
+        checkpoint_save_matmuls: with `activation_checkpointing`, op-level selective checkpointing
+            (sharding/selective_checkpoint.py, torchtitan's op-level selective AC): a checkpointed layer
+            keeps its matmuls' and attention's outputs and recomputes only the cheap ops.
         activation_offload: move what each decoder layer saves for backward to host memory in forward
             and back in backward (sharding/activation_offload.py; pinned on CUDA; nothing moves on a CPU
             device). An alternative to `activation_checkpointing`: no recomputation, two copies.
@@ -202,6 +205,7 @@ class FSDP2Config:
     backward_prefetch: int = 1
     activation_checkpointing: bool = False
     checkpoint_every: int = 1
+    checkpoint_save_matmuls: bool = False
     activation_offload: bool = False
     cpu_offload: bool = False
     replicate_size: int = 1
@@ -243,6 +247,10 @@ class FSDP2Config:
             raise ValueError(f"`checkpoint_every`={self.checkpoint_every} picks which layers activation checkpointing "
                              "recomputes, but `activation_checkpointing` is off; turn it on, or leave "
                              "checkpoint_every at 1.")
+        self.checkpoint_save_matmuls = parse_bool(self.checkpoint_save_matmuls, "checkpoint_save_matmuls")
+        if self.checkpoint_save_matmuls and not self.activation_checkpointing:
+            raise ValueError("`checkpoint_save_matmuls` chooses what activation checkpointing keeps, but "
+                             "`activation_checkpointing` is off; turn it on, or leave checkpoint_save_matmuls off.")
         self.activation_offload = parse_bool(self.activation_offload, "activation_offload")
         if self.activation_offload and (self.activation_checkpointing or self.wrap_policy != "transformer"):
             raise ValueError("`activation_offload` moves each decoder layer's saved activations to the host: it needs "

@@ -27,10 +27,14 @@ def _plan(budget: int, world: int = 4, device: str = "cuda", **config):
 
 def test_candidates_in_cost_order_and_the_first_that_fits_wins():
     plan = _plan(budget=1 << 40)
-    keys = [(c.cpu_offload, c.activation_offload, c.activation_checkpointing, -c.checkpoint_every,
+    activations = [(False, 1, False, False), (True, 1, True, False), (True, 2, False, False), (True, 1, False, False),
+                   (False, 1, False, True)]
+    keys = [(c.cpu_offload, activations.index((c.activation_checkpointing, c.checkpoint_every,
+                                               c.checkpoint_save_matmuls, c.activation_offload)),
              c.reshard_after_forward, c.shard_size) for c in plan.candidates]
-    # offload x activations (kept, checkpointed every other layer, every layer, offloaded) x reshard x S in {1, 2, 4}
-    assert keys == sorted(keys) and len(keys) == 2 * 4 * 2 * 3
+    # offload x activations (kept; every layer checkpointed but its matmul outputs kept; every other layer;
+    # every layer; offloaded) x reshard x S in {1, 2, 4}
+    assert keys == sorted(keys) and len(keys) == 2 * 5 * 2 * 3
     assert plan.chosen is plan.candidates[0] and plan.chosen.shard_size == 1 and plan.chosen.replicate_size == 4
     # Sharding wider needs less per rank; each knob on top of full sharding needs less again.
     full = [c for c in plan.candidates if not (c.cpu_offload or c.activation_checkpointing or c.reshard_after_forward
@@ -47,7 +51,7 @@ def test_candidates_in_cost_order_and_the_first_that_fits_wins():
 
 def test_cpu_plans_without_offload_and_gpu_offload_needs_host_room():
     cpu = _plan(budget=1 << 40, device="cpu")
-    assert not any(c.cpu_offload for c in cpu.candidates) and len(cpu.candidates) == 18
+    assert not any(c.cpu_offload for c in cpu.candidates) and len(cpu.candidates) == 24
     kept = _plan(budget=1 << 40, activation_checkpointing=True)  # a True you set is kept, every layer
     assert all(c.activation_checkpointing and c.checkpoint_every == 1 for c in kept.candidates)
 
@@ -72,6 +76,34 @@ def test_checkpointing_every_other_layer_is_costed_between_none_and_every_layer(
     assert tight.config(FSDP2Config(shard_size="auto", memory_budget=1)).checkpoint_every == 2
     with pytest.raises(ValueError, match="checkpoint_every.*activation_checkpointing"):
         FSDP2Config(checkpoint_every=2)
+
+
+def test_op_level_checkpointing_keeps_matmul_outputs_and_is_costed_between_none_and_every_layer():
+    """checkpoint_save_matmuls (sharding/selective_checkpoint.py): a checkpointed layer keeps what its
+    matmuls and attention output (measured by the trace) and recomputes the rest; the planner tries it
+    first among the checkpointing options (the least recomputation). Losses: tests/test_sharding.py."""
+    from hf_fsdp2.sharding.memory import estimate_memory
+
+    def activations(**kwargs):
+        return estimate_memory(tiny_config(), 2, FSDP2Config(**kwargs), batch_size=4, seq_len=256).activations
+
+    none, ops, every = (activations(), activations(activation_checkpointing=True, checkpoint_save_matmuls=True),
+                        activations(activation_checkpointing=True))
+    assert every.peak_bytes < ops.peak_bytes < none.peak_bytes and ops.save_matmuls
+    # per layer: 7 linears' outputs (q, k, v, o, gate, up, down) + attention's output and fp32 log-sum-exp
+    hidden, inter, kv, tokens = 64, 128, 2 * 16, 4 * 256
+    linear_outputs = tokens * (hidden + 2 * kv + hidden + 2 * inter + hidden) * 4
+    attention = tokens * hidden * 4 + 4 * tokens * 4  # output + lse (batch x heads x seq) in fp32
+    assert ops.layer_matmul_bytes == (linear_outputs + attention,) * 3
+    assert ops.peak_bytes == (ops.outside_layers_bytes + ops.layer_inputs_bytes + sum(ops.layer_matmul_bytes)
+                              + max(b - m for b, m in zip(ops.layer_bytes, ops.layer_matmul_bytes)))
+    plan = _plan(budget=1 << 40, device="cpu")
+    leanest_ops = min(c.needed_bytes for c in plan.candidates if c.checkpoint_save_matmuls)
+    tight = _plan(budget=leanest_ops, device="cpu")
+    assert tight.chosen.checkpoint_save_matmuls
+    assert tight.config(FSDP2Config(shard_size="auto", memory_budget=1)).checkpoint_save_matmuls
+    with pytest.raises(ValueError, match="checkpoint_save_matmuls.*activation_checkpointing"):
+        FSDP2Config(checkpoint_save_matmuls=True)
 
 
 def test_activation_offload_moves_the_layers_activations_to_the_host():
@@ -203,7 +235,7 @@ def test_plan_command(tmp_path, capsys):
     assert {(c["tp_size"], c["cp_size"]) for c in out["candidates"]} == {(1, 1), (1, 2), (1, 4), (2, 1), (2, 2)}
     assert cli_main(["plan", "--model", str(config_json), "--world-size", "4", "--memory", "1KB", "--json",
                      "--tp-sizes", "1", "--cp-sizes", "1"]) == 1
-    assert len(json.loads(capsys.readouterr().out)["candidates"]) == 48  # FSDP alone
+    assert len(json.loads(capsys.readouterr().out)["candidates"]) == 60  # FSDP alone
     with pytest.raises(SystemExit):
         cli_main(["plan", "--model", str(config_json), "--world-size", "4", "--memory", "1KB", "--tp-sizes", "two"])
     assert "--tp-sizes: must be auto or positive integers" in capsys.readouterr().err

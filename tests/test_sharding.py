@@ -45,7 +45,10 @@ def _full_finetune(rank, world, config_kwargs, model_kwargs):
     params = full_params(model)
     return {"losses": losses, "params": params if rank == 0 else None, "groups": len(groups),
             "layer_groups": sum(isinstance(m, FSDPModule) for m in model.model.layers), "n_layers": n_layers,
-            "checkpointed": sum(type(m).__name__.endswith("CheckpointWrapper") for m in model.model.layers)}
+            "checkpointed": sum(type(m).__name__.endswith("CheckpointWrapper") for m in model.model.layers),
+            # op-level selective checkpointing: torch's checkpoint gets the selective context_fn
+            "selective": sum("context_fn" in getattr(getattr(m, "checkpoint_fn", None), "keywords", {})
+                             for m in model.model.layers)}
 
 
 @pytest.mark.parametrize("world", [pytest.param(2, marks=pytest.mark.oldest), 4])
@@ -70,12 +73,14 @@ def test_tied_embeddings_share_one_group():
 def test_activation_checkpointing_and_cpu_offload_match_reference():
     ref_losses, ref_params = _reference(build_model, batches())
     for kwargs in ({"activation_checkpointing": True}, {"activation_checkpointing": True, "checkpoint_every": 2},
+                   {"activation_checkpointing": True, "checkpoint_save_matmuls": True},
                    {"cpu_offload": True},
                    {"forward_prefetch": 1, "backward_prefetch": 2, "reshard_after_forward": False}):
         out = run_ranks(_full_finetune, 2, kwargs, {})
         assert out[0]["losses"] == pytest.approx(ref_losses, abs=LOSS_ATOL), kwargs
         every = kwargs.get("checkpoint_every", 1) if kwargs.get("activation_checkpointing") else 0
         assert out[0]["checkpointed"] == (len(range(0, out[0]["n_layers"], every)) if every else 0), kwargs
+        assert out[0]["selective"] == (out[0]["n_layers"] if kwargs.get("checkpoint_save_matmuls") else 0), kwargs
         assert_close_dicts(out[0]["params"], ref_params, atol=PARAM_ATOL)
 
 

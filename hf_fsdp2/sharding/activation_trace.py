@@ -9,9 +9,14 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from .memory_report import ActivationMemory
+from .selective_checkpoint import SAVED_OPS
+
+
+_op_outputs: list | None = None  # while tracing: the outputs of the ops selective checkpointing saves
 
 
 class _FusedAttention(torch.autograd.Function):
@@ -23,6 +28,8 @@ class _FusedAttention(torch.autograd.Function):
         out = q.new_empty((*q.shape[:-3], q.shape[-2], q.shape[-3], v.shape[-1])).transpose(-3, -2)
         lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
         ctx.save_for_backward(q, k, v, out, lse)
+        if _op_outputs is not None:  # the attention kernel's outputs, as selective checkpointing saves them
+            _op_outputs.extend((out, lse))
         return out
 
     @staticmethod
@@ -36,6 +43,16 @@ class _FusedAttentionMode(TorchFunctionMode):
             q, k, v = args[:3]
             return _FusedAttention.apply(q, k, v)
         return func(*args, **(kwargs or {}))
+
+
+class _SavedOpOutputs(TorchDispatchMode):
+    """Records the outputs of the ops op-level selective checkpointing keeps (selective_checkpoint.py)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in SAVED_OPS and _op_outputs is not None:
+            _op_outputs.extend(t for t in tree_leaves(out) if isinstance(t, torch.Tensor))
+        return out
 
 
 def _storage_key(t: torch.Tensor):
@@ -78,8 +95,12 @@ def trace_activations(model: nn.Module, layers: Sequence[nn.Module], batch_size:
                 owner.setdefault(k, active[-1] if active else -1)
         return t
 
+    matmul_bytes = [0] * len(layers)
+    matmul_seen: set = set()
+
     def pre_hook(index: int):
         def hook(module, args, kwargs):
+            _op_outputs.clear()
             active.append(index)
             for t in tree_leaves((args, kwargs)):
                 if isinstance(t, torch.Tensor):
@@ -89,17 +110,26 @@ def trace_activations(model: nn.Module, layers: Sequence[nn.Module], batch_size:
         return hook
 
     def post_hook(module, args, kwargs, output):
-        active.pop()
+        index = active.pop()
+        for t in _op_outputs:  # what selective checkpointing would keep of this layer
+            k = key_of(t)
+            if k not in matmul_seen:
+                matmul_seen.add(k)
+                matmul_bytes[index] += sizes[k]
+        _op_outputs.clear()
 
     handles = []
     for i, layer in enumerate(layers):
         handles.append(layer.register_forward_pre_hook(pre_hook(i), with_kwargs=True))
         handles.append(layer.register_forward_hook(post_hook, with_kwargs=True))
     ids = torch.zeros(batch_size, seq_len, dtype=torch.long, device="meta")
+    global _op_outputs
+    _op_outputs = []
     try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _FusedAttentionMode():
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _FusedAttentionMode(), _SavedOpOutputs():
             out = model(input_ids=ids, labels=ids)
     finally:
+        _op_outputs = None
         for h in handles:
             h.remove()
     logits = getattr(out, "logits", None)
@@ -116,7 +146,7 @@ def trace_activations(model: nn.Module, layers: Sequence[nn.Module], batch_size:
     return ActivationMemory(
         batch_size=batch_size, seq_len=seq_len, checkpointing=False, peak_bytes=saved, saved_bytes=saved,
         outside_layers_bytes=total(outside), layer_inputs_bytes=total(inputs - outside),
-        largest_layer_bytes=largest, layer_bytes=tuple(per_layer),
+        largest_layer_bytes=largest, layer_bytes=tuple(per_layer), layer_matmul_bytes=tuple(matmul_bytes),
     ).with_checkpointing(checkpointing)
 
 

@@ -31,7 +31,7 @@ from .groups import ShardPlan, apply_frozen_dtype, plan_groups, replicated_froze
 from .layout import resolve_auto_layout
 from .generation import wrap_generate
 from .record import record_of
-from . import activation_offload, adopt, context_parallel, tensor_parallel
+from . import activation_offload, adopt, context_parallel, selective_checkpoint, tensor_parallel
 
 
 # ---------------------------------------------------------------------------------------------
@@ -48,9 +48,11 @@ def apply_fp8(model: nn.Module, plan: ShardPlan) -> fp8.Fp8Conversion:
     return conversion
 
 
-def apply_activation_checkpointing(model: nn.Module, layers: list[nn.Module], every: int = 1) -> list[nn.Module]:
+def apply_activation_checkpointing(model: nn.Module, layers: list[nn.Module], every: int = 1,
+                                   save_matmuls: bool = False) -> list[nn.Module]:
     """Wrap every `every`-th layer (0, every, 2 x every, ...) in torch's non-reentrant
     `CheckpointWrapper`, in place; returns the layers with those replaced by their wrappers.
+    `save_matmuls`: op-level selective checkpointing (selective_checkpoint.py).
 
     Applied before `fully_shard` so each wrapper becomes the group: FSDP's unshard happens outside
     the checkpointed region and again, through its pre-backward hook, for the recomputation.
@@ -61,7 +63,8 @@ def apply_activation_checkpointing(model: nn.Module, layers: list[nn.Module], ev
             wrapped.append(layer)
             continue
         parent, name = _parent_of(model, layer)
-        wrapper = checkpoint_wrapper(layer, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+        wrapper = checkpoint_wrapper(layer, checkpoint_impl=CheckpointImpl.NO_REENTRANT,
+                                     **selective_checkpoint.checkpoint_kwargs(save_matmuls))
         parent.register_module(name, wrapper)
         wrapped.append(wrapper)
     return wrapped
@@ -224,7 +227,8 @@ def shard_model(
         apply_fp8(model, plan)
     apply_frozen_dtype(model, config.frozen_dtype)
     if config.activation_checkpointing:
-        plan.layers = apply_activation_checkpointing(model, plan.layers, config.checkpoint_every)
+        plan.layers = apply_activation_checkpointing(model, plan.layers, config.checkpoint_every,
+                                                     config.checkpoint_save_matmuls)
     if config.activation_offload:
         activation_offload.apply_activation_offload(plan.layers)
     if config.compile:

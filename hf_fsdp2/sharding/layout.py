@@ -65,6 +65,7 @@ class Candidate:
     fits: bool
     tp_size: int = 1
     cp_size: int = 1
+    checkpoint_save_matmuls: bool = False
 
     def describe(self) -> str:
         layout = (f"shard_size={self.shard_size}" if self.replicate_size == 1
@@ -74,6 +75,7 @@ class Candidate:
         return (f"{layout}, reshard_after_forward={self.reshard_after_forward}, "
                 f"activation_checkpointing={self.activation_checkpointing}"
                 + (f" (checkpoint_every={self.checkpoint_every})" if self.checkpoint_every > 1 else "")
+                + (" (checkpoint_save_matmuls=True)" if self.checkpoint_save_matmuls else "")
                 + (", activation_offload=True" if self.activation_offload else "")
                 + f", cpu_offload={self.cpu_offload}")
 
@@ -107,6 +109,7 @@ class LayoutPlan:
                             reshard_after_forward=chosen.reshard_after_forward,
                             activation_checkpointing=chosen.activation_checkpointing,
                             checkpoint_every=chosen.checkpoint_every, activation_offload=chosen.activation_offload,
+                            checkpoint_save_matmuls=chosen.checkpoint_save_matmuls,
                             cpu_offload=chosen.cpu_offload, memory_budget=None)
 
     def failure(self) -> str:
@@ -154,6 +157,8 @@ def _ac_label(c: Candidate) -> str:
         return "host"
     if not c.activation_checkpointing:
         return "False"
+    if c.checkpoint_save_matmuls:
+        return "ops"
     return "True" if c.checkpoint_every == 1 else f"1/{c.checkpoint_every}"
 
 
@@ -232,29 +237,33 @@ def plan_layout(prepared: MetaTrainingModel, world_size: int, config: FSDP2Confi
     `tp_sizes` / `cp_sizes`: the tensor / context parallel sizes to cost (`parallel_sizes` lists the
     workable ones); `mesh_shape`: (replicate, shard) when a given mesh fixes them."""
     offloads = [True] if config.cpu_offload else ([False] if device_type == "cpu" else [False, True])
-    # What to do with activations: keep them, checkpoint every other layer (half the recomputation of
-    # every layer), every layer, or (on an accelerator) move them to the host. Checkpointing or offload
-    # you set (or layers already wrapped, every one) is kept as it is.
+    # What to do with activations (checkpointing, every, keep matmul outputs, offload): keep them;
+    # checkpoint every layer but keep its matmul and attention outputs (op-level: only the cheap ops
+    # are recomputed); checkpoint every other layer (half the recomputation of every layer); every
+    # layer; or (on an accelerator) move them to the host. Checkpointing or offload you set (or layers
+    # already wrapped, every one) is kept as it is.
     if checkpointing_fixed:
-        checkpointing = [(True, 1, False)]
+        checkpointing = [(True, 1, False, False)]
     elif config.activation_checkpointing:
-        checkpointing = [(True, config.checkpoint_every, False)]
+        checkpointing = [(True, config.checkpoint_every, config.checkpoint_save_matmuls, False)]
     elif config.activation_offload:
-        checkpointing = [(False, 1, True)]
+        checkpointing = [(False, 1, False, True)]
     else:
-        checkpointing = [(False, 1, False), (True, 2, False), (True, 1, False)]
+        checkpointing = [(False, 1, False, False), (True, 1, True, False), (True, 2, False, False),
+                         (True, 1, False, False)]
         if device_type != "cpu":
-            checkpointing.append((False, 1, True))
+            checkpointing.append((False, 1, False, True))
     layouts = [(offload, tp, cp, activations, reshard, shard)
                for offload in offloads for tp, cp in _parallel_options(world_size, tp_sizes, cp_sizes)
                for activations in checkpointing for reshard in (False, True)
                for shard in _shard_sizes(world_size // tp, cp, mesh_shape)]
     candidates = []
-    for offload, tp, cp, (ac, every, act_offload), reshard, shard in layouts:
+    for offload, tp, cp, (ac, every, save_matmuls, act_offload), reshard, shard in layouts:
         replicate = world_size // tp // shard
         layout = config.replace(shard_size=shard, replicate_size=replicate, tp_size=tp, memory_budget=None,
                                 reshard_after_forward=reshard, activation_checkpointing=ac, checkpoint_every=every,
-                                activation_offload=act_offload, cpu_offload=offload)
+                                checkpoint_save_matmuls=save_matmuls, activation_offload=act_offload,
+                                cpu_offload=offload)
         estimate = prepared.estimate(world_size, layout, batch_size=batch_size, seq_len=seq_len, cp_size=cp)
         if estimate.activations is None:
             raise ValueError(f"shard_size='auto' cannot plan {estimate.model_type}: its activations "
@@ -264,7 +273,7 @@ def plan_layout(prepared: MetaTrainingModel, world_size: int, config: FSDP2Confi
         needed = estimate.device_bytes + (estimate.host_bytes if device_type == "cpu" else 0)
         fits = needed <= budget_bytes and (host_budget_bytes is None or host <= host_budget_bytes)
         candidates.append(Candidate(shard, replicate, reshard, ac, every, act_offload, offload, estimate, needed, host,
-                                    fits, tp, cp))
+                                    fits, tp, cp, save_matmuls))
     if not candidates:
         raise ValueError(f"no layout to plan: the mesh shape {mesh_shape} (replicate, shard) does not fit "
                          f"{world_size} ranks with tp_size={tuple(tp_sizes)} and cp_size={tuple(cp_sizes)}.")

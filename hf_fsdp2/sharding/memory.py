@@ -198,7 +198,7 @@ class MetaTrainingModel:
 
     def activations(self, batch_size: int, seq_len: int, compute_dtype: torch.dtype | None,
                     checkpointing: bool, every: int = 1, offload: bool = False, tp_size: int = 1,
-                    cp_size: int = 1) -> tuple[ActivationMemory | None, str | None]:
+                    cp_size: int = 1, save_matmuls: bool = False) -> tuple[ActivationMemory | None, str | None]:
         """One meta trace per (batch, tokens per rank, dtype, tp) on a copy (the trace casts the model,
         and narrows the TP-split layers to one rank's block); both the plain and the checkpointed
         peak follow from it. With CP a rank holds seq_len / cp_size tokens of each sequence."""
@@ -220,7 +220,7 @@ class MetaTrainingModel:
             return None, error
         if offload:
             return traced.offloaded_to_host(), None
-        return traced.with_checkpointing(checkpointing, every), None
+        return traced.with_checkpointing(checkpointing, every, save_matmuls), None
 
     def estimate(self, world_size: int, config: FSDP2Config, *, batch_size: int | None = 1,
                  seq_len: int | None = 2048, cp_size: int = 1) -> MemoryEstimate:
@@ -299,7 +299,8 @@ def _estimate(prepared: MetaTrainingModel, world_size: int, config: FSDP2Config,
     if batch_size is not None:
         activations, act_error = prepared.activations(batch_size, seq_len, config.param_dtype,
                                                       config.activation_checkpointing, config.checkpoint_every,
-                                                      config.activation_offload, config.tp_size, cp_size)
+                                                      config.activation_offload, config.tp_size, cp_size,
+                                                      config.checkpoint_save_matmuls)
 
     trainable = [p for p in params if p.requires_grad]
     notes = [

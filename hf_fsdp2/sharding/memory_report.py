@@ -34,6 +34,8 @@ class ActivationMemory:
     largest_layer_bytes: int  # one decoder layer's saved activations (recomputed during backward with AC)
     layer_bytes: tuple[int, ...] = ()  # each decoder layer's saved activations, inputs excluded
     checkpoint_every: int = 1
+    layer_matmul_bytes: tuple[int, ...] = ()  # each layer's matmul and attention outputs (op-level selective AC keeps them)
+    save_matmuls: bool = False
     offloaded: bool = False
     host_bytes: int = 0  # with activation offload: the layers' saved activations, in host memory
 
@@ -45,20 +47,26 @@ class ActivationMemory:
         return dataclasses.replace(self, checkpointing=False, checkpoint_every=1, offloaded=True, host_bytes=layers,
                                    peak_bytes=self.outside_layers_bytes + self.largest_layer_bytes)
 
-    def with_checkpointing(self, checkpointing: bool, every: int = 1) -> "ActivationMemory":
+    def with_checkpointing(self, checkpointing: bool, every: int = 1, save_matmuls: bool = False) -> "ActivationMemory":
         """The same trace, its peak with or without activation checkpointing: everything outside the
         layers + every layer's inputs + what the layers that are not checkpointed save + one
         checkpointed layer recomputed (`every`: layers 0, every, 2 x every, ... are checkpointed), or
-        everything saved."""
+        everything saved. `save_matmuls` (op-level selective AC): a checkpointed layer keeps its
+        matmul and attention outputs and recomputes the rest."""
         if not checkpointing:
-            return dataclasses.replace(self, checkpointing=False, checkpoint_every=1, peak_bytes=self.saved_bytes)
+            return dataclasses.replace(self, checkpointing=False, checkpoint_every=1, save_matmuls=False,
+                                       peak_bytes=self.saved_bytes)
         if not self.layer_bytes:  # a trace without per-layer bytes: every layer checkpointed
             kept, recomputed = 0, self.largest_layer_bytes
         else:
-            kept = sum(b for i, b in enumerate(self.layer_bytes) if i % every)
-            recomputed = max(b for i, b in enumerate(self.layer_bytes) if i % every == 0)
+            matmuls = self.layer_matmul_bytes if save_matmuls else (0,) * len(self.layer_bytes)
+            checkpointed = [i for i in range(len(self.layer_bytes)) if i % every == 0]
+            kept = (sum(b for i, b in enumerate(self.layer_bytes) if i % every)
+                    + sum(matmuls[i] for i in checkpointed))
+            recomputed = max(max(0, self.layer_bytes[i] - matmuls[i]) for i in checkpointed)
         peak = self.outside_layers_bytes + self.layer_inputs_bytes + kept + recomputed
-        return dataclasses.replace(self, checkpointing=True, checkpoint_every=every, peak_bytes=peak)
+        return dataclasses.replace(self, checkpointing=True, checkpoint_every=every, save_matmuls=save_matmuls,
+                                   peak_bytes=peak)
 
 
 @dataclass(frozen=True)
@@ -174,7 +182,8 @@ class MemoryEstimate:
         if a is not None:
             ac = ("offloaded to the host" if a.offloaded else "no checkpointing" if not a.checkpointing
                   else "with activation checkpointing"
-                  + (f" of 1 layer in {a.checkpoint_every}" if a.checkpoint_every > 1 else ""))
+                  + (f" of 1 layer in {a.checkpoint_every}" if a.checkpoint_every > 1 else "")
+                  + (", matmul outputs kept" if a.save_matmuls else ""))
             split = (f", the heads and MLP features 1/{self.tp_size}" if self.tp_size > 1 else "")
             rows.append((f"activations: batch {a.batch_size} x seq {a.seq_len}{split}, {ac}", a.peak_bytes,
                          a.host_bytes))

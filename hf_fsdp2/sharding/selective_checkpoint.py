@@ -1,0 +1,50 @@
+"""Op-level selective activation checkpointing: a checkpointed decoder layer keeps the outputs of its
+matmuls and attention and recomputes only the cheap ops (norms, activations, elementwise) in backward.
+
+torchtitan's `selective_ac_option="op"` (and the example of torch's `create_selective_checkpoint_contexts`):
+the ops whose recomputation costs the most FLOPs are saved (`CheckpointPolicy.MUST_SAVE`), everything
+else is recomputed (`PREFER_RECOMPUTE`). Memory: more than checkpointing the whole layer (the matmul
+and attention outputs stay), far less than no checkpointing (the norms', activations' and
+elementwise ops' outputs go); compute: a few percent more instead of a whole forward of the layer.
+`FSDP2Config(activation_checkpointing=True, checkpoint_save_matmuls=True)`; the estimate counts what
+the saved ops output in each layer (activation_trace.py) and the planner offers it before
+checkpointing whole layers.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+_aten = torch.ops.aten
+# What a decoder layer's expensive ops are at the aten level: its linears (mm / addmm, bmm for batched
+# projections) and the fused attention kernels.
+SAVED_OPS = frozenset(op for op in (
+    _aten.mm.default, _aten.addmm.default, _aten.bmm.default,
+    _aten._scaled_dot_product_flash_attention.default,
+    _aten._scaled_dot_product_efficient_attention.default,
+    getattr(_aten, "_scaled_dot_product_cudnn_attention", None) and _aten._scaled_dot_product_cudnn_attention.default,
+    _aten._scaled_dot_product_flash_attention_for_cpu.default,
+) if op is not None)
+
+
+def _policy(ctx, op, *args, **kwargs):
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def context_fn():
+    """`torch.utils.checkpoint.checkpoint(..., context_fn=context_fn)`: the (forward, recompute) contexts."""
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    return create_selective_checkpoint_contexts(_policy)
+
+
+def checkpoint_kwargs(save_matmuls: bool) -> dict:
+    """Keyword arguments for `checkpoint_wrapper` (passed on to torch's checkpoint)."""
+    return {"context_fn": functools.partial(context_fn)} if save_matmuls else {}
+
+
+__all__ = ["SAVED_OPS", "checkpoint_kwargs", "context_fn"]
