@@ -274,6 +274,15 @@ def _auto_and_compile(rank: int, world: int, root: str) -> dict:
     out["tight"] = record_of(other).config.to_dict()
     load_pretrained(other, Path(root) / "auto")  # written by the replicated layout, read by the sharded one
     out["resumed_equal"] = all(torch.equal(a, b) for a, b in zip(full_params(other).values(), trained.values()))
+    # hf_fsdp2.from_pretrained plans on the meta model (no rank holds the whole model), then loads its rows.
+    from transformers import LlamaForCausalLM
+
+    from hf_fsdp2 import from_pretrained
+
+    loaded = from_pretrained(LlamaForCausalLM, Path(root) / "auto", FSDP2Config(shard_size="auto", memory_budget=need,
+                                                                               **plan_for))
+    out["loaded_tight"] = record_of(loaded).config.to_dict()
+    out["loaded_equal"] = all(torch.equal(a, b) for a, b in zip(full_params(loaded).values(), trained.values()))
 
     # LoRA replicated: the frozen base stays out of FSDP (plain tensors, used in place), adapters are FSDP's.
     from torch.distributed.tensor import DTensor
@@ -308,6 +317,8 @@ def test_auto_layout_and_regional_compile_on_two_ranks(tmp_path):
     results = run_ranks(_auto_and_compile, WORLD, str(tmp_path), timeout=600)
     r = results[0]
     assert r["ample_mesh"] == (2, 1) and (r["ample"]["replicate_size"], r["ample"]["shard_size"]) == (2, 1)
+    assert r["loaded_equal"] and (r["loaded_tight"]["replicate_size"], r["loaded_tight"]["shard_size"]) == (
+        r["tight"]["replicate_size"], r["tight"]["shard_size"])
     assert r["ample"]["reshard_after_forward"] is False and r["ample"]["activation_checkpointing"] is False
     assert (r["tight"]["replicate_size"], r["tight"]["shard_size"]) == (1, 2)
     torch.testing.assert_close(r["losses"], reference_train(build_model(), batches(3)), atol=2e-5, rtol=0)

@@ -23,6 +23,7 @@ from ..config import FSDP2Config, parse_dtype
 from ..runtime import collectives, upstream
 from ..runtime.distributed import build_mesh
 from ..sharding import shard_model
+from ..sharding.layout import resolve_auto_layout
 from ..quantization import bnb_4bit
 from .export_plan import export_items
 from .weights_io import (
@@ -142,11 +143,20 @@ def from_pretrained(model_class, directory: str | os.PathLike, config: FSDP2Conf
     if quantization_config is not None:
         dtype = torch_dtype or next(p.dtype for p in model.parameters() if p.is_floating_point())
         bnb_4bit.quantize_on_meta(model, quantization_config, dtype)
-    mesh = mesh if mesh is not None else build_mesh(config)
+    config = config or FSDP2Config()
+    if config.is_auto_layout and mesh is not None:
+        raise ValueError("`shard_size`='auto' chooses the device mesh itself; call from_pretrained without `mesh`.")
+    # With shard_size="auto" the mesh follows the plan, made below on the meta model with its adapters;
+    # the adapters' broadcast needs only a group over every rank.
+    mesh = mesh if mesh is not None else build_mesh(config.replace(shard_size=None, memory_budget=None)
+                                                    if config.is_auto_layout else config)
     if peft_config is not None:
         model = _with_adapters(model, peft_config, mesh)
     if quantization_config is not None:  # after PEFT, which reads the `Params4bit` attributes
         bnb_4bit.prepare_4bit_modules(model, dtype)
+    if config.is_auto_layout:  # planned from shapes: no rank ever holds the unsharded weights
+        config = resolve_auto_layout(model, config)
+        mesh = build_mesh(config)
     shard_model(model, config, mesh=mesh, init_weights=False)
     load_pretrained(model, directory, progress=progress)
     base = model.get_base_model() if peft_config is not None else model
