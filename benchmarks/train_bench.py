@@ -33,6 +33,11 @@ CONTESTANTS
   ours_auto_tight  opt-in: ours_auto with a budget that forces sharding: 1 byte less than the
               leanest replicated layout without checkpointing or offload (read from the plan).
               Its budget, layout and estimated peak are printed beside its measured RSS.
+  ours_auto_loaded  opt-in: ours_auto_tight's budget, but the model never exists whole on a rank: the same
+              weights saved once (outside the measurement), then `hf_fsdp2.from_pretrained(..., FSDP2Config(
+              shard_size="auto", memory_budget=...))`: planned on the meta model, each rank loads its rows (LoRA:
+              adapters from `peft_config`, initialised by PEFT on rank 0 and broadcast, so its losses differ
+              slightly). Its estimated peak is printed beside its measured RSS, and checked: <= 1.2 x budget.
   ours_compile opt-in: ours with FSDP2Config(compile=True), each decoder layer compiled by inductor
               (regional compilation); the first warm-up step's time (printed) includes compiling.
   replicate   opt-in candidate (issue 35, not a peer): torch's composable `replicate` built on FSDP2's
@@ -113,7 +118,8 @@ from harness import RssSampler, hwm_bytes, malloc_trim, reset_hwm, rss_bytes, ru
 REPO, RESULTS_DIR = harness.REPO, harness.RESULTS_DIR
 MiB = 1 << 20
 CONTESTANTS = ("ours", "accelerate", "fsdp1", "ddp")
-EXTRA = ("ours_zero2", "ours_plain", "ours_bf16", "ours_fp8", "ours_auto", "ours_auto_tight", "ours_compile",
+EXTRA = ("ours_zero2", "ours_plain", "ours_bf16", "ours_fp8", "ours_auto", "ours_auto_tight", "ours_auto_loaded",
+         "ours_compile",
          "replicate", "transformers")  # opt-in settings of ours (and torch's replicate, a candidate; transformers'
 # own FSDP, a peer run on request since it needs its own load): not in the targets
 PEERS = ("accelerate", "fsdp1", "ddp")
@@ -346,11 +352,10 @@ def wrap_ours_auto(model, ctx):
     return shard_model(model, _auto_config(ctx))
 
 
-def wrap_ours_auto_tight(model, ctx):
+def _tight_budget(model, ctx) -> int:
     """A budget the replicated layouts (without checkpointing or offload) miss: the planner has to shard."""
     import torch.distributed as dist
 
-    from hf_fsdp2 import shard_model
     from hf_fsdp2.sharding.layout import plan_layout
     from hf_fsdp2.sharding.memory import prepare_meta_model
 
@@ -359,9 +364,48 @@ def wrap_ours_auto_tight(model, ctx):
                        device_type=ctx["device"].type, batch_size=ctx["micro_batch"], seq_len=ctx["seq"])
     # Below every replicated layout short of checkpointing/offload (with LoRA, replication can need
     # less than S=2 without resharding: its frozen weights are never gathered).
-    replicated = min(c.needed_bytes for c in plan.candidates
-                     if c.shard_size == 1 and not (c.activation_checkpointing or c.cpu_offload))
-    return shard_model(model, _auto_config(ctx, memory_budget=replicated - 1))
+    return min(c.needed_bytes for c in plan.candidates
+               if c.shard_size == 1 and not (c.activation_checkpointing or c.cpu_offload)) - 1
+
+
+def wrap_ours_auto_tight(model, ctx):
+    from hf_fsdp2 import shard_model
+
+    return shard_model(model, _auto_config(ctx, memory_budget=_tight_budget(model, ctx)))
+
+
+def wrap_ours_auto_loaded(model, ctx):
+    """`model` is None: the weights come from `ctx["saved"]` (see `save_weights`), each rank its rows."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hf_fsdp2 import from_pretrained
+
+    peft_config = None
+    with torch.device("meta"):
+        probe = LlamaForCausalLM(LlamaConfig.from_pretrained(ctx["saved"]))
+    if ctx["mode"] == "lora":
+        from peft import LoraConfig, get_peft_model
+
+        peft_config = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=LORA_TARGETS)
+        probe = get_peft_model(probe, peft_config)
+    budget = _tight_budget(probe, ctx)
+    return from_pretrained(LlamaForCausalLM, ctx["saved"], _auto_config(ctx, memory_budget=budget),
+                           torch_dtype=torch.float32, peft_config=peft_config)
+
+
+def save_weights(job: dict, rank: int) -> str:
+    """build_model's base weights saved once by rank 0 (before any measurement); the directory."""
+    import tempfile
+
+    import torch.distributed as dist
+
+    directory = [tempfile.mkdtemp(prefix="train_bench-weights-") if rank == 0 else None]
+    dist.broadcast_object_list(directory)
+    if rank == 0:
+        build_model(job["model_size"], "full", job["seed"]).save_pretrained(directory[0])
+    dist.barrier()
+    return directory[0]
 
 
 def wrap_replicate(model, ctx):
@@ -416,6 +460,7 @@ def wrap_ours_compile(model, ctx):
 WRAPPERS = {"ours": wrap_ours, "accelerate": wrap_accelerate, "fsdp1": wrap_fsdp1, "ddp": wrap_ddp,
             "ours_zero2": wrap_ours_zero2, "ours_plain": wrap_ours_plain, "ours_bf16": wrap_ours_bf16,
             "ours_fp8": wrap_ours_fp8, "ours_auto": wrap_ours_auto, "ours_auto_tight": wrap_ours_auto_tight,
+            "ours_auto_loaded": wrap_ours_auto_loaded,
             "ours_compile": wrap_ours_compile, "replicate": wrap_replicate, "transformers": wrap_transformers}
 
 
@@ -549,6 +594,7 @@ def run_rank(rank: int, world: int, job: dict) -> dict:
             torch.cuda.synchronize()
 
     out = {"rank": rank, "modes": {}}
+    saved = save_weights(job, rank) if "ours_auto_loaded" in job["contestants"] else None
     prime(job, rank, device)
     for mode in job["modes"]:
         live, res = {}, {}
@@ -568,8 +614,9 @@ def run_rank(rank: int, world: int, job: dict) -> dict:
                 warnings.simplefilter("always")
                 try:
                     t0 = time.perf_counter()
-                    model = WRAPPERS[name](build_model(job["model_size"], mode, job["seed"]),
-                                           {"rank": rank, "device": device, "mode": mode, "seq": seq,
+                    model = WRAPPERS[name](None if name == "ours_auto_loaded" else
+                                           build_model(job["model_size"], mode, job["seed"]),
+                                           {"rank": rank, "device": device, "mode": mode, "seq": seq, "saved": saved,
                                             "micro_batch": per, "fsdp1_full_policy": job["fsdp1_full_policy"]})
                     opt = make_optimizer(model, job["lr"], job["optimizer"])
                     r["wrap_s"] = time.perf_counter() - t0
@@ -665,6 +712,10 @@ def run_rank(rank: int, world: int, job: dict) -> dict:
         gc.collect()
         malloc_trim()
         out["modes"][mode] = res
+    if saved is not None and rank == 0:
+        import shutil
+
+        shutil.rmtree(saved, ignore_errors=True)
     return out
 
 
@@ -849,6 +900,12 @@ def targets(res: dict) -> list[tuple[bool | None, str]]:
             peak = max(tight["rss_delta_per_rank"])
             out.append((peak <= lay["budget_bytes"], f"{mode}, {world} ranks: ours_auto_tight peak RSS Δ "
                         f"{mib(peak)} MiB <= its budget {mib(lay['budget_bytes'])} MiB"))
+        loaded = table.get("ours_auto_loaded")
+        if loaded and "error" not in loaded and loaded.get("layout"):
+            lay, peak = loaded["layout"], max(loaded["rss_delta_per_rank"])
+            out.append((peak <= 1.2 * lay["budget_bytes"], f"{mode}, {world} ranks: ours_auto_loaded (meta + per-rank "
+                        f"load) peak RSS Δ {mib(peak)} MiB <= 1.2 x its budget {mib(lay['budget_bytes'])} MiB "
+                        f"({peak / lay['budget_bytes']:.2f}x; estimated peak {mib(lay['estimated_peak_bytes'])} MiB)"))
         if mode == "lora":
             f1 = table.get("fsdp1")
             if f1 and "error" not in f1:
