@@ -38,6 +38,9 @@ CONTESTANTS
               shard_size="auto", memory_budget=...))`: planned on the meta model, each rank loads its rows (LoRA:
               adapters from `peft_config`, initialised by PEFT on rank 0 and broadcast, so its losses differ
               slightly). Its estimated peak is printed beside its measured RSS, and checked: <= 1.2 x budget.
+  ours_ac     opt-in: ours with activation_checkpointing=True (every decoder layer recomputed in backward).
+  ours_sac    opt-in: ours_ac with checkpoint_save_matmuls=True (op-level selective checkpointing: matmul and
+              attention outputs kept, the cheap ops recomputed); compare its RSS and step time with ours_ac/ours.
   ours_compile opt-in: ours with FSDP2Config(compile=True), each decoder layer compiled by inductor
               (regional compilation); the first warm-up step's time (printed) includes compiling.
   replicate   opt-in candidate (issue 35, not a peer): torch's composable `replicate` built on FSDP2's
@@ -119,7 +122,7 @@ REPO, RESULTS_DIR = harness.REPO, harness.RESULTS_DIR
 MiB = 1 << 20
 CONTESTANTS = ("ours", "accelerate", "fsdp1", "ddp")
 EXTRA = ("ours_zero2", "ours_plain", "ours_bf16", "ours_fp8", "ours_auto", "ours_auto_tight", "ours_auto_loaded",
-         "ours_compile",
+         "ours_ac", "ours_sac", "ours_compile",
          "replicate", "transformers")  # opt-in settings of ours (and torch's replicate, a candidate; transformers'
 # own FSDP, a peer run on request since it needs its own load): not in the targets
 PEERS = ("accelerate", "fsdp1", "ddp")
@@ -451,6 +454,18 @@ def wrap_transformers(model, ctx):
     return sharded
 
 
+def wrap_ours_ac(model, ctx):
+    from hf_fsdp2 import FSDP2Config, shard_model
+
+    return shard_model(model, FSDP2Config(activation_checkpointing=True))
+
+
+def wrap_ours_sac(model, ctx):
+    from hf_fsdp2 import FSDP2Config, shard_model
+
+    return shard_model(model, FSDP2Config(activation_checkpointing=True, checkpoint_save_matmuls=True))
+
+
 def wrap_ours_compile(model, ctx):
     from hf_fsdp2 import FSDP2Config, shard_model
 
@@ -460,7 +475,7 @@ def wrap_ours_compile(model, ctx):
 WRAPPERS = {"ours": wrap_ours, "accelerate": wrap_accelerate, "fsdp1": wrap_fsdp1, "ddp": wrap_ddp,
             "ours_zero2": wrap_ours_zero2, "ours_plain": wrap_ours_plain, "ours_bf16": wrap_ours_bf16,
             "ours_fp8": wrap_ours_fp8, "ours_auto": wrap_ours_auto, "ours_auto_tight": wrap_ours_auto_tight,
-            "ours_auto_loaded": wrap_ours_auto_loaded,
+            "ours_auto_loaded": wrap_ours_auto_loaded, "ours_ac": wrap_ours_ac, "ours_sac": wrap_ours_sac,
             "ours_compile": wrap_ours_compile, "replicate": wrap_replicate, "transformers": wrap_transformers}
 
 
