@@ -353,3 +353,23 @@ def test_activation_offload_round_trip_trains_like_one_process():
     assert out[0]["losses"] == pytest.approx(ref_losses, abs=LOSS_ATOL)
     assert_close_dicts(out[0]["params"], ref_params, atol=PARAM_ATOL)
     assert out[0]["moved_bytes"] > 0
+
+
+def test_op_level_checkpointing_runs_without_the_kv_cache_in_training():
+    """A KV cache filled in forward would make selective checkpointing's recompute run other ops (torch:
+    "not found in storage"); checkpointed layers get none in training, whatever use_cache says, and
+    gradients equal an unwrapped model's. Evaluation keeps the cache."""
+    from hf_fsdp2.sharding import apply_activation_checkpointing
+
+    model, plain = build_model(), build_model()
+    apply_activation_checkpointing(model, list(model.model.layers), 1, save_matmuls=True)
+    ids = batches()[0]
+    for kwargs in ({"use_cache": True}, {"attention_mask": torch.ones_like(ids)}):
+        for m in (model, plain):
+            m.zero_grad()
+            m(input_ids=ids, labels=ids, **kwargs).loss.backward()
+        for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, atol=1e-6, rtol=1e-5, msg=name)
+    model.eval()
+    with torch.no_grad():
+        assert model(input_ids=ids[:1], use_cache=True).past_key_values is not None

@@ -65,6 +65,8 @@ def apply_activation_checkpointing(model: nn.Module, layers: list[nn.Module], ev
         parent, name = _parent_of(model, layer)
         wrapper = checkpoint_wrapper(layer, checkpoint_impl=CheckpointImpl.NO_REENTRANT,
                                      **selective_checkpoint.checkpoint_kwargs(save_matmuls))
+        if save_matmuls:
+            selective_checkpoint.without_cache_in_training(wrapper)
         parent.register_module(name, wrapper)
         wrapped.append(wrapper)
     return wrapped

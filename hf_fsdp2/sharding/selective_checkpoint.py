@@ -47,4 +47,24 @@ def checkpoint_kwargs(save_matmuls: bool) -> dict:
     return {"context_fn": functools.partial(context_fn)} if save_matmuls else {}
 
 
-__all__ = ["SAVED_OPS", "checkpoint_kwargs", "context_fn"]
+# A decoder layer's KV cache argument (transformers 5: `past_key_values`; earlier: `past_key_value`).
+_CACHE_ARGS = ("past_key_values", "past_key_value")
+
+
+def without_cache_in_training(wrapper) -> None:
+    """A training forward of the checkpointed layer gets no KV cache. Selective checkpointing replays
+    the layer's ops against what forward recorded, and a cache the forward filled makes the recompute
+    run other ops (the keys come back twice as long and are sliced), which torch refuses ("not found in
+    storage"). Whole-layer checkpointing tolerates it, which is why a model-level `use_cache=False`
+    (compile.disable_cache_in_training) is not relied on here: transformers may still build a cache."""
+    def hook(module, args, kwargs):
+        if module.training:
+            for name in _CACHE_ARGS:
+                if kwargs.get(name) is not None:
+                    kwargs[name] = None
+        return args, kwargs
+
+    wrapper.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+__all__ = ["SAVED_OPS", "checkpoint_kwargs", "context_fn", "without_cache_in_training"]
