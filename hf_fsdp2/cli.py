@@ -314,8 +314,6 @@ def _run_plan(args: argparse.Namespace) -> int:
     try:
         prepared = prepare_meta_model(args.model, config, **setup)
         auto_tp, auto_cp = parallel_sizes(prepared, args.world_size, args.seq_len)
-        if args.load_in_4bit or args.fp8:  # not done with TP (shard_model refuses it)
-            auto_tp = [1]
         tp_sizes = auto_tp if args.tp_sizes == "auto" else args.tp_sizes
         cp_sizes = auto_cp if args.cp_sizes == "auto" else args.cp_sizes
         plan = plan_layout(prepared, args.world_size, config, budget_bytes=budget, budget_source="--memory",

@@ -167,6 +167,11 @@ def test_tp_and_cp_divide_what_they_split_and_are_proposed_when_fsdp_alone_does_
         estimate_memory(tiny_config(), 4, FSDP2Config(), batch_size=2, seq_len=63, cp_size=2)
     with pytest.raises(ValueError, match="`tp_size`=2 with `fp8` is not done"):
         estimate_memory(tiny_config(), 4, FSDP2Config(tp_size=2, fp8=True))
+    fp8_model = prepare_meta_model(tiny_config(), FSDP2Config(fp8=True))  # the planner refuses it too, and
+    assert parallel_sizes(fp8_model, 4, 64)[0] == [1]  # does not offer TP for it
+    with pytest.raises(ValueError, match="`tp_size`=2 with `fp8` is not done"):
+        plan_layout(fp8_model, 4, FSDP2Config(fp8=True), budget_bytes=1 << 40, device_type="cpu", batch_size=2,
+                    seq_len=64, tp_sizes=(2,))
 
     # The planner: FSDP layouts first (all of them, checkpointing included), then CP, then TP, then both.
     prepared = prepare_meta_model(tiny_config(), FSDP2Config())

@@ -146,12 +146,13 @@ def from_pretrained(model_class, directory: str | os.PathLike, config: FSDP2Conf
     config = config or FSDP2Config()
     if config.is_auto_layout and mesh is not None:
         raise ValueError("`shard_size`='auto' chooses the device mesh itself; call from_pretrained without `mesh`.")
-    # With shard_size="auto" the mesh follows the plan, made below on the meta model with its adapters;
-    # the adapters' broadcast needs only a group over every rank.
-    mesh = mesh if mesh is not None else build_mesh(config.replace(shard_size=None, memory_budget=None)
-                                                    if config.is_auto_layout else config)
+    if mesh is None and not config.is_auto_layout:
+        mesh = build_mesh(config)
     if peft_config is not None:
-        model = _with_adapters(model, peft_config, mesh)
+        # With shard_size="auto" the mesh follows the plan, made below on the meta model with its
+        # adapters; their broadcast needs only a group over every rank.
+        model = _with_adapters(model, peft_config,
+                               mesh or build_mesh(config.replace(shard_size=None, memory_budget=None)))
     if quantization_config is not None:  # after PEFT, which reads the `Params4bit` attributes
         bnb_4bit.prepare_4bit_modules(model, dtype)
     if config.is_auto_layout:  # planned from shapes: no rank ever holds the unsharded weights

@@ -16,20 +16,16 @@ from .memory_report import ActivationMemory
 from .selective_checkpoint import SAVED_OPS
 
 
-_op_outputs: list | None = None  # while tracing: the outputs of the ops selective checkpointing saves
-
-
 class _FusedAttention(torch.autograd.Function):
     """Shapes-only stand-in for a fused SDPA kernel: saves what flash attention saves (q, k, v, the
     output in (batch, seq, heads, dim) layout, and an fp32 log-sum-exp per query row)."""
 
     @staticmethod
-    def forward(ctx, q, k, v):  # noqa: D401
+    def forward(ctx, q, k, v, op_outputs):  # noqa: D401
         out = q.new_empty((*q.shape[:-3], q.shape[-2], q.shape[-3], v.shape[-1])).transpose(-3, -2)
         lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
         ctx.save_for_backward(q, k, v, out, lse)
-        if _op_outputs is not None:  # the attention kernel's outputs, as selective checkpointing saves them
-            _op_outputs.extend((out, lse))
+        op_outputs.extend((out, lse))  # the attention kernel's outputs, as selective checkpointing saves them
         return out
 
     @staticmethod
@@ -38,20 +34,28 @@ class _FusedAttention(torch.autograd.Function):
 
 
 class _FusedAttentionMode(TorchFunctionMode):
+    def __init__(self, op_outputs: list):
+        super().__init__()
+        self.op_outputs = op_outputs
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func is F.scaled_dot_product_attention:
             q, k, v = args[:3]
-            return _FusedAttention.apply(q, k, v)
+            return _FusedAttention.apply(q, k, v, self.op_outputs)
         return func(*args, **(kwargs or {}))
 
 
 class _SavedOpOutputs(TorchDispatchMode):
     """Records the outputs of the ops op-level selective checkpointing keeps (selective_checkpoint.py)."""
 
+    def __init__(self, op_outputs: list):
+        super().__init__()
+        self.op_outputs = op_outputs
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if func in SAVED_OPS and _op_outputs is not None:
-            _op_outputs.extend(t for t in tree_leaves(out) if isinstance(t, torch.Tensor))
+        if func in SAVED_OPS:
+            self.op_outputs.extend(t for t in tree_leaves(out) if isinstance(t, torch.Tensor))
         return out
 
 
@@ -95,12 +99,13 @@ def trace_activations(model: nn.Module, layers: Sequence[nn.Module], batch_size:
                 owner.setdefault(k, active[-1] if active else -1)
         return t
 
+    op_outputs: list[torch.Tensor] = []  # since the current layer began: what selective checkpointing keeps
     matmul_bytes = [0] * len(layers)
     matmul_seen: set = set()
 
     def pre_hook(index: int):
         def hook(module, args, kwargs):
-            _op_outputs.clear()
+            op_outputs.clear()
             active.append(index)
             for t in tree_leaves((args, kwargs)):
                 if isinstance(t, torch.Tensor):
@@ -111,25 +116,23 @@ def trace_activations(model: nn.Module, layers: Sequence[nn.Module], batch_size:
 
     def post_hook(module, args, kwargs, output):
         index = active.pop()
-        for t in _op_outputs:  # what selective checkpointing would keep of this layer
+        for t in op_outputs:  # what selective checkpointing would keep of this layer
             k = key_of(t)
             if k not in matmul_seen:
                 matmul_seen.add(k)
                 matmul_bytes[index] += sizes[k]
-        _op_outputs.clear()
+        op_outputs.clear()
 
     handles = []
     for i, layer in enumerate(layers):
         handles.append(layer.register_forward_pre_hook(pre_hook(i), with_kwargs=True))
         handles.append(layer.register_forward_hook(post_hook, with_kwargs=True))
     ids = torch.zeros(batch_size, seq_len, dtype=torch.long, device="meta")
-    global _op_outputs
-    _op_outputs = []
     try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _FusedAttentionMode(), _SavedOpOutputs():
+        with (torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _FusedAttentionMode(op_outputs),
+              _SavedOpOutputs(op_outputs)):
             out = model(input_ids=ids, labels=ids)
     finally:
-        _op_outputs = None
         for h in handles:
             h.remove()
     logits = getattr(out, "logits", None)

@@ -208,13 +208,15 @@ def plan_seq_len(model: nn.Module | Any, config: FSDP2Config) -> int:
 
 def parallel_sizes(prepared: MetaTrainingModel, world_size: int, seq_len: int) -> tuple[list[int], list[int]]:
     """(TP sizes, CP sizes) worth costing: TP sizes (8 at most, one machine) dividing the world and
-    the model's attention and KV heads, when the model has a TP plan; CP sizes dividing the world and
-    half the sequence (load-balanced causal attention splits it into 2 x cp chunks)."""
+    the model's attention and KV heads, when the model has a TP plan and no 4-bit or FP8 layers (not
+    done with TP); CP sizes dividing the world and half the sequence (load-balanced causal attention
+    splits it into 2 x cp chunks)."""
     text = getattr(unwrap_peft(prepared.model), "config", None)
     text = text.get_text_config() if hasattr(text, "get_text_config") else text
     heads = [getattr(text, k, None) for k in ("num_attention_heads", "num_key_value_heads")]
     tp_sizes = [1]
-    if getattr(unwrap_peft(prepared.model), "tp_plan", None) and all(isinstance(h, int) for h in heads):
+    tp_ready = not (prepared.load_in_4bit or prepared.fp8_weights)
+    if tp_ready and getattr(unwrap_peft(prepared.model), "tp_plan", None) and all(isinstance(h, int) for h in heads):
         tp_sizes += [t for t in divisors(world_size) if 1 < t <= 8 and all(h % t == 0 for h in heads)]
     cp_sizes = [c for c in divisors(world_size) if seq_len % (2 * c) == 0 or c == 1]
     return tp_sizes, cp_sizes

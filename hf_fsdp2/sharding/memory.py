@@ -163,9 +163,6 @@ def estimate_memory(
             raise ValueError("`model` is already quantized; pass its config (or the unquantized model) with "
                              "`load_in_4bit=True`.")
 
-    if config.tp_size > 1 and (load_in_4bit or config.fp8):
-        raise ValueError(f"`tp_size`={config.tp_size} with {'`load_in_4bit`' if load_in_4bit else '`fp8`'} is not "
-                         "done in hf_fsdp2 (shard_model refuses it); estimate with tp_size=1.")
     prepared = prepare_meta_model(model_or_config, config, dtype=dtype, lora_r=lora_r, lora_targets=lora_targets,
                                   load_in_4bit=load_in_4bit, bnb_4bit_use_double_quant=bnb_4bit_use_double_quant)
     return prepared.estimate(world_size, config, batch_size=batch_size, seq_len=seq_len, cp_size=cp_size)
@@ -264,6 +261,10 @@ def _estimate(prepared: MetaTrainingModel, world_size: int, config: FSDP2Config,
     model, plan, quantized, fp8_weights = prepared.model, prepared.plan, prepared.quantized, prepared.fp8_weights
     replicate, shard = config.mesh_shape(world_size)
     _check_cp(cp_size, shard, seq_len if batch_size is not None else None)
+    if config.tp_size > 1 and (prepared.load_in_4bit or config.fp8):
+        raise ValueError(f"`tp_size`={config.tp_size} with "
+                         f"{'`load_in_4bit`' if prepared.load_in_4bit else '`fp8`'} is not done in hf_fsdp2 "
+                         "(shard_model refuses it); estimate with tp_size=1.")
     tp_shapes = prepared.tp_shapes(config.tp_size)
     params = list(model.parameters())  # deduplicated: a tied weight counts once
     storage_dtypes: dict[str, int] = {}
@@ -289,7 +290,7 @@ def _estimate(prepared: MetaTrainingModel, world_size: int, config: FSDP2Config,
     # Frozen weights of a one-rank shard group stay out of FSDP (groups.replicated_frozen_parameters):
     # stored as above, never all-gathered.
     outside = replicated_frozen_parameters(model, config, shard)
-    groups = _group_memory(model, plan, config, shard, quantized, fp8_weights, outside, tp_shapes)
+    groups = _group_memory(model, plan, config, shard, quantized, fp8_weights, outside, tp_shapes=tp_shapes)
     dequantized = _dequantized_peak(model, config.param_dtype)
     window = 1 + max(1, config.forward_prefetch or 0, config.backward_prefetch)
     gathered_peak, peak_names = _gathered_peak(groups, plan, config, window)
@@ -403,8 +404,8 @@ def _dequantized_peak(model: nn.Module, param_dtype: torch.dtype | None) -> int:
 
 def _group_memory(model: nn.Module, plan: ShardPlan, config: FSDP2Config, shard: int,
                   quantized: dict[int, tuple[str, int]] | None = None,
-                  fp8_weights: set[int] = frozenset(), outside: set = frozenset(),
-                  tp_shapes: dict | None = None) -> list[GroupMemory]:
+                  fp8_weights: set[int] = frozenset(), outside: set = frozenset(), *,
+                  tp_shapes: dict) -> list[GroupMemory]:
     """Unsharded sizes of each `fully_shard` group, in forward order: [embedding], layers, head, root."""
     names = {id(m): n or "<root>" for n, m in model.named_modules()}
     members: list[tuple[str, list[nn.Module]]] = []
@@ -421,19 +422,18 @@ def _group_memory(model: nn.Module, plan: ShardPlan, config: FSDP2Config, shard:
             if id(p) not in seen:  # a tied weight is one parameter, in one group, once
                 seen.add(id(p))
                 ps.append(p)
-        groups.append(_one_group(name, ps, config, shard, quantized or {}, fp8_weights, tp_shapes or {}))
+        groups.append(_one_group(name, ps, config, shard, quantized or {}, fp8_weights, tp_shapes))
     rest = [p for p in model.parameters() if id(p) not in seen]
     if rest:
-        groups.append(_one_group("<root>", rest, config, shard, quantized or {}, fp8_weights, tp_shapes or {}))
+        groups.append(_one_group("<root>", rest, config, shard, quantized or {}, fp8_weights, tp_shapes))
     return groups
 
 
 def _one_group(name: str, params: Iterable[nn.Parameter], config: FSDP2Config, shard: int,
-               quantized: dict[int, tuple[str, int]], fp8_weights: set[int] = frozenset(),
-               tp_shapes: dict | None = None) -> GroupMemory:
+               quantized: dict[int, tuple[str, int]], fp8_weights: set[int], tp_shapes: dict) -> GroupMemory:
     numel = trainable = gathered = grads = rs_input = 0
     for p in params:
-        local = _local_shape(p, tp_shapes or {})
+        local = _local_shape(p, tp_shapes)
         rows, row_numel = _rows_and_row_numel(local)
         padded = -(-rows // shard) * shard * row_numel
         # FSDP2 (_fsdp_param.init_dtype_attrs): param_dtype applies to floating params of another dtype;
