@@ -13,20 +13,14 @@ checkpointing whole layers.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
-_aten = torch.ops.aten
 # What a decoder layer's expensive ops are at the aten level: its linears (mm / addmm, bmm for batched
-# projections) and the fused attention kernels.
-SAVED_OPS = frozenset(op for op in (
-    _aten.mm.default, _aten.addmm.default, _aten.bmm.default,
-    _aten._scaled_dot_product_flash_attention.default,
-    _aten._scaled_dot_product_efficient_attention.default,
-    getattr(_aten, "_scaled_dot_product_cudnn_attention", None) and _aten._scaled_dot_product_cudnn_attention.default,
-    _aten._scaled_dot_product_flash_attention_for_cpu.default,
-) if op is not None)
+# projections) and the fused attention kernels (those this torch build has).
+SAVED_OPS = frozenset(getattr(torch.ops.aten, name).default for name in (
+    "mm", "addmm", "bmm", "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
+) if hasattr(torch.ops.aten, name))
 
 
 def _policy(ctx, op, *args, **kwargs):
@@ -44,7 +38,7 @@ def context_fn():
 
 def checkpoint_kwargs(save_matmuls: bool) -> dict:
     """Keyword arguments for `checkpoint_wrapper` (passed on to torch's checkpoint)."""
-    return {"context_fn": functools.partial(context_fn)} if save_matmuls else {}
+    return {"context_fn": context_fn} if save_matmuls else {}
 
 
 # A decoder layer's KV cache argument (transformers 5: `past_key_values`; earlier: `past_key_value`).
