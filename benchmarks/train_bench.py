@@ -29,7 +29,10 @@ CONTESTANTS
               bytes per step with ours_bf16: the converted weights move 1 byte a value instead of 2).
   ours_auto   opt-in: FSDP2Config(shard_size="auto", plan_batch_size/plan_seq_len = this run's micro-batch)
               with the default budget (CPU: 0.75 x RAM / local ranks; CUDA: 0.85 x device memory): the
-              planner's cheapest layout that fits, replication (S=1) whenever the model fits.
+              planner's cheapest layout that fits, replication (S=1) whenever the model fits: trained with
+              DDP's reducer (sharding/replication.py; the `ddp` contestant's all-reduce hook registered on it so
+              its collectives are counted alike).
+  ours_auto_fsdp2  opt-in: ours_auto with replication="fsdp2": the same layout on FSDP2 one-rank groups.
   ours_auto_tight  opt-in: ours_auto with a budget that forces sharding: 1 byte less than the
               leanest replicated layout without checkpointing or offload (read from the plan).
               Its budget, layout and estimated peak are printed beside its measured RSS.
@@ -121,7 +124,8 @@ from harness import RssSampler, hwm_bytes, malloc_trim, reset_hwm, rss_bytes, ru
 REPO, RESULTS_DIR = harness.REPO, harness.RESULTS_DIR
 MiB = 1 << 20
 CONTESTANTS = ("ours", "accelerate", "fsdp1", "ddp")
-EXTRA = ("ours_zero2", "ours_plain", "ours_bf16", "ours_fp8", "ours_auto", "ours_auto_tight", "ours_auto_loaded",
+EXTRA = ("ours_zero2", "ours_plain", "ours_bf16", "ours_fp8", "ours_auto", "ours_auto_fsdp2", "ours_auto_tight",
+         "ours_auto_loaded",
          "ours_ac", "ours_sac", "ours_compile",
          "replicate", "transformers")  # opt-in settings of ours (and torch's replicate, a candidate; transformers'
 # own FSDP, a peer run on request since it needs its own load): not in the targets
@@ -349,10 +353,29 @@ def _auto_config(ctx, **extra):
     return FSDP2Config(shard_size="auto", plan_batch_size=ctx["micro_batch"], plan_seq_len=ctx["seq"], **extra)
 
 
+def _count_like_ddp(model):
+    """On a model hf_fsdp2 replicated with DDP's reducer (sharding/replication.py), the same Python
+    all-reduce hook as the `ddp` contestant, so its all-reduces are counted the same way."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    from hf_fsdp2.sharding.replication import is_replicated
+
+    if is_replicated(model):
+        model.register_comm_hook(state=None, hook=default_hooks.allreduce_hook)
+    return model
+
+
 def wrap_ours_auto(model, ctx):
     from hf_fsdp2 import shard_model
 
-    return shard_model(model, _auto_config(ctx))
+    return _count_like_ddp(shard_model(model, _auto_config(ctx)))
+
+
+def wrap_ours_auto_fsdp2(model, ctx):
+    """ours_auto's layout on FSDP2 one-rank groups (`replication="fsdp2"`), the path before DDP's reducer."""
+    from hf_fsdp2 import shard_model
+
+    return shard_model(model, _auto_config(ctx, replication="fsdp2"))
 
 
 def _tight_budget(model, ctx) -> int:
@@ -474,7 +497,8 @@ def wrap_ours_compile(model, ctx):
 
 WRAPPERS = {"ours": wrap_ours, "accelerate": wrap_accelerate, "fsdp1": wrap_fsdp1, "ddp": wrap_ddp,
             "ours_zero2": wrap_ours_zero2, "ours_plain": wrap_ours_plain, "ours_bf16": wrap_ours_bf16,
-            "ours_fp8": wrap_ours_fp8, "ours_auto": wrap_ours_auto, "ours_auto_tight": wrap_ours_auto_tight,
+            "ours_fp8": wrap_ours_fp8, "ours_auto": wrap_ours_auto, "ours_auto_fsdp2": wrap_ours_auto_fsdp2,
+            "ours_auto_tight": wrap_ours_auto_tight,
             "ours_auto_loaded": wrap_ours_auto_loaded, "ours_ac": wrap_ours_ac, "ours_sac": wrap_ours_sac,
             "ours_compile": wrap_ours_compile, "replicate": wrap_replicate, "transformers": wrap_transformers}
 

@@ -191,6 +191,14 @@ class FSDP2Config:
             torch.compile before `fully_shard`, so FSDP2's hooks stay outside the graphs and layers of one
             class share the compiled code. `register(compile=True)`, HF_FSDP2_COMPILE=1, or Accelerate's
             `dynamo_config` with `dynamo_use_regional_compilation: true`.
+        replication: how a layout with one-rank shard groups (`shard_size`=1 with replicas, as the auto
+            layout picks when the model fits) trains: "ddp" (default; sharding/replication.py) with torch's
+            composable `replicate`, DDP's bucketed all-reduce over plain parameters; "fsdp2" keeps FSDP2
+            with one-rank groups. What only FSDP2 provides (fp8, cpu_offload, a compute cast by
+            `param_dtype`, tensor/context parallelism) keeps FSDP2 either way, said on rank 0.
+        find_unused_parameters, bucket_cap_mb: DDP's own settings under "ddp" replication (Accelerate's
+            `DistributedDataParallelKwargs`, the Trainer's `ddp_find_unused_parameters` /
+            `ddp_bucket_cap_mb`); unused otherwise.
     """
 
     wrap_policy: str = "transformer"
@@ -218,6 +226,9 @@ class FSDP2Config:
     plan_batch_size: int = 1
     plan_seq_len: int | None = None
     compile: bool = False
+    replication: str = "ddp"
+    find_unused_parameters: bool = False
+    bucket_cap_mb: int | None = None
 
     def __post_init__(self) -> None:
         self.wrap_policy = _parse_wrap_policy(self.wrap_policy)
@@ -271,6 +282,13 @@ class FSDP2Config:
             raise ValueError(f"`tp_size`={self.tp_size} applies the model's tensor-parallel plan per decoder layer: "
                              f"it needs `wrap_policy`='transformer', not {self.wrap_policy!r}.")
         self.compile = parse_bool(self.compile, "compile")
+        self.replication = str(self.replication).strip().lower() if isinstance(self.replication, str) else self.replication
+        if self.replication not in ("ddp", "fsdp2"):
+            raise ValueError(f"`replication`={self.replication!r} is not one of 'ddp' (torch's replicate, DDP's reducer) "
+                             "or 'fsdp2' (FSDP2 with one-rank shard groups).")
+        self.find_unused_parameters = parse_bool(self.find_unused_parameters, "find_unused_parameters")
+        if self.bucket_cap_mb is not None:
+            self.bucket_cap_mb = _parse_int(self.bucket_cap_mb, "bucket_cap_mb", 1)
         if isinstance(self.shard_size, str) and self.shard_size.strip().lower() == "auto":
             self.shard_size = "auto"
             if self.replicate_size != 1:

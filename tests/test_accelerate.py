@@ -85,12 +85,13 @@ def test_gradient_accumulation_and_get_state_dict(tmp_path):
 
 
 def test_auto_layout_and_accelerate_regional_compilation(tmp_path):
-    """HF_FSDP2_SHARD_SIZE=auto with an ample budget replicates (2 replicas of 1 rank), and Accelerate's
-    own regional compilation (`--dynamo_use_regional_compilation`) runs under hf_fsdp2: same losses."""
-    out = launch("fsdp2.yaml", 2, tmp_path / "a.json", "--steps", "3",
+    """HF_FSDP2_SHARD_SIZE=auto with an ample budget replicates (2 replicas of 1 rank) with DDP's reducer,
+    and Accelerate's own regional compilation (`--dynamo_use_regional_compilation`) and gradient
+    accumulation (`set_requires_gradient_sync`) run under it: same losses."""
+    out = launch("fsdp2.yaml", 2, tmp_path / "a.json", "--steps", "3", "--accum", "2", "--per-device-batch", "2",
                  launch_args=("--dynamo_backend", "inductor", "--dynamo_use_regional_compilation"),
                  env={"HF_FSDP2_SHARD_SIZE": "auto", "HF_FSDP2_MEMORY_BUDGET": "20GB", "HF_FSDP2_PLAN_SEQ_LEN": "16"})
-    assert out["mesh"] == [2, 1] and out["reshard_after_forward"] is False
+    assert out["mesh"] == [2, 1] and out["reshard_after_forward"] is False and out["ddp_reducer"]
     assert out["compiled_modules"] >= 3  # the 3 decoder layers (Accelerate also compiles the other leaves)
     assert out["losses"] == pytest.approx(reference_losses(3), abs=1e-4)
 

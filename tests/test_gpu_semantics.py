@@ -56,7 +56,15 @@ def _checkpoint_surface(rank, world, root):
     # The planner agrees on a budget across ranks.
     auto = build_model()
     hf_fsdp2.shard_model(auto, hf_fsdp2.FSDP2Config(shard_size="auto"))
-    out["auto_mesh"] = list(next(auto.parameters()).device_mesh.shape)
+    from hf_fsdp2.sharding import record_of
+    from hf_fsdp2.sharding.replication import is_replicated
+
+    out["auto_mesh"] = list(record_of(auto).mesh.shape)
+    # Replicated (shard size 1) with DDP's reducer: its all-reduces run on the mesh's gloo group.
+    out["auto_ddp"] = is_replicated(auto)
+    auto_opt = optimizer(auto)
+    train_step(auto, auto_opt, rank, world, seed=5)
+    hf_fsdp2.save_state(root / "auto-state", auto, auto_opt, step=1)
     # LoRA from_pretrained: rank 0's initial adapter broadcast over the mesh; adapter and merged saves.
     torch.manual_seed(100 + rank)  # different on every rank: only the broadcast makes the adapters agree
     peft_model = hf_fsdp2.from_pretrained(LlamaForCausalLM, root / "full", peft_config=LoraConfig(**LORA))
@@ -89,6 +97,7 @@ def test_checkpoint_surface_with_a_default_group_that_refuses_cpu_tensors(tmp_pa
         assert out["mesh_backend"] == "gloo"
         assert out["resumed"] == ("step-2", 2, True)
         assert out["auto_mesh"] == outs[0]["auto_mesh"]
+        assert out["auto_mesh"] == [2, 1] and out["auto_ddp"]  # the tiny model fits: replicated
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "full")
     for name, value in loaded.named_parameters():
         torch.testing.assert_close(value, outs[0]["full"][name], atol=0, rtol=0)

@@ -289,12 +289,15 @@ def _auto_and_compile(rank: int, world: int, root: str) -> dict:
     out["loaded_tight"] = record_of(loaded).config.to_dict()
     out["loaded_equal"] = all(torch.equal(a, b) for a, b in zip(full_params(loaded).values(), trained.values()))
 
-    # LoRA replicated: the frozen base stays out of FSDP (plain tensors, used in place), adapters are FSDP's.
+    # Replicated, the model trains with DDP's reducer (sharding/replication.py): plain parameters, no FSDP2.
+    from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
+    from hf_fsdp2.sharding.replication import is_replicated
+
+    out["ddp"] = is_replicated(model) and not any(isinstance(m, FSDPModule) for m in model.modules())
     peft_model = shard_model(lora(build_model()), FSDP2Config(shard_size="auto", memory_budget="20GB", **plan_for))
-    params = list(peft_model.parameters())
-    out["frozen_plain"] = all(isinstance(p, DTensor) == p.requires_grad for p in params)
+    out["frozen_plain"] = is_replicated(peft_model) and not any(isinstance(p, DTensor) for p in peft_model.parameters())
     out["lora_losses"] = sharded_train(peft_model, data, rank, world)
     save_pretrained(peft_model, Path(root) / "adapter")
 
@@ -330,7 +333,7 @@ def test_auto_layout_and_regional_compile_on_two_ranks(tmp_path):
     assert all(res["resumed_equal"] for res in results)
     assert set(saved_tensors(tmp_path / "auto")) == set(build_model().state_dict())
 
-    assert r["frozen_plain"]
+    assert r["ddp"] and r["frozen_plain"]
     torch.testing.assert_close(r["lora_losses"], reference_train(lora(build_model()), batches(3)), atol=2e-5, rtol=0)
     adapter = saved_tensors(tmp_path / "adapter", "adapter_model.safetensors")
     assert adapter and all(".lora_" in name for name in adapter)

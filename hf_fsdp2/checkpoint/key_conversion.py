@@ -35,6 +35,7 @@ from .errors import CheckpointError
 from ..runtime import upstream
 
 _FULLY_SHARD = "torch.distributed.fsdp._fully_shard._fully_shard.fully_shard"  # its FSDP<Name> classes
+_REPLICATE = "torch.distributed._composable.replicate.replicate"  # its DDP<Name> classes
 
 _PROBE_LIMIT = 1 << 26  # elements of one probe (512 MiB of int64): beyond, a conversion is not gather-free
 
@@ -64,24 +65,41 @@ class DiskView:
         return a - self.lo, b - self.lo, slice(a - start, b - start)
 
 
-@contextlib.contextmanager
-def _original_classes(model: nn.Module) -> Iterator[None]:
-    """`fully_shard` swaps each sharded module's class for a generated `FSDP<Name>` with bases
-    (FSDPModule, the original) (torch/distributed/fsdp/_fully_shard/_fully_shard.py). Transformers
-    looks conversions up by class name, so for that lookup show it the original classes."""
+def original_class(cls: type) -> type | None:
+    """The model class under a generated wrapper class: `fully_shard`'s `FSDP<Name>` (bases FSDPModule, the
+    original; torch/distributed/fsdp/_fully_shard/_fully_shard.py) or composable `replicate`'s `DDP<Name>`
+    (bases DDP, the original; torch/distributed/_composable/replicate.py). None: not a wrapper class."""
+    from torch.distributed._composable.replicate import DDP
     from torch.distributed.fsdp import FSDPModule
 
+    for prefix, marker in (("FSDP", FSDPModule), ("DDP", DDP)):
+        if cls.__name__.startswith(prefix) and len(cls.__bases__) == 2 and cls.__bases__[0] is marker:
+            return cls.__bases__[1]
+    return None
+
+
+@contextlib.contextmanager
+def _original_classes(model: nn.Module) -> Iterator[None]:
+    """Transformers looks conversions up by class name, so for that lookup show it the original classes
+    under `fully_shard`'s and `replicate`'s wrapper classes (`original_class`)."""
     swapped = []
     for module in model.modules():
         cls = type(module)
-        if cls.__name__.startswith("FSDP") and len(cls.__bases__) == 2 and cls.__bases__[0] is FSDPModule:
-            upstream.set_class(module, cls.__bases__[1], _FULLY_SHARD)
+        original = original_class(cls)
+        if original is not None:
+            upstream.set_class(module, original, _FULLY_SHARD if issubclass(cls, _fsdp_module()) else _REPLICATE)
             swapped.append((module, cls))
     try:
         yield
     finally:
         for module, cls in swapped:
-            upstream.set_class(module, cls, _FULLY_SHARD)
+            upstream.set_class(module, cls, _FULLY_SHARD if issubclass(cls, _fsdp_module()) else _REPLICATE)
+
+
+def _fsdp_module() -> type:
+    from torch.distributed.fsdp import FSDPModule
+
+    return FSDPModule
 
 
 def _conversions(model: nn.Module) -> list | None:

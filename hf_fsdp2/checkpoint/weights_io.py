@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 from tqdm.auto import tqdm
 
-from .key_conversion import DiskView, disk_views
+from .key_conversion import DiskView, disk_views, original_class
 from ..runtime import collectives
 from ..runtime.distributed import local_tensor
 from .safetensors_io import (
@@ -91,11 +91,11 @@ def write_configs(model: nn.Module, directory: Path, is_adapter: bool, dtype: to
     config = getattr(base, "config", None)
     if config is not None and hasattr(config, "save_pretrained"):
         # As stock save_pretrained sets them (modeling_utils.PreTrainedModel.save_pretrained): the class
-        # (FSDP2's dynamic "FSDP<Class>" name removed) and the dtype of the weights on disk.
+        # (FSDP2's "FSDP<Class>" or replicate's "DDP<Class>" removed) and the dtype of the weights on disk.
         config = copy.deepcopy(config)
         if getattr(config, "quantization_config", None) is not None:  # 4-bit weights are written dequantized
             del config.quantization_config
-        config.architectures = [type(base).__name__.removeprefix("FSDP")]
+        config.architectures = [(original_class(type(base)) or type(base)).__name__]
         saved = dtype if dtype is not None else next(
             (p.dtype for p in base.parameters() if p.is_floating_point()), None)
         if saved is not None:

@@ -208,9 +208,29 @@ def config_from_accelerator(accelerator) -> FSDP2Config:
     policy = getattr(plugin, _USER_POLICY, None)
     if policy is not None:
         values.update(_policy_dtypes(policy))
+    values.update(_ddp_settings(accelerator))
     values.update(_overrides)
     values.update(env_overrides())
     return FSDP2Config.from_dict(values, source="Accelerate config")
+
+
+# DistributedDataParallelKwargs fields (the Trainer's ddp_* arguments) that hf_fsdp2's replication
+# (sharding/replication.py, shard size 1) takes; FSDP2 groups need none of them.
+_DDP_FIELDS = ("find_unused_parameters", "bucket_cap_mb")
+
+
+def _ddp_settings(accelerator) -> dict[str, Any]:
+    """The DDP settings a script or the Trainer gave Accelerate (`DistributedDataParallelKwargs`), for
+    replication with DDP's reducer; the others it sets are said not to apply (rank 0)."""
+    handler = getattr(accelerator, "ddp_handler", None)
+    given = handler.to_kwargs() if handler is not None else {}
+    others = sorted(set(given) - set(_DDP_FIELDS))
+    if others and accelerator.is_main_process:
+        logging.getLogger("hf_fsdp2").warning(
+            "DistributedDataParallelKwargs %s: not applied (hf_fsdp2 takes find_unused_parameters and bucket_cap_mb "
+            "for shard size 1, where it replicates with DDP's reducer; buffers are not broadcast, as under FSDP2).",
+            ", ".join(f"{k}={given[k]!r}" for k in others))
+    return {k: given[k] for k in _DDP_FIELDS if k in given}
 
 
 def _policy_dtypes(policy) -> dict[str, Any]:

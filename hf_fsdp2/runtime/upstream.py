@@ -111,6 +111,9 @@ SEAMS: tuple[Seam, ...] = (
          "checkpoint/key_conversion.py",
          "fully_shard makes each module an FSDP<Name>(FSDPModule, Name); transformers finds weight "
          "conversions by class name, so the lookup is shown the original classes"),
+    Seam("torch.distributed._composable.replicate.replicate", CLASS_SWAPPED, "checkpoint/key_conversion.py",
+         "replicate (shard size 1, sharding/replication.py) makes the model a DDP<Name>(DDP, Name); as for "
+         "fully_shard, transformers' conversion lookup is shown the original class"),
     Seam("torch.distributed.fsdp._fully_shard._fsdp_collectives.DefaultAllGather.__call__", SUBCLASSED,
          "quantization/fp8.py", "gloo has no float8 dtype: float8 all-gather inputs travel as bytes"),
     Seam("transformers.generation.utils.GenerationMixin.generate", INSTANCE_WRAPPED, "sharding/generation.py",

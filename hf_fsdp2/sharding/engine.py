@@ -31,7 +31,7 @@ from .groups import ShardPlan, apply_frozen_dtype, plan_groups, replicated_froze
 from .layout import resolve_auto_layout
 from .generation import wrap_generate
 from .record import record_of
-from . import activation_offload, adopt, context_parallel, selective_checkpoint, tensor_parallel
+from . import activation_offload, adopt, context_parallel, replication, selective_checkpoint, tensor_parallel
 
 
 # ---------------------------------------------------------------------------------------------
@@ -206,7 +206,7 @@ def shard_model(
     config = config or FSDP2Config()
     if adopt.sharded_by_transformers(model) and record_of(model) is None:
         return _adopt(model, config, mesh)  # from_pretrained(distributed_config=...) sharded it at load
-    if isinstance(model, FSDPModule):
+    if isinstance(model, FSDPModule) or replication.is_replicated(model):
         raise ValueError(f"{type(model).__name__} is already sharded; call `shard_model` once per model.")
     if config.is_auto_layout and mesh is not None:
         raise ValueError("`shard_size`='auto' chooses the device mesh itself; call shard_model without `mesh`.")
@@ -237,11 +237,13 @@ def shard_model(
         compile_layers(plan.layers)
     if any(is_compiled(layer) or isinstance(layer, CheckpointWrapper) for layer in plan.layers):
         disable_cache_in_training(model)  # ours or Accelerate's checkpointing / regional compilation
-    apply_fsdp(model, plan, config, data_parallel_mesh(mesh))
+    replicated = _replicate_or_shard(model, plan, config, mesh)
     if config.fp8 and mesh.device_type == "cpu":
         fp8.gather_float8_as_bytes(model)
     if on_meta:
         materialize(model, torch.device("cpu") if config.cpu_offload else device, init_weights=init_weights)
+    if replicated:  # DDP's reducer built now on every rank; rank 0's weights unless a loader fills them
+        replication.synchronize(model, broadcast=init_weights or not on_meta)
     if config.fp8 and (init_weights or not on_meta):  # else the loader's weights come later: the
         fp8.precompute_scales(model)  # first all-gather then computes its scales itself
     if CP_DIM in (mesh.mesh_dim_names or ()) and mesh[CP_DIM].size() > 1:
@@ -251,6 +253,21 @@ def shard_model(
     record.config, record.mesh = config, mesh
     wrap_generate(model)  # each group gathered once per generate() call
     return model
+
+
+def _replicate_or_shard(model: nn.Module, plan: ShardPlan, config: FSDP2Config, mesh: DeviceMesh) -> bool:
+    """One-rank shard groups train with DDP's reducer (sharding/replication.py) unless the config asks for
+    FSDP2 or needs what only FSDP2 has; everything else with FSDP2. True when the model was replicated."""
+    if replication.is_pure_replication(mesh) and config.replication == "ddp":
+        reasons = replication.fsdp_only_reasons(model, config)
+        if not reasons:
+            return replication.apply_replication(model, plan, config, mesh)
+        if collectives.rank() == 0:
+            logging.getLogger("hf_fsdp2").warning(
+                "shard size 1: replicating with FSDP2 one-rank groups instead of DDP's reducer, for %s.",
+                "; ".join(reasons))
+    apply_fsdp(model, plan, config, data_parallel_mesh(mesh))
+    return False
 
 
 def _adopt(model: nn.Module, config: FSDP2Config, mesh: DeviceMesh | None) -> nn.Module:
@@ -292,7 +309,7 @@ def no_sync(model: nn.Module) -> Iterator[None]:
 
     Run the accumulation micro-steps inside, the last micro-step outside.
     """
-    if not isinstance(model, FSDPModule):
+    if not (isinstance(model, FSDPModule) or replication.is_replicated(model)):
         raise TypeError(f"`no_sync` needs a model returned by `shard_model`, got {type(model).__name__}.")
     model.set_requires_gradient_sync(False)
     try:

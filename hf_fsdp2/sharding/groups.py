@@ -134,18 +134,23 @@ def _find_final_norm(model: nn.Module, layers: list[nn.Module]) -> nn.Module | N
     return final
 
 
-def ignored_parameters(model: nn.Module, pattern: str | None) -> set:
-    """Parameters of the modules whose full name matches `pattern` (Accelerate's `fsdp_ignored_modules`
-    semantics: `re.fullmatch` on `named_modules()` names); a pattern matching nothing is an error."""
+def ignored_modules(model: nn.Module, pattern: str | None) -> list[nn.Module]:
+    """The modules whose full name matches `pattern` (Accelerate's `fsdp_ignored_modules` semantics:
+    `re.fullmatch` on `named_modules()` names); a pattern matching nothing is an error."""
     if pattern is None:
-        return set()
+        return []
     regex = re.compile(pattern)
     matched = [module for name, module in model.named_modules() if name and regex.fullmatch(name)]
     if not matched:
         names = [name for name, _ in model.named_modules() if name][:12]
         raise ValueError(f"`ignored_modules`={pattern!r} matches no module of {type(model).__name__} "
                          f"(module names look like: {', '.join(names)}, ...).")
-    return {p for module in matched for p in module.parameters()}
+    return matched
+
+
+def ignored_parameters(model: nn.Module, pattern: str | None) -> set:
+    """Parameters of the `ignored_modules`: left out of FSDP (replicated, gradients not reduced)."""
+    return {p for module in ignored_modules(model, pattern) for p in module.parameters()}
 
 
 def replicated_frozen_parameters(model: nn.Module, config: FSDP2Config, shard_size: int) -> set:

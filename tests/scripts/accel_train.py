@@ -36,6 +36,7 @@ args = parser.parse_args()
 
 import hf_fsdp2  # noqa: E402
 from hf_fsdp2.sharding import record_of  # noqa: E402
+from hf_fsdp2.sharding.replication import is_replicated  # noqa: E402
 from tests import nccl_like  # noqa: E402
 
 nccl_like.init_if_asked()  # TEST_DEFAULT_BACKEND=cuda:gloo: GPU process-group semantics (tests/test_gpu_semantics.py)
@@ -147,7 +148,8 @@ report = {
     "fp8_scales_precomputed": all(getattr(m.weight._local_tensor, "_precomputed_scale", None) is not None
                                   for m in model.modules() if type(m).__name__ == "Float8Linear"),
     "packed_4bit_rows": [[p.to_local().shape[0], p.shape[0]] for p in model.parameters() if p.dtype == torch.uint8],
-    "mesh": list(getattr(next(iter(model.parameters())), "device_mesh", torch.zeros(0)).shape),
+    "mesh": list(getattr(getattr(record_of(model), "mesh", None), "shape", ())),
+    "ddp_reducer": is_replicated(model),  # shard size 1: DDP's reducer (sharding/replication.py)
     "compiled_modules": sum(getattr(m, "_compiled_call_impl", None) is not None for m in model.modules()),
     "reshard_after_forward": getattr(getattr(record_of(model), "config", None), "reshard_after_forward", None),
 }

@@ -1,0 +1,135 @@
+"""Replication at DDP's speed: a layout whose shard groups are one rank each (S=1: every rank holds a
+whole replica) is trained by torch's composable `replicate` (DDP's C++ reducer) instead of FSDP2.
+
+Why: FSDP2 with one-rank shard groups still copies every parameter into an "all-gathered" buffer and
+every gradient into a reduce buffer each step, and steps an optimizer over DTensors
+(benchmarks/README.md: 0.84-0.93x DDP's tokens/s). Under `replicate` parameters stay plain tensors used
+in place and gradients are all-reduced in buckets while backward runs, as DDP does; the model keeps its
+class (torch makes it a `DDP<Name>` subclass, as `fully_shard` makes an `FSDP<Name>`), so
+`set_requires_gradient_sync` (Accelerate's and our `no_sync`) works unchanged, and checkpoints read
+plain tensors as whole rows (checkpoint/tensor_export.py).
+
+What only FSDP2 provides keeps the layout on FSDP2 with one-rank groups, said once on rank 0 with the
+reason (`fsdp_only_reasons`): FP8 all-gather, CPU offload, a compute cast (`param_dtype` other than the
+weights' own dtype: DDP's own `_MixedPrecision` casts the parameters of the module DDP wraps, which
+under composable `replicate` is a ParameterList that never runs forward), a reduce or output dtype other
+than the gradients', tensor or context parallelism.
+
+DDP's rules come with it: gradients are averaged only for forwards through the model itself (its root
+hook prepares the reducer), so a decoder layer run under autograd outside the model's forward is refused
+by name (`_refuse_layer_outside_model`) instead of training with unsynchronised gradients; a model that
+skips some trainable parameters in a step needs `find_unused_parameters=True`, as with DDP.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn as nn
+from torch.distributed._composable.replicate import replicate
+from torch.distributed.device_mesh import DeviceMesh
+from torch.nn.parallel import DistributedDataParallel
+
+from ..config import FSDP2Config
+from ..runtime import collectives
+from ..runtime.distributed import REPLICATE_DIM
+from .groups import ShardPlan, ignored_modules
+
+_LOG = logging.getLogger("hf_fsdp2")
+
+
+def is_pure_replication(mesh: DeviceMesh) -> bool:
+    """Every rank of `mesh` in one replica group: one-rank shard groups, no TP/CP dimension, > 1 rank."""
+    names = mesh.mesh_dim_names or ()
+    return REPLICATE_DIM in names and mesh.size() > 1 and mesh[REPLICATE_DIM].size() == mesh.size()
+
+
+def fsdp_only_reasons(model: nn.Module, config: FSDP2Config) -> list[str]:
+    """What in `config` needs FSDP2 even with one-rank shard groups (empty: DDP's reducer can train it)."""
+    reasons = []
+    if config.fp8:
+        reasons.append("`fp8` (FP8 all-gather is FSDP2's)")
+    if config.cpu_offload:
+        reasons.append("`cpu_offload` (FSDP2's CPU offload)")
+    trainable = {p.dtype for p in model.parameters() if p.requires_grad}
+    weights = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    if config.param_dtype is not None and weights - {config.param_dtype}:
+        reasons.append(f"`param_dtype`={config.param_dtype} (FSDP2 casts the {sorted(map(str, weights))} "
+                       "weights for compute)")
+    if config.reduce_dtype is not None and trainable - {config.reduce_dtype}:
+        reasons.append(f"`reduce_dtype`={config.reduce_dtype} (gradients are {sorted(map(str, trainable))})")
+    if config.output_dtype is not None:
+        reasons.append(f"`output_dtype`={config.output_dtype} (FSDP2's root casts its outputs)")
+    return reasons
+
+
+def apply_replication(model: nn.Module, plan: ShardPlan, config: FSDP2Config, mesh: DeviceMesh) -> bool:
+    """`replicate` the model over `mesh`'s one replica group; False (nothing applied) when the model has
+    no trainable parameter (a reference or reward model: plain replicas, nothing to reduce)."""
+    if not any(p.requires_grad for p in model.parameters()):
+        return False
+    replicate(
+        model,
+        ignored_modules=ignored_modules(model, config.ignored_modules),  # Accelerate's fsdp_ignored_modules
+        process_group=_replica_group(mesh),
+        device_id=collectives.mesh_device(mesh),
+        # transformers' buffers (rotary inv_freq, position ids) are the same on every rank; FSDP2 does not
+        # sync them either, and a buffer broadcast per forward would hang uneven generate() loops.
+        forward_sync_buffers=False,
+        find_unused_parameters=config.find_unused_parameters,
+        bucket_cap_mb=config.bucket_cap_mb,
+    )
+    # `synchronize` builds the reducer before the first forward, after which torch's `register_comm_hook`
+    # on the model would only queue the hook (it is applied at that lazy init): apply a queued one here.
+    model.register_forward_pre_hook(_apply_queued_comm_hooks, prepend=True)
+    for layer in plan.layers:
+        layer.register_forward_pre_hook(_refuse_layer_outside_model(model))
+    return True
+
+
+def synchronize(model: nn.Module, broadcast: bool) -> None:
+    """Build DDP's reducer now, on every rank at the same point (torch defers it to the first forward,
+    which may run on some ranks only, e.g. an evaluation on rank 0). `broadcast`: rank 0's parameters and
+    buffers to every replica, as DDP does at construction (False when a loader fills them next)."""
+    state = _state(model)
+    if state is None or state.has_initialized:
+        return
+    state._init_kwargs["init_sync"] = broadcast
+    state.lazy_init()
+
+
+def is_replicated(model: nn.Module) -> bool:
+    return _state(model) is not None
+
+
+def _state(model: nn.Module):
+    from torch.distributed._composable.contract import _get_registry
+
+    registry = _get_registry(model)
+    return replicate.state(model) if registry is not None and "replicate" in registry else None
+
+
+def _replica_group(mesh: DeviceMesh):
+    return mesh.get_group(REPLICATE_DIM)
+
+
+def _apply_queued_comm_hooks(model: nn.Module, args) -> None:
+    state = _state(model)
+    if state is not None and state.has_initialized and state._comm_hook_args:
+        state.register_comm_hook()  # hands each queued (args, kwargs) to DDP's register_comm_hook, clears
+
+
+def _refuse_layer_outside_model(model: nn.Module):
+    state = _state(model)
+
+    def check(module: nn.Module, args) -> None:
+        # Inside backward (a checkpointed layer's recomputation) the reducer is already prepared.
+        if (torch.is_grad_enabled() and DistributedDataParallel._active_ddp_module is not getattr(state, "_ddp", None)
+                and torch._C._current_graph_task_id() == -1):
+            raise RuntimeError(
+                f"{type(module).__name__} ran under autograd outside the forward of the replicated "
+                f"{type(model).__name__}: DDP averages gradients only for forwards through the model itself. "
+                "Call the model, or set `shard_size` > 1 (FSDP2 groups sync per layer).")
+
+    return check
