@@ -169,7 +169,7 @@ class FSDP2Config:
         shard_size: ranks each replica shards over; None: world_size // replicate_size. "auto": the layout
             planner (sharding/layout.py) picks, before anything is allocated, the cheapest layout whose
             estimated peak fits `memory_budget` per rank: the smallest shard group S (HSDP with world/S
-            replicas; S=1 is DDP-like replication), then `reshard_after_forward`, then
+            replicas; S=1 is replication, trained with DDP's reducer: `replication`), then `reshard_after_forward`, then
             `activation_checkpointing` (every other layer, then every layer), then `cpu_offload`. With "auto" those four are the planner's
             (a True `activation_checkpointing` or `cpu_offload` you set is kept); `replicate_size` must stay 1.
             `tp_size` (and Accelerate's cp_size) are kept and counted: the planner costs the layout with them.

@@ -60,7 +60,7 @@ def test_accelerate_launch_with_cp_size_2_matches_one_process(tmp_path):
 
     out = launch("fsdp2_cp.yaml", 4, tmp_path / "cp.json", "--steps", "3", "--per-device-batch", "4",
                  "--save-state", str(tmp_path / "state"), env=AUTO_LAYOUT)
-    assert out["all_dtensor"] and out["mesh"] == [4] and out["world"] == 4
+    assert out["all_dtensor"] and out["mesh"] == [2, 2] and out["world"] == 4  # Accelerate's (dp_shard, cp) mesh
     assert out["reshard_after_forward"] is False  # the planner's choice (the yaml says true), on Accelerate's mesh
     assert out["losses"] == pytest.approx(reference_losses(3), rel=1e-4)
     resumed = launch("fsdp2.yaml", 2, tmp_path / "resumed.json", "--start", "3", "--steps", "1",

@@ -172,3 +172,16 @@ def test_shard_size_one_trains_with_ddp_reducer_behind_the_same_api(tmp_path):
 def test_replication_settings_are_checked(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
         FSDP2Config(**bad)
+
+
+def test_estimate_counts_no_gather_or_reduce_buffers_under_ddp_replication():
+    from hf_fsdp2.sharding.memory import estimate_memory
+    from tests.common import tiny_config
+
+    ddp = estimate_memory(tiny_config(), 2, FSDP2Config(**REPLICATED))
+    fsdp2 = estimate_memory(tiny_config(), 2, FSDP2Config(replication="fsdp2", **REPLICATED))
+    cast = estimate_memory(tiny_config(), 2, FSDP2Config(param_dtype="bf16", **REPLICATED))  # keeps FSDP2
+    assert ddp.gathered_peak_bytes == ddp.reduce_scatter_peak_bytes == 0
+    assert fsdp2.gathered_peak_bytes > 0 and fsdp2.reduce_scatter_peak_bytes > 0 and cast.gathered_peak_bytes > 0
+    assert ddp.param_bytes_per_rank == fsdp2.param_bytes_per_rank and ddp.grad_bytes_per_rank == fsdp2.grad_bytes_per_rank
+    assert any("DDP's reducer" in note for note in ddp.notes)

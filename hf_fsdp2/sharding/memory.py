@@ -73,6 +73,7 @@ import torch.nn as nn
 from ..config import FSDP2Config
 from ..quantization import bnb_4bit, fp8
 from .activation_trace import trace_activations
+from . import replication
 from .groups import ShardPlan, apply_frozen_dtype, plan_groups, replicated_frozen_parameters, unwrap_peft
 from .memory_report import ActivationMemory, GroupMemory, MemoryEstimate
 from .meta_model import DEFAULT_LORA_TARGETS, add_lora, build_meta_model, meta_copy
@@ -295,6 +296,10 @@ def _estimate(prepared: MetaTrainingModel, world_size: int, config: FSDP2Config,
     window = 1 + max(1, config.forward_prefetch or 0, config.backward_prefetch)
     gathered_peak, peak_names = _gathered_peak(groups, plan, config, window)
     reduce_scatter_peak = max((g.reduce_scatter_bytes for g in groups), default=0)
+    ddp_reducer = (replicate > 1 and shard == 1 and config.tp_size == 1 and cp_size == 1
+                   and config.replication == "ddp" and not replication.fsdp_only_reasons(model, config))
+    if ddp_reducer:  # sharding/replication.py: parameters used in place, gradients all-reduced in their buckets
+        gathered_peak, peak_names, reduce_scatter_peak = 0, [], 0
 
     activations, act_error = None, None
     if batch_size is not None:
@@ -313,7 +318,10 @@ def _estimate(prepared: MetaTrainingModel, world_size: int, config: FSDP2Config,
     if config.cpu_offload:
         notes.append("offload: sharded params, grads and optimizer states live in CPU memory and AdamW steps on "
                      "the CPU; the GPU holds only gathered groups, unsharded grads and activations.")
-    if replicate > 1:
+    if ddp_reducer:
+        notes.append(f"replication with DDP's reducer over {replicate} ranks: no all-gather or reduce-scatter buffers; "
+                     "gradients are views of DDP's buckets (`gradient_as_bucket_view`), all-reduced in place.")
+    elif replicate > 1:
         notes.append(f"HSDP: shards over {shard} ranks; the {replicate} replicas each hold the same shards.")
     if config.tp_size > 1:
         notes.append(f"TP: {len(tp_shapes)} parameters split over {config.tp_size} ranks by the model's TP plan, "

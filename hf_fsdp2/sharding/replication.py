@@ -77,6 +77,8 @@ def apply_replication(model: nn.Module, plan: ShardPlan, config: FSDP2Config, me
         # transformers' buffers (rotary inv_freq, position ids) are the same on every rank; FSDP2 does not
         # sync them either, and a buffer broadcast per forward would hang uneven generate() loops.
         forward_sync_buffers=False,
+        # Gradients are views of DDP's buckets: no second copy of every gradient, no copy into the buckets.
+        gradient_as_bucket_view=True,
         find_unused_parameters=config.find_unused_parameters,
         bucket_cap_mb=config.bucket_cap_mb,
     )
