@@ -491,3 +491,16 @@ def test_cli_bad_numbers_are_usage_errors(config_dir, capsys, args, flag):
         main(["estimate-memory", "--model", str(config_dir), *args])
     assert e.value.code == 2
     assert flag in capsys.readouterr().err
+
+
+def test_activation_trace_without_kv_cache():
+    """With use_cache off (as under the Trainer) and no attention mask, transformers checks the position ids
+    for packed sequences with `.all()`, a data-dependent question on the meta trace: answered as a plain batch,
+    the activations are those of the model with its cache on."""
+    from hf_fsdp2.sharding.memory import estimate_memory
+    from tests.common import tiny_config
+
+    without = estimate_memory(tiny_config(use_cache=False), 2, batch_size=2, seq_len=16)
+    with_cache = estimate_memory(tiny_config(), 2, batch_size=2, seq_len=16)
+    assert without.activations_error is None and without.activations is not None
+    assert without.activations.peak_bytes == with_cache.activations.peak_bytes

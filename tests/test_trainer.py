@@ -127,9 +127,12 @@ def test_evaluation_best_model_and_rotation(tmp_path):
     kept = sorted(p.name for p in (tmp_path / "two" / "out").glob("checkpoint-*"))
     assert best.name in kept and len(kept) <= 2  # the best and the latest
     # The same under `accelerate launch --config_file fsdp2.yaml` (no --fsdp flag), with asynchronous
-    # checkpoints: rotation after each commit, the best one loaded once its save is done.
-    launched = launch_trainer(tmp_path, "launched", 6, *flags, env={"HF_FSDP2_ASYNC_SAVE": "1"})
-    assert launched["async_save"] and launched["all_dtensor"] and launched["eval_losses"] == pytest.approx(one["eval_losses"], abs=1e-4)
+    # checkpoints: rotation after each commit, the best one loaded once its save is done; with the auto
+    # layout, which replicates this small model: trained by DDP's reducer (sharding/replication.py).
+    launched = launch_trainer(tmp_path, "launched", 6, *flags, env={
+        "HF_FSDP2_ASYNC_SAVE": "1", "HF_FSDP2_SHARD_SIZE": "auto", "HF_FSDP2_MEMORY_BUDGET": "20GB"})
+    assert launched["async_save"] and launched["ddp_reducer"] and not launched["all_dtensor"]
+    assert launched["eval_losses"] == pytest.approx(one["eval_losses"], abs=1e-4)
     assert Path(launched["best_model_checkpoint"]).name == best.name
     assert len(list((tmp_path / "launched").glob("checkpoint-*"))) <= 2
     final, saved = saved_tensors(tmp_path / "final"), saved_tensors(best)

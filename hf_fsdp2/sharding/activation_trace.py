@@ -53,6 +53,12 @@ class _SavedOpOutputs(TorchDispatchMode):
         self.op_outputs = op_outputs
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if (func is torch.ops.aten._local_scalar_dense.default and args[0].is_meta
+                and args[0].dtype == torch.bool):
+            # A data-dependent check on the meta trace: with no attention mask and no KV cache (use_cache
+            # off, as under the Trainer) transformers asks `.all()` whether position ids show packed
+            # sequences (masking_utils.find_packed_sequence_indices). The trace's batch is plain: True.
+            return True
         out = func(*args, **(kwargs or {}))
         if func in SAVED_OPS:
             self.op_outputs.extend(t for t in tree_leaves(out) if isinstance(t, torch.Tensor))

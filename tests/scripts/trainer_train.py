@@ -13,6 +13,7 @@ from transformers import HfArgumentParser, Trainer, TrainingArguments  # noqa: E
 
 import hf_fsdp2  # noqa: E402
 from hf_fsdp2.sharding import record_of  # noqa: E402
+from hf_fsdp2.sharding.replication import is_replicated  # noqa: E402
 from tests import nccl_like  # noqa: E402
 
 nccl_like.init_if_asked()  # TEST_DEFAULT_BACKEND=cuda:gloo: GPU process-group semantics (tests/test_gpu_semantics.py)
@@ -65,6 +66,7 @@ def main():
             "packed_4bit_rows": [[p.to_local().shape[0], p.shape[0]] for p in model.parameters()
                                  if p.dtype == torch.uint8 and isinstance(p, DTensor)], "offload": all(isinstance(g.offload_policy, CPUOffloadPolicy) for g in groups),
             "async_save": getattr(getattr(record_of(model), "config", None), "async_save", None),
+            "ddp_reducer": is_replicated(model),  # shard size 1: DDP's reducer (sharding/replication.py)
             "reshard_after_forward": any(g.post_forward_mesh_info is not None for g in groups), "best_model_checkpoint": trainer.state.best_model_checkpoint,
             "optimizer": type(trainer.optimizer.optimizer).__name__,
             "state_dtypes": sorted({str(v.dtype) for s in trainer.optimizer.state.values() for k, v in s.items()
