@@ -131,6 +131,8 @@ def _replicated_surface(rank: int, world: int, root: str) -> dict:
     # What only FSDP2 provides keeps FSDP2 groups at shard size 1.
     cast = shard_model(build_model(), FSDP2Config(param_dtype="bf16", **REPLICATED))
     out["cast_on_fsdp2"] = not is_replicated(cast)
+    # Rank 0 hosts the store: it must not tear it down while rank 1 still connects the last mesh's groups.
+    torch.distributed.barrier()
     return out
 
 
