@@ -65,41 +65,40 @@ class DiskView:
         return a - self.lo, b - self.lo, slice(a - start, b - start)
 
 
-def original_class(cls: type) -> type | None:
-    """The model class under a generated wrapper class: `fully_shard`'s `FSDP<Name>` (bases FSDPModule, the
-    original; torch/distributed/fsdp/_fully_shard/_fully_shard.py) or composable `replicate`'s `DDP<Name>`
-    (bases DDP, the original; torch/distributed/_composable/replicate.py). None: not a wrapper class."""
+def _wrapper_of(cls: type) -> tuple[type, str] | None:
+    """(the model class, the seam that made it) under a generated wrapper class: `fully_shard`'s
+    `FSDP<Name>` (bases FSDPModule, the original; torch/distributed/fsdp/_fully_shard/_fully_shard.py) or
+    composable `replicate`'s `DDP<Name>` (bases DDP, the original; torch/distributed/_composable/replicate.py)."""
     from torch.distributed._composable.replicate import DDP
     from torch.distributed.fsdp import FSDPModule
 
-    for prefix, marker in (("FSDP", FSDPModule), ("DDP", DDP)):
+    for prefix, marker, seam in (("FSDP", FSDPModule, _FULLY_SHARD), ("DDP", DDP, _REPLICATE)):
         if cls.__name__.startswith(prefix) and len(cls.__bases__) == 2 and cls.__bases__[0] is marker:
-            return cls.__bases__[1]
+            return cls.__bases__[1], seam
     return None
+
+
+def original_class(cls: type) -> type | None:
+    """The model class under `fully_shard`'s or `replicate`'s wrapper class; None: not a wrapper class."""
+    wrapped = _wrapper_of(cls)
+    return wrapped[0] if wrapped else None
 
 
 @contextlib.contextmanager
 def _original_classes(model: nn.Module) -> Iterator[None]:
     """Transformers looks conversions up by class name, so for that lookup show it the original classes
-    under `fully_shard`'s and `replicate`'s wrapper classes (`original_class`)."""
+    under `fully_shard`'s and `replicate`'s wrapper classes."""
     swapped = []
     for module in model.modules():
-        cls = type(module)
-        original = original_class(cls)
-        if original is not None:
-            upstream.set_class(module, original, _FULLY_SHARD if issubclass(cls, _fsdp_module()) else _REPLICATE)
-            swapped.append((module, cls))
+        wrapped = _wrapper_of(type(module))
+        if wrapped is not None:
+            swapped.append((module, type(module), wrapped[1]))
+            upstream.set_class(module, wrapped[0], wrapped[1])
     try:
         yield
     finally:
-        for module, cls in swapped:
-            upstream.set_class(module, cls, _FULLY_SHARD if issubclass(cls, _fsdp_module()) else _REPLICATE)
-
-
-def _fsdp_module() -> type:
-    from torch.distributed.fsdp import FSDPModule
-
-    return FSDPModule
+        for module, cls, seam in swapped:
+            upstream.set_class(module, cls, seam)
 
 
 def _conversions(model: nn.Module) -> list | None:
