@@ -33,6 +33,11 @@ CONTESTANTS
               DDP's reducer (sharding/replication.py; the `ddp` contestant's all-reduce hook registered on it so
               its collectives are counted alike).
   ours_auto_fsdp2  opt-in: ours_auto with replication="fsdp2": the same layout on FSDP2 one-rank groups.
+  ours_auto_bf16  opt-in: ours_auto with param_dtype=bf16 (Accelerate's `mixed_precision: bf16`): on DDP's
+              reducer each group's weights are cast for its forward (sharding/compute_cast.py, FSDP2's numerics).
+  ours_auto_bf16_fsdp2  opt-in: ours_auto_bf16 on FSDP2 one-rank groups (replication="fsdp2").
+  ddp_bf16    opt-in: the `ddp` contestant with its forward under torch.autocast(bf16), as Accelerate runs
+              DDP with `mixed_precision: bf16` (Accelerator.prepare_model wraps the forward in autocast).
   ours_auto_tight  opt-in: ours_auto with a budget that forces sharding: 1 byte less than the
               leanest replicated layout without checkpointing or offload (read from the plan).
               Its budget, layout and estimated peak are printed beside its measured RSS.
@@ -125,6 +130,7 @@ REPO, RESULTS_DIR = harness.REPO, harness.RESULTS_DIR
 MiB = 1 << 20
 CONTESTANTS = ("ours", "accelerate", "fsdp1", "ddp")
 EXTRA = ("ours_zero2", "ours_plain", "ours_bf16", "ours_fp8", "ours_auto", "ours_auto_fsdp2", "ours_auto_tight",
+         "ours_auto_bf16", "ours_auto_bf16_fsdp2", "ddp_bf16",
          "ours_auto_loaded",
          "ours_ac", "ours_sac", "ours_compile",
          "replicate", "transformers")  # opt-in settings of ours (and torch's replicate, a candidate; transformers'
@@ -313,6 +319,15 @@ def wrap_ddp(model, ctx):
     return ddp
 
 
+def wrap_ddp_bf16(model, ctx):
+    """DDP under bf16 autocast, as Accelerate prepares it (`Accelerator.prepare_model`: the forward wrapped in
+    `torch.autocast`, then DistributedDataParallel)."""
+    import torch
+
+    model.forward = torch.autocast(ctx["device"].type, dtype=torch.bfloat16)(model.forward)
+    return wrap_ddp(model, ctx)
+
+
 def wrap_ours_zero2(model, ctx):
     """ours with `reshard_after_forward=False`: layers stay gathered from forward to backward (no
     re-gather in backward; more memory), for users whose model fits that way."""
@@ -376,6 +391,18 @@ def wrap_ours_auto_fsdp2(model, ctx):
     from hf_fsdp2 import shard_model
 
     return shard_model(model, _auto_config(ctx, replication="fsdp2"))
+
+
+def wrap_ours_auto_bf16(model, ctx):
+    from hf_fsdp2 import shard_model
+
+    return _count_like_ddp(shard_model(model, _auto_config(ctx, param_dtype="bf16")))
+
+
+def wrap_ours_auto_bf16_fsdp2(model, ctx):
+    from hf_fsdp2 import shard_model
+
+    return shard_model(model, _auto_config(ctx, param_dtype="bf16", replication="fsdp2"))
 
 
 def _tight_budget(model, ctx) -> int:
@@ -498,7 +525,8 @@ def wrap_ours_compile(model, ctx):
 WRAPPERS = {"ours": wrap_ours, "accelerate": wrap_accelerate, "fsdp1": wrap_fsdp1, "ddp": wrap_ddp,
             "ours_zero2": wrap_ours_zero2, "ours_plain": wrap_ours_plain, "ours_bf16": wrap_ours_bf16,
             "ours_fp8": wrap_ours_fp8, "ours_auto": wrap_ours_auto, "ours_auto_fsdp2": wrap_ours_auto_fsdp2,
-            "ours_auto_tight": wrap_ours_auto_tight,
+            "ours_auto_tight": wrap_ours_auto_tight, "ours_auto_bf16": wrap_ours_auto_bf16,
+            "ours_auto_bf16_fsdp2": wrap_ours_auto_bf16_fsdp2, "ddp_bf16": wrap_ddp_bf16,
             "ours_auto_loaded": wrap_ours_auto_loaded, "ours_ac": wrap_ours_ac, "ours_sac": wrap_ours_sac,
             "ours_compile": wrap_ours_compile, "replicate": wrap_replicate, "transformers": wrap_transformers}
 
@@ -926,7 +954,9 @@ def targets(res: dict) -> list[tuple[bool | None, str]]:
                             f"({ours['tokens_per_s'] / ran[best]['tokens_per_s']:.2f}x"
                             f"{'; step-time IQRs overlap' if overlap else ''})"))
         auto, tight, ddp = table.get("ours_auto"), table.get("ours_auto_tight"), table.get("ddp")
-        for mine, other, what in ((auto, ddp, "ours_auto >= ddp"), (tight, ours, "ours_auto_tight >= ours")):
+        auto_bf16, ddp_bf16 = table.get("ours_auto_bf16"), table.get("ddp_bf16")
+        for mine, other, what in ((auto, ddp, "ours_auto >= ddp"), (tight, ours, "ours_auto_tight >= ours"),
+                                  (auto_bf16, ddp_bf16, "ours_auto_bf16 >= ddp_bf16")):
             if mine and other and "error" not in mine and "error" not in other:
                 overlap = mine["step_s_iqr"][0] <= other["step_s_iqr"][1] and \
                     other["step_s_iqr"][0] <= mine["step_s_iqr"][1]

@@ -194,8 +194,10 @@ class FSDP2Config:
         replication: how a layout with one-rank shard groups (`shard_size`=1 with replicas, as the auto
             layout picks when the model fits) trains: "ddp" (default; sharding/replication.py) with torch's
             composable `replicate`, DDP's bucketed all-reduce over plain parameters; "fsdp2" keeps FSDP2
-            with one-rank groups. What only FSDP2 provides (fp8, cpu_offload, a compute cast by
-            `param_dtype`, tensor/context parallelism) keeps FSDP2 either way, said on rank 0.
+            with one-rank groups. A compute cast (`param_dtype`) is applied per group as FSDP2 applies it
+            (sharding/compute_cast.py). What only FSDP2 provides (fp8, cpu_offload, a `reduce_dtype` or
+            `output_dtype` other than the gradients', tensor/context parallelism) keeps FSDP2 either way,
+            said on rank 0.
         find_unused_parameters, bucket_cap_mb: DDP's own settings under "ddp" replication (Accelerate's
             `DistributedDataParallelKwargs`, the Trainer's `ddp_find_unused_parameters` /
             `ddp_bucket_cap_mb`); unused otherwise.

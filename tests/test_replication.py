@@ -128,9 +128,28 @@ def _replicated_surface(rank: int, world: int, root: str) -> dict:
     from hf_fsdp2.sharding.replication import is_replicated
 
     out["frozen_plain"] = is_sharded(frozen) and not is_replicated(frozen) and type(frozen) is LlamaForCausalLM
+    # A compute cast (Accelerate's mixed_precision) on DDP's reducer has FSDP2's numerics: the same losses and
+    # weights as FSDP2 one-rank groups under the same policy, the checkpointed layers recasting in their
+    # recomputation; generate() casts once per call, not once per token.
+    from hf_fsdp2.sharding import compute_cast
+
+    casts: list[int] = []
+    set_casts = compute_cast._set
+    compute_cast._set = lambda entries, dtype: (casts.append(len(entries)), set_casts(entries, dtype))
+    for repl in ("ddp", "fsdp2"):
+        cast = shard_model(build_model(), FSDP2Config(param_dtype="bf16", activation_checkpointing=True,
+                                                      replication=repl, **REPLICATED))
+        losses = sharded_train(cast, data, rank, world)
+        cast.eval()
+        casts.clear()
+        with torch.no_grad():
+            tokens = cast.generate(input_ids=data[0][:1, :4], max_new_tokens=5, min_new_tokens=5, do_sample=False)
+        out[f"cast_{repl}"] = dict(ddp=_is_ddp(cast), losses=losses, params=full_params(cast), tokens=tokens,
+                                   generate_casts=list(casts))
+    compute_cast._set = set_casts
     # What only FSDP2 provides keeps FSDP2 groups at shard size 1.
-    cast = shard_model(build_model(), FSDP2Config(param_dtype="bf16", **REPLICATED))
-    out["cast_on_fsdp2"] = not is_replicated(cast)
+    bf16_reduce = shard_model(build_model(), FSDP2Config(reduce_dtype="bf16", **REPLICATED))
+    out["reduce_cast_on_fsdp2"] = not is_replicated(bf16_reduce)
     # Rank 0 hosts the store: it must not tear it down while rank 1 still connects the last mesh's groups.
     torch.distributed.barrier()
     return out
@@ -158,7 +177,15 @@ def test_shard_size_one_trains_with_ddp_reducer_behind_the_same_api(tmp_path):
     assert [res["generated"] for res in results] == [6, 9]
     assert all("ran under autograd outside the forward of the replicated" in res["outside_refused"]
                for res in results)
-    assert all(res["lora_ddp"] and res["frozen_plain"] and res["cast_on_fsdp2"] for res in results)
+    assert all(res["lora_ddp"] and res["frozen_plain"] and res["reduce_cast_on_fsdp2"] for res in results)
+    for res in results:
+        ddp, fsdp2 = res["cast_ddp"], res["cast_fsdp2"]
+        assert ddp["ddp"] and not fsdp2["ddp"]
+        assert ddp["losses"] == fsdp2["losses"] and torch.equal(ddp["tokens"], fsdp2["tokens"])
+        for name, tensor in fsdp2["params"].items():
+            torch.testing.assert_close(ddp["params"][name], tensor, atol=0, rtol=0, msg=name)
+        # Every parameter cast once for the whole call (per token: once per group forward for each token).
+        assert ddp["generate_casts"] == [len(list(build_model().parameters()))]
     torch.testing.assert_close(r["lora_losses"], reference_train(lora(build_model()), batches(3)), atol=2e-5, rtol=0)
 
     # What was written is what stock loading reads, under the original class name.
@@ -182,8 +209,17 @@ def test_estimate_counts_no_gather_or_reduce_buffers_under_ddp_replication():
 
     ddp = estimate_memory(tiny_config(), 2, FSDP2Config(**REPLICATED))
     fsdp2 = estimate_memory(tiny_config(), 2, FSDP2Config(replication="fsdp2", **REPLICATED))
-    cast = estimate_memory(tiny_config(), 2, FSDP2Config(param_dtype="bf16", **REPLICATED))  # keeps FSDP2
     assert ddp.gathered_peak_bytes == ddp.reduce_scatter_peak_bytes == 0
-    assert fsdp2.gathered_peak_bytes > 0 and fsdp2.reduce_scatter_peak_bytes > 0 and cast.gathered_peak_bytes > 0
+    assert fsdp2.gathered_peak_bytes > 0 and fsdp2.reduce_scatter_peak_bytes > 0
+    # A compute cast on the reducer: autograd keeps every group's bf16 copies until backward, a
+    # checkpointed layer's only while it (re)computes.
+    model = build_model()
+    total, layer = (sum(p.numel() for p in m.parameters()) for m in (model, model.model.layers[0]))
+    cast = estimate_memory(tiny_config(), 2, FSDP2Config(param_dtype="bf16", **REPLICATED))
+    checkpointed = estimate_memory(tiny_config(), 2, FSDP2Config(param_dtype="bf16", activation_checkpointing=True,
+                                                                 **REPLICATED))
+    assert cast.reduce_scatter_peak_bytes == checkpointed.reduce_scatter_peak_bytes == 0
+    assert cast.gathered_peak_bytes == 2 * total
+    assert checkpointed.gathered_peak_bytes == 2 * (total - 2 * layer)  # 3 layers: one layer's copies at a time
     assert ddp.param_bytes_per_rank == fsdp2.param_bytes_per_rank and ddp.grad_bytes_per_rank == fsdp2.grad_bytes_per_rank
     assert any("DDP's reducer" in note for note in ddp.notes)

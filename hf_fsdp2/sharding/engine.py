@@ -258,7 +258,7 @@ def shard_model(
 def _replicate_or_shard(model: nn.Module, plan: ShardPlan, config: FSDP2Config, mesh: DeviceMesh) -> bool:
     """One-rank shard groups train with DDP's reducer (sharding/replication.py) unless the config asks for
     FSDP2 or needs what only FSDP2 has; everything else with FSDP2. True when the model was replicated."""
-    if replication.is_pure_replication(mesh) and config.replication == "ddp":
+    if replication.mesh_trains_on_reducer(mesh, config):
         reasons = replication.fsdp_only_reasons(model, config)
         if not reasons:
             return replication.apply_replication(model, plan, config, mesh)

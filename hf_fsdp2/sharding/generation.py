@@ -29,6 +29,7 @@ import torch.nn as nn
 
 from ..runtime import collectives, upstream
 from ..runtime.distributed import reshard
+from . import compute_cast
 
 FREE_MEMORY_FRACTION = 0.5  # of the memory free at generate(): the rest is the KV cache's and activations'
 _SEAM = "transformers.generation.utils.GenerationMixin.generate"
@@ -43,7 +44,7 @@ def wrap_generate(model: nn.Module) -> None:
 def _generate(model: nn.Module, original):
     @functools.wraps(original)
     def generate(*args, **kwargs):
-        with gathered_for_generation(model) as kept:
+        with gathered_for_generation(model) as kept, compute_cast.cast_once(model):
             if kwargs.get("synced_gpus") is None and len(kept) == len(_groups(model)):
                 # transformers turns `synced_gpus` on for FSDP models (generation/utils.py: it checks
                 # is_fsdp_managed_module) so that ranks keep stepping together through per-token

@@ -296,10 +296,11 @@ def _estimate(prepared: MetaTrainingModel, world_size: int, config: FSDP2Config,
     window = 1 + max(1, config.forward_prefetch or 0, config.backward_prefetch)
     gathered_peak, peak_names = _gathered_peak(groups, plan, config, window)
     reduce_scatter_peak = max((g.reduce_scatter_bytes for g in groups), default=0)
-    ddp_reducer = (replicate > 1 and shard == 1 and config.tp_size == 1 and cp_size == 1
-                   and config.replication == "ddp" and not replication.fsdp_only_reasons(model, config))
+    ddp_reducer = (replication.trains_on_reducer(replicate, shard, config.tp_size * cp_size, config)
+                   and not replication.fsdp_only_reasons(model, config))
     if ddp_reducer:  # sharding/replication.py: parameters used in place, gradients all-reduced in their buckets
-        gathered_peak, peak_names, reduce_scatter_peak = 0, [], 0
+        gathered_peak, peak_names = _cast_peak(groups, _checkpointed_names(model, plan, config))
+        reduce_scatter_peak = 0
 
     activations, act_error = None, None
     if batch_size is not None:
@@ -320,7 +321,9 @@ def _estimate(prepared: MetaTrainingModel, world_size: int, config: FSDP2Config,
                      "the CPU; the GPU holds only gathered groups, unsharded grads and activations.")
     if ddp_reducer:
         notes.append(f"replication with DDP's reducer over {replicate} ranks: no all-gather or reduce-scatter buffers; "
-                     "gradients are views of DDP's buckets (`gradient_as_bucket_view`), all-reduced in place.")
+                     "gradients are views of DDP's buckets (`gradient_as_bucket_view`), all-reduced in place."
+                     + (f" The `param_dtype` copies autograd keeps for backward are the 'gathered' peak (one "
+                        f"checkpointed layer's at a time)." if gathered_peak else ""))
     elif replicate > 1:
         notes.append(f"HSDP: shards over {shard} ranks; the {replicate} replicas each hold the same shards.")
     if config.tp_size > 1:
@@ -439,7 +442,7 @@ def _group_memory(model: nn.Module, plan: ShardPlan, config: FSDP2Config, shard:
 
 def _one_group(name: str, params: Iterable[nn.Parameter], config: FSDP2Config, shard: int,
                quantized: dict[int, tuple[str, int]], fp8_weights: set[int], tp_shapes: dict) -> GroupMemory:
-    numel = trainable = gathered = grads = rs_input = 0
+    numel = trainable = gathered = grads = rs_input = cast = 0
     for p in params:
         local = _local_shape(p, tp_shapes)
         rows, row_numel = _rows_and_row_numel(local)
@@ -449,13 +452,32 @@ def _one_group(name: str, params: Iterable[nn.Parameter], config: FSDP2Config, s
         compute = config.param_dtype if (config.param_dtype is not None and p.is_floating_point()) else p.dtype
         # FP8 all-gather: torchao's pre-all-gather hook casts the shard to float8, 1 byte a value.
         gathered += padded * (1 if id(p) in fp8_weights else _itemsize(compute))
+        if compute != p.dtype:
+            cast += local.numel() * _itemsize(compute)
         numel += _numel(p, quantized)
         if p.requires_grad:
             trainable += p.numel()
             grads += local.numel() * _itemsize(compute)
             rs_input += padded * _itemsize(config.reduce_dtype or compute)
     return GroupMemory(name=name, numel=numel, trainable_numel=trainable, gathered_bytes=gathered,
-                       reduce_scatter_bytes=grads + rs_input)
+                       reduce_scatter_bytes=grads + rs_input, cast_bytes=cast)
+
+
+def _cast_peak(groups: list[GroupMemory], checkpointed: set[str]) -> tuple[int, list[str]]:
+    """Compute-dtype copies under DDP's reducer (sharding/compute_cast.py): autograd keeps each group's
+    casts until backward, except a checkpointed layer's, which live only while it (re)computes."""
+    kept = [g for g in groups if g.cast_bytes and g.name not in checkpointed]
+    recomputed = max((g for g in groups if g.cast_bytes and g.name in checkpointed),
+                     key=lambda g: g.cast_bytes, default=None)
+    names = [g.name for g in kept] + ([recomputed.name] if recomputed else [])
+    return sum(g.cast_bytes for g in kept) + (recomputed.cast_bytes if recomputed else 0), names
+
+
+def _checkpointed_names(model: nn.Module, plan: ShardPlan, config: FSDP2Config) -> set[str]:
+    if not config.activation_checkpointing:
+        return set()
+    names = {id(m): n for n, m in model.named_modules()}
+    return {names[id(layer)] for i, layer in enumerate(plan.layers) if i % config.checkpoint_every == 0}
 
 
 def _gathered_peak(groups: list[GroupMemory], plan: ShardPlan, config: FSDP2Config,

@@ -18,6 +18,7 @@ class GroupMemory:
     trainable_numel: int
     gathered_bytes: int  # all-gather output: padded rows, compute dtype
     reduce_scatter_bytes: int  # unsharded grads (compute dtype) + reduce-scatter input (reduce dtype, padded)
+    cast_bytes: int = 0  # compute-dtype copies of parameters stored in another dtype (the cast part of a gather)
 
 
 @dataclass(frozen=True)

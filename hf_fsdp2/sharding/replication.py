@@ -10,10 +10,9 @@ class (torch makes it a `DDP<Name>` subclass, as `fully_shard` makes an `FSDP<Na
 plain tensors as whole rows (checkpoint/tensor_export.py).
 
 What only FSDP2 provides keeps the layout on FSDP2 with one-rank groups, said once on rank 0 with the
-reason (`fsdp_only_reasons`): FP8 all-gather, CPU offload, a compute cast (`param_dtype` other than the
-weights' own dtype: DDP's own `_MixedPrecision` casts the parameters of the module DDP wraps, which
-under composable `replicate` is a ParameterList that never runs forward), a reduce or output dtype other
-than the gradients', tensor or context parallelism.
+reason (`fsdp_only_reasons`): FP8 all-gather, CPU offload, a reduce or output dtype other than the
+gradients', tensor or context parallelism. A compute cast (`param_dtype`, Accelerate's `mixed_precision`)
+is applied per group as FSDP2 applies it (sharding/compute_cast.py).
 
 DDP's rules come with it: gradients are averaged only for forwards through the model itself (its root
 hook prepares the reducer), so a decoder layer run under autograd outside the model's forward is refused
@@ -33,16 +32,24 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..config import FSDP2Config
 from ..runtime import collectives
-from ..runtime.distributed import REPLICATE_DIM
+from ..runtime.distributed import REPLICATE_DIM, SHARD_DIM
+from . import compute_cast
 from .groups import ShardPlan, ignored_modules
 
 _LOG = logging.getLogger("hf_fsdp2")
 
 
-def is_pure_replication(mesh: DeviceMesh) -> bool:
-    """Every rank of `mesh` in one replica group: one-rank shard groups, no TP/CP dimension, > 1 rank."""
-    names = mesh.mesh_dim_names or ()
-    return REPLICATE_DIM in names and mesh.size() > 1 and mesh[REPLICATE_DIM].size() == mesh.size()
+def trains_on_reducer(replicate_size: int, shard_size: int, other_dims: int, config: FSDP2Config) -> bool:
+    """Whether a layout (replicas x shard size x the product of the TP/CP sizes) trains on DDP's reducer
+    when the model needs nothing FSDP2-only (`fsdp_only_reasons`): the one rule the engine and the
+    memory estimate share."""
+    return replicate_size > 1 and shard_size == 1 and other_dims == 1 and config.replication == "ddp"
+
+
+def mesh_trains_on_reducer(mesh: DeviceMesh, config: FSDP2Config) -> bool:
+    sizes = dict(zip(mesh.mesh_dim_names or (), mesh.shape))
+    replicas, shard = sizes.get(REPLICATE_DIM, 1), sizes.get(SHARD_DIM, 1)
+    return trains_on_reducer(replicas, shard, mesh.size() // (replicas * shard), config)
 
 
 def fsdp_only_reasons(model: nn.Module, config: FSDP2Config) -> list[str]:
@@ -53,10 +60,6 @@ def fsdp_only_reasons(model: nn.Module, config: FSDP2Config) -> list[str]:
     if config.cpu_offload:
         reasons.append("`cpu_offload` (FSDP2's CPU offload)")
     trainable = {p.dtype for p in model.parameters() if p.requires_grad}
-    weights = {p.dtype for p in model.parameters() if p.is_floating_point()}
-    if config.param_dtype is not None and weights - {config.param_dtype}:
-        reasons.append(f"`param_dtype`={config.param_dtype} (FSDP2 casts the {sorted(map(str, weights))} "
-                       "weights for compute)")
     if config.reduce_dtype is not None and trainable - {config.reduce_dtype}:
         reasons.append(f"`reduce_dtype`={config.reduce_dtype} (gradients are {sorted(map(str, trainable))})")
     if config.output_dtype is not None:
@@ -69,9 +72,10 @@ def apply_replication(model: nn.Module, plan: ShardPlan, config: FSDP2Config, me
     no trainable parameter (a reference or reward model: plain replicas, nothing to reduce)."""
     if not any(p.requires_grad for p in model.parameters()):
         return False
+    ignored = ignored_modules(model, config.ignored_modules)  # Accelerate's fsdp_ignored_modules
     replicate(
         model,
-        ignored_modules=ignored_modules(model, config.ignored_modules),  # Accelerate's fsdp_ignored_modules
+        ignored_modules=ignored,
         process_group=_replica_group(mesh),
         device_id=collectives.mesh_device(mesh),
         # transformers' buffers (rotary inv_freq, position ids) are the same on every rank; FSDP2 does not
@@ -85,6 +89,7 @@ def apply_replication(model: nn.Module, plan: ShardPlan, config: FSDP2Config, me
     # `synchronize` builds the reducer before the first forward, after which torch's `register_comm_hook`
     # on the model would only queue the hook (it is applied at that lazy init): apply a queued one here.
     model.register_forward_pre_hook(_apply_queued_comm_hooks, prepend=True)
+    compute_cast.apply_compute_cast(model, plan, config.param_dtype, ignored)
     for layer in plan.layers:
         layer.register_forward_pre_hook(_refuse_layer_outside_model(model))
     return True
