@@ -70,6 +70,21 @@ def test_cpu_ram_efficient_loading_broadcasts_rank0_weights(tmp_path):
                       "HF_FSDP2_PLAN_SEQ_LEN": "16"})
     assert out["mesh"] == [2]  # one shard group of both ranks (a 1-D mesh)
     assert out["losses"] == pytest.approx(reference_losses(3), abs=1e-4)
+    # A key the checkpoint lacks keeps transformers' loading (rank 0's weights broadcast), said on rank 0.
+    assert out["loaded_on_meta_everywhere"] is False
+
+
+def test_cpu_ram_efficient_loading_under_auto_loads_each_ranks_rows_at_prepare(tmp_path):
+    """With the auto layout and ram-efficient loading, transformers' from_pretrained builds the model on meta on
+    every rank (rank 0 too: no rank reads the whole checkpoint) and prepare reads each rank's rows after
+    sharding (integrations/deferred_load.py): the same training as one process."""
+    build_model().save_pretrained(tmp_path / "base")
+    out = launch("fsdp2.yaml", 2, tmp_path / "a.json", "--steps", "3", "--from-pretrained", str(tmp_path / "base"),
+                 launch_args=("--fsdp_cpu_ram_efficient_loading", "true", "--fsdp_sync_module_states", "true"),
+                 env={"HF_FSDP2_SHARD_SIZE": "auto", "HF_FSDP2_MEMORY_BUDGET": "20GB", "HF_FSDP2_PLAN_SEQ_LEN": "16"})
+    assert out["loaded_on_meta_everywhere"] is True
+    assert out["mesh"] == [2, 1] and out["ddp_reducer"]  # the budget fits replication: DDP's reducer
+    assert out["losses"] == pytest.approx(reference_losses(3), abs=1e-4)
 
 
 def test_gradient_accumulation_and_get_state_dict(tmp_path):

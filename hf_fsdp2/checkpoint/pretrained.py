@@ -101,6 +101,12 @@ def load_pretrained(model: nn.Module, directory: str | os.PathLike, *, strict: b
     return model
 
 
+def check_pretrained(model: nn.Module, directory: str | os.PathLike) -> None:
+    """What `load_pretrained` checks (every key, shape and dtype), without reading a weight; raises
+    `CheckpointError` naming what does not match."""
+    WeightsPlan(model, existing_dir(Path(directory)), True).close()
+
+
 @contextlib.contextmanager
 def parameters_on_meta() -> Iterator[None]:
     """Create parameters on the meta device and buffers for real, so non-persistent buffers that
@@ -131,15 +137,7 @@ def from_pretrained(model_class, directory: str | os.PathLike, config: FSDP2Conf
     """
     directory = existing_dir(Path(directory))
     torch_dtype = parse_dtype(torch_dtype, "torch_dtype")
-    with parameters_on_meta():
-        if hasattr(model_class, "config_class"):  # a model class
-            model = model_class(model_class.config_class.from_pretrained(str(directory), **model_kwargs))
-        else:  # an Auto class (AutoModelForCausalLM, ...)
-            from transformers import AutoConfig
-
-            model = model_class.from_config(AutoConfig.from_pretrained(str(directory), **model_kwargs))
-    if torch_dtype is not None:
-        model.to(torch_dtype)
+    model = build_on_meta(model_class, directory, torch_dtype, **model_kwargs)
     if quantization_config is not None:
         dtype = torch_dtype or next(p.dtype for p in model.parameters() if p.is_floating_point())
         bnb_4bit.quantize_on_meta(model, quantization_config, dtype)
@@ -168,12 +166,28 @@ def from_pretrained(model_class, directory: str | os.PathLike, config: FSDP2Conf
     return model
 
 
+def build_on_meta(model_class, directory: Path, torch_dtype: torch.dtype | None = None, *, config=None,
+                  **model_kwargs) -> nn.Module:
+    """`model_class` (a model or an Auto class) from `config` or `directory`'s, parameters on the meta device."""
+    with parameters_on_meta():
+        if config is not None:
+            model = model_class(config) if hasattr(model_class, "config_class") else model_class.from_config(config)
+        elif hasattr(model_class, "config_class"):  # a model class
+            model = model_class(model_class.config_class.from_pretrained(str(directory), **model_kwargs))
+        else:  # an Auto class (AutoModelForCausalLM, ...)
+            from transformers import AutoConfig
+
+            model = model_class.from_config(AutoConfig.from_pretrained(str(directory), **model_kwargs))
+    if torch_dtype is not None:
+        model.to(torch_dtype)
+    return model
+
+
 def _with_adapters(model: nn.Module, peft_config, mesh) -> nn.Module:
     """`get_peft_model` on a meta model, then the adapters made real and initialised by PEFT's own
     `reset_lora_parameters` (PEFT leaves adapters of a meta base layer on meta), then rank 0's
     broadcast over `mesh` so they are identical on every rank."""
     from peft import get_peft_model
-    from peft.tuners.lora import LoraLayer
 
     if str(getattr(peft_config, "peft_type", "")) not in ("LORA", "PeftType.LORA"):
         raise ValueError(f"`peft_config` must be a LoraConfig for hf_fsdp2.from_pretrained, got "
@@ -183,16 +197,33 @@ def _with_adapters(model: nn.Module, peft_config, mesh) -> nn.Module:
         raise ValueError(f"`peft_config.init_lora_weights`={init!r} needs the base weights at initialisation; "
                          "hf_fsdp2.from_pretrained supports True, False and 'gaussian'.")
     model = get_peft_model(model, peft_config)
+    init_meta_adapters(model, mesh)
+    return model
+
+
+def init_meta_adapters(model: nn.Module, mesh) -> None:
+    """LoRA adapters PEFT left on the meta device (their base layer is on meta) made real and initialised
+    by PEFT's own `reset_lora_parameters` with each adapter's `init_lora_weights`, then rank 0's broadcast
+    over `mesh` so every rank starts from the same adapters. Collective when the world has > 1 rank."""
+    from peft.tuners.lora import LoraLayer
+
+    configs = getattr(model, "peft_config", {})
     with torch.no_grad():
         for module in model.modules():
             if isinstance(module, LoraLayer):
                 for adapter in module.lora_A:
+                    if not module.lora_A[adapter].weight.is_meta:
+                        continue
                     for factor in (module.lora_A[adapter], module.lora_B[adapter]):
                         # `init_lora_weights=False` keeps the layers' own init, which meta skipped
                         factor.to_empty(device="cpu").reset_parameters()
+                    init = getattr(configs.get(adapter), "init_lora_weights", True)
+                    if init not in (True, False, "gaussian"):
+                        raise ValueError(f"adapter {adapter!r}: `init_lora_weights`={init!r} needs the base weights "
+                                         "at initialisation, which are not loaded yet (meta); True, False and "
+                                         "'gaussian' are supported.")
                     module.reset_lora_parameters(adapter, init)
         if collectives.world_size() > 1:
             for name, param in model.named_parameters():
                 if ".lora_" in name and not param.is_meta:
                     collectives.broadcast_from_first(param.data, mesh)
-    return model

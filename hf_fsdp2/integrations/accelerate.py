@@ -29,7 +29,7 @@ from ..config import FSDP2Config
 from ..runtime.distributed import build_mesh
 from ..checkpoint.pretrained import save_pretrained
 from ..checkpoint.rank0_loading import shard_from_rank0
-from . import fsdp1_configs
+from . import deferred_load, fsdp1_configs
 from . import trl as trl_backend
 from .accelerate_settings import AccelerateSettings, fsdp2_values, layer_names
 from ..quantization import bnb_optimizers, fp8
@@ -88,7 +88,23 @@ def register(**overrides: Any) -> None:
                           ("save_state", _save_state), ("load_state", _load_state), ("_prepare_tp", _prepare_tp)):
         upstream.replace(f"accelerate.accelerator.Accelerator.{name}",
                          functools.wraps(getattr(Accelerator, name))(wrapper), GROUP)
+    upstream.replace(deferred_load.SEAM, classmethod(_from_pretrained), GROUP)
     trl_backend.install_if_imported()
+
+
+def _from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
+    """transformers' `from_pretrained`, deferred to `prepare` under the auto layout with ram-efficient
+    loading (integrations/deferred_load.py)."""
+    if deferred_load.ram_efficient_fsdp2() and _shard_size_setting() == "auto":
+        model = deferred_load.load_on_meta(cls, pretrained_model_name_or_path, args, kwargs)
+        if model is not None:
+            return model
+    return upstream.original(deferred_load.SEAM, cls)(pretrained_model_name_or_path, *args, **kwargs)
+
+
+def _shard_size_setting():
+    """`shard_size` as register() and HF_FSDP2_SHARD_SIZE set it (the environment wins, as at prepare)."""
+    return {**_overrides, **env_overrides()}.get("shard_size")
 
 
 def unregister() -> None:
@@ -349,8 +365,12 @@ def _prepare_fsdp2(self, *args):
     if names is None and model is not None:
         names = list(getattr(unwrap_peft(model), "_no_split_modules", None) or []) or None
     plugin.transformer_cls_names_to_wrap = names
+    deferred = model is not None and deferred_load.deferred_checkpoint(model) is not None
+    optimizer_names = deferred_load.optimizer_parameter_names(args, model) if deferred else None
     with _regional_compilation_in_place(), _wrap_policy_of_a_presharded(model):
         result = _original("Accelerator", "_prepare_fsdp2")(self, *args)
+    if deferred:  # Accelerate maps optimizer parameters by data_ptr(), 0 for every meta parameter
+        deferred_load.repoint_optimizers(result, optimizer_names)
     prepared = next((r for r in result if isinstance(r, nn.Module)), None)
     if prepared is not None and fp8.has_fp8(prepared):  # FP8 scales after every step of the prepared optimizers
         for optimizer in (r for r in result if isinstance(r, torch.optim.Optimizer)):
@@ -463,6 +483,8 @@ def _fsdp2_prepare_model(accelerator, model: nn.Module) -> nn.Module:
     if cp_size > 1 and getattr(accelerator, "_cp_context", None) is not None:
         upstream.wrap_instance_method(accelerator, "_cp_context", "accelerate.accelerator.Accelerator._prepare_cp",
                                       lambda original: _checked_cp_context(original, cp_size))
+    if deferred_load.deferred_checkpoint(model) is not None:  # built on meta everywhere: each rank reads its rows
+        return deferred_load.shard_and_load(model, config, mesh)
     if from_rank0:
         return shard_from_rank0(model, config, mesh)  # fsdp_cpu_ram_efficient_loading
     return shard_model(model, config, mesh=mesh)

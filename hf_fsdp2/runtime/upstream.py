@@ -90,6 +90,9 @@ SEAMS: tuple[Seam, ...] = (
          "would split it unevenly and its ring attention would fail inside)"),
     Seam("accelerate.parallelism_config.ParallelismConfig._validate_accelerator", SCOPED, _ACC,
          "it rejects the MULTI_CPU state that Accelerator.__init__ passes through before we make it FSDP"),
+    Seam("transformers.modeling_utils.PreTrainedModel.from_pretrained", PATCHED, "integrations/deferred_load.py",
+         "with fsdp_cpu_ram_efficient_loading and shard_size='auto': built on meta on every rank, each rank's "
+         "rows read at prepare (transformers reads the whole checkpoint on every rank)"),
     # The Transformers Trainer (group "trainer", installed by register()).
     Seam("transformers.TrainingArguments.__post_init__", PATCHED, _TR,
          "the Trainer flag: fsdp settings from the arguments, CPU-only FSDP allowed"),
@@ -190,7 +193,9 @@ def replace(target: str, replacement: Any, group: str) -> None:
     if target in _installed:
         return
     owner, name = resolve(target)
-    previous = getattr(owner, name)
+    # A class's own classmethod is kept as the descriptor (getattr would bind it to `owner`, and putting
+    # that back would make subclasses call it with `owner` as cls).
+    previous = vars(owner).get(name) if isinstance(vars(owner).get(name), classmethod) else getattr(owner, name)
     _installed[target] = (owner, name, previous, replacement, group)
     setattr(owner, name, replacement)
     _rebind(target, previous, replacement)
@@ -212,11 +217,13 @@ def installed(group: str | None = None) -> list[str]:
     return [t for t, entry in _installed.items() if group is None or entry[4] == group]
 
 
-def original(target: str) -> Any:
-    """The upstream function a PATCHED `target` held before we replaced it."""
+def original(target: str, cls: type | None = None) -> Any:
+    """The upstream function a PATCHED `target` held before we replaced it (a classmethod bound to `cls`,
+    by default to the class that holds it)."""
     if target not in _installed:
         raise AssertionError(f"{target} is not patched")
-    return _installed[target][2]
+    owner, _, previous, _, _ = _installed[target]
+    return previous.__get__(None, cls or owner) if isinstance(previous, classmethod) else previous
 
 
 def restore(group: str) -> None:
@@ -232,7 +239,7 @@ def foreign(group: str) -> list[tuple[str, Any]]:
     out = []
     for target in installed(group):
         owner, name, _, ours, _ = _installed[target]
-        current = getattr(owner, name)
+        current = vars(owner).get(name) if isinstance(ours, classmethod) else getattr(owner, name)
         if current is not ours:
             out.append((target, current))
     return out

@@ -27,8 +27,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 from torch.utils._pytree import tree_map
 
 from .groups import ShardPlan
-
-_STATE = "_hf_fsdp2_compute_cast"
+from .record import record_of
 
 
 class _CastState:
@@ -59,7 +58,7 @@ def apply_compute_cast(model: nn.Module, plan: ShardPlan, dtype: torch.dtype | N
                    if needs_cast(param, dtype) and id(param) not in skipped]
         hooked.append((module, entries))
     state = _CastState(dtype, [entries for _, entries in hooked])
-    setattr(model, _STATE, state)
+    record_of(model, create=True).compute_cast = state
     for module, entries in hooked:
         module.register_forward_pre_hook(_cast_inputs(state), with_kwargs=True, prepend=True)
         # A checkpoint wrapper's inner module runs again in backward: its casts are made there.
@@ -72,7 +71,7 @@ def apply_compute_cast(model: nn.Module, plan: ShardPlan, dtype: torch.dtype | N
 @contextlib.contextmanager
 def cast_once(model: nn.Module) -> Iterator[None]:
     """Every group's cast copies made once and kept for the block (generate()), then dropped."""
-    state: _CastState | None = getattr(model, _STATE, None)
+    state: _CastState | None = getattr(record_of(model), "compute_cast", None)
     if state is None or state.held:
         yield
         return

@@ -30,6 +30,8 @@ class ShardedModel:
     fp8: Any = None  # quantization.fp8.Fp8Conversion, when config.fp8: what was converted and why not
     no_cache_in_training: bool = False  # compile.disable_cache_in_training ran
     generating: bool = False  # inside generation.gathered_for_generation
+    compute_cast: Any = None  # sharding/compute_cast.py's state, when DDP's reducer trains with a param_dtype cast
+    deferred_checkpoint: Any = None  # integrations/deferred_load.py: a directory prepare() reads each rank's rows from
 
 
 def record_of(model: nn.Module, create: bool = False) -> ShardedModel | None:

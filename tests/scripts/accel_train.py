@@ -70,6 +70,11 @@ if args.from_pretrained:
 
         quantized["distributed_config"] = DistributedConfig(fsdp_size=args.fsdp_size)
     model = AutoModelForCausalLM.from_pretrained(args.from_pretrained, **quantized)
+    # Built on meta on every rank (hf_fsdp2 deferred the load to prepare: integrations/deferred_load.py)?
+    on_meta = torch.tensor([float(all(p.is_meta for p in model.parameters()))])
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(on_meta, op=torch.distributed.ReduceOp.MIN)
+    loaded_on_meta_everywhere = bool(on_meta.item())
 else:
     model = build_model(seed=args.seed)
 if args.lora:
@@ -152,6 +157,7 @@ report = {
     "ddp_reducer": is_replicated(model),  # shard size 1: DDP's reducer (sharding/replication.py)
     "compiled_modules": sum(getattr(m, "_compiled_call_impl", None) is not None for m in model.modules()),
     "reshard_after_forward": getattr(getattr(record_of(model), "config", None), "reshard_after_forward", None),
+    "loaded_on_meta_everywhere": loaded_on_meta_everywhere if args.from_pretrained else None,
 }
 from tests.common import count_collectives  # noqa: E402
 
