@@ -36,6 +36,8 @@ CONTESTANTS
   ours_auto_bf16  opt-in: ours_auto with param_dtype=bf16 (Accelerate's `mixed_precision: bf16`): on DDP's
               reducer each group's weights are cast for its forward (sharding/compute_cast.py, FSDP2's numerics).
   ours_auto_bf16_fsdp2  opt-in: ours_auto_bf16 on FSDP2 one-rank groups (replication="fsdp2").
+  deepspeed   opt-in peer (needs `pip install deepspeed`, see benchmarks/deepspeed_contestant.py): DeepSpeed
+              ZeRO-3, fp32, the same torch AdamW handed to deepspeed.initialize, no gradient clipping.
   ddp_bf16    opt-in: the `ddp` contestant with its forward under torch.autocast(bf16), as Accelerate runs
               DDP with `mixed_precision: bf16` (Accelerator.prepare_model wraps the forward in autocast).
   ours_auto_tight  opt-in: ours_auto with a budget that forces sharding: 1 byte less than the
@@ -130,12 +132,12 @@ REPO, RESULTS_DIR = harness.REPO, harness.RESULTS_DIR
 MiB = 1 << 20
 CONTESTANTS = ("ours", "accelerate", "fsdp1", "ddp")
 EXTRA = ("ours_zero2", "ours_plain", "ours_bf16", "ours_fp8", "ours_auto", "ours_auto_fsdp2", "ours_auto_tight",
-         "ours_auto_bf16", "ours_auto_bf16_fsdp2", "ddp_bf16",
+         "ours_auto_bf16", "ours_auto_bf16_fsdp2", "ddp_bf16", "deepspeed",
          "ours_auto_loaded",
          "ours_ac", "ours_sac", "ours_compile",
          "replicate", "transformers")  # opt-in settings of ours (and torch's replicate, a candidate; transformers'
 # own FSDP, a peer run on request since it needs its own load): not in the targets
-PEERS = ("accelerate", "fsdp1", "ddp")
+PEERS = ("accelerate", "fsdp1", "ddp", "deepspeed")
 OPTIMIZERS = {"fused": {"fused": True}, "foreach": {"foreach": True}, "loop": {"foreach": False}}
 MODES = ("lora", "full")
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -317,6 +319,12 @@ def wrap_ddp(model, ctx):
     ddp = DistributedDataParallel(model, device_ids=[ctx["device"].index] if ctx["device"].type == "cuda" else None)
     ddp.register_comm_hook(state=None, hook=default_hooks.allreduce_hook)
     return ddp
+
+
+def wrap_deepspeed(model, ctx):
+    from deepspeed_contestant import wrap_deepspeed as wrap
+
+    return wrap(model, ctx)
 
 
 def wrap_ddp_bf16(model, ctx):
@@ -526,7 +534,7 @@ WRAPPERS = {"ours": wrap_ours, "accelerate": wrap_accelerate, "fsdp1": wrap_fsdp
             "ours_zero2": wrap_ours_zero2, "ours_plain": wrap_ours_plain, "ours_bf16": wrap_ours_bf16,
             "ours_fp8": wrap_ours_fp8, "ours_auto": wrap_ours_auto, "ours_auto_fsdp2": wrap_ours_auto_fsdp2,
             "ours_auto_tight": wrap_ours_auto_tight, "ours_auto_bf16": wrap_ours_auto_bf16,
-            "ours_auto_bf16_fsdp2": wrap_ours_auto_bf16_fsdp2, "ddp_bf16": wrap_ddp_bf16,
+            "ours_auto_bf16_fsdp2": wrap_ours_auto_bf16_fsdp2, "ddp_bf16": wrap_ddp_bf16, "deepspeed": wrap_deepspeed,
             "ours_auto_loaded": wrap_ours_auto_loaded, "ours_ac": wrap_ours_ac, "ours_sac": wrap_ours_sac,
             "ours_compile": wrap_ours_compile, "replicate": wrap_replicate, "transformers": wrap_transformers}
 
@@ -538,6 +546,8 @@ def make_optimizer(model, lr: float, kind: str):
 
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, **OPTIMIZERS[kind])
+    if hasattr(model, "adopt_optimizer"):  # deepspeed: ZeRO-3 takes the optimizer over (its step is the engine's)
+        return model.adopt_optimizer(optimizer)
     fp8.attach_to_optimizer(model, optimizer)  # ours_fp8: the FP8 scales after every step (no-op otherwise)
     return optimizer
 
