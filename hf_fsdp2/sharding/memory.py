@@ -322,8 +322,8 @@ def _estimate(prepared: MetaTrainingModel, world_size: int, config: FSDP2Config,
     if ddp_reducer:
         notes.append(f"replication with DDP's reducer over {replicate} ranks: no all-gather or reduce-scatter buffers; "
                      "gradients are views of DDP's buckets (`gradient_as_bucket_view`), all-reduced in place."
-                     + (f" The `param_dtype` copies autograd keeps for backward are the 'gathered' peak (one "
-                        f"checkpointed layer's at a time)." if gathered_peak else ""))
+                     + (" The `param_dtype` copies autograd keeps for backward are the 'gathered' peak (one "
+                        "checkpointed layer's at a time)." if gathered_peak else ""))
     elif replicate > 1:
         notes.append(f"HSDP: shards over {shard} ranks; the {replicate} replicas each hold the same shards.")
     if config.tp_size > 1:
