@@ -19,6 +19,8 @@ parser.add_argument("--start", type=int, default=0)
 parser.add_argument("--per-device-batch", type=int, default=4)
 parser.add_argument("--accum", type=int, default=1)
 parser.add_argument("--lora", action="store_true")
+parser.add_argument("--lora-zero-b", action="store_true", help="with --lora: PEFT's default init (B = 0), so the "
+                    "first forward is the base model's")
 parser.add_argument("--no-register", action="store_true")
 parser.add_argument("--foreign-patch", action="store_true", help="rebind fsdp2_prepare_model after register()")
 parser.add_argument("--save-model")
@@ -78,7 +80,7 @@ if args.from_pretrained:
 else:
     model = build_model(seed=args.seed)
 if args.lora:
-    model = lora(model, seed=args.seed)
+    model = lora(model, seed=args.seed, **({"init_lora_weights": True} if args.lora_zero_b else {}))
 if args.scramble_other_ranks and accelerator.process_index != 0:
     with torch.no_grad():
         for p in model.parameters():
