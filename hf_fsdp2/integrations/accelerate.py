@@ -103,8 +103,13 @@ def _from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
 
 
 def _shard_size_setting():
-    """`shard_size` as register() and HF_FSDP2_SHARD_SIZE set it (the environment wins, as at prepare)."""
-    return {**_overrides, **env_overrides()}.get("shard_size")
+    """`shard_size` as register() and HF_FSDP2_SHARD_SIZE set it."""
+    return _user_settings().get("shard_size")
+
+
+def _user_settings() -> dict[str, Any]:
+    """What register() and the HF_FSDP2_* environment set, the environment winning (module docstring)."""
+    return {**_overrides, **env_overrides()}
 
 
 def unregister() -> None:
@@ -225,8 +230,7 @@ def config_from_accelerator(accelerator) -> FSDP2Config:
     if policy is not None:
         values.update(_policy_dtypes(policy))
     values.update(_ddp_settings(accelerator))
-    values.update(_overrides)
-    values.update(env_overrides())
+    values.update(_user_settings())
     return FSDP2Config.from_dict(values, source="Accelerate config")
 
 

@@ -43,11 +43,12 @@ _LOG = logging.getLogger("hf_fsdp2")
 
 
 def ram_efficient_fsdp2() -> bool:
-    """Accelerate's environment for FSDP2 with `fsdp_cpu_ram_efficient_loading` in a process group of > 1 rank."""
-    flag = lambda name: os.environ.get(name, "").strip().lower() in ("1", "true", "yes")  # noqa: E731
-    return (flag("ACCELERATE_USE_FSDP") and flag("FSDP_CPU_RAM_EFFICIENT_LOADING")
-            and os.environ.get("FSDP_VERSION", "1").strip() == "2"
-            and torch.distributed.is_available() and torch.distributed.is_initialized()
+    """Accelerate's environment for FSDP2 with `fsdp_cpu_ram_efficient_loading` in a process group of > 1 rank:
+    transformers' own test for its ram-efficient loading (`is_fsdp_enabled`: the process group is up and
+    Accelerate set ACCELERATE_USE_FSDP and FSDP_CPU_RAM_EFFICIENT_LOADING), with FSDP_VERSION=2."""
+    from transformers.integrations import is_fsdp_enabled
+
+    return (is_fsdp_enabled() and os.environ.get("FSDP_VERSION", "1").strip() == "2"
             and torch.distributed.get_world_size() > 1)
 
 

@@ -31,9 +31,9 @@ from .record import record_of
 
 
 class _CastState:
-    def __init__(self, dtype: torch.dtype, groups: list[list[tuple[nn.Module, str, nn.Parameter]]]):
+    def __init__(self, dtype: torch.dtype, entries: list[tuple[nn.Module, str, nn.Parameter]]):
         self.dtype = dtype
-        self.groups = groups
+        self.entries = entries  # every group's (owning module, name, parameter), for cast_once
         self.held = False  # inside cast_once: the copies stay set, the hooks do nothing
 
 
@@ -57,7 +57,7 @@ def apply_compute_cast(model: nn.Module, plan: ShardPlan, dtype: torch.dtype | N
                    for name, param in owner.named_parameters(recurse=False)
                    if needs_cast(param, dtype) and id(param) not in skipped]
         hooked.append((module, entries))
-    state = _CastState(dtype, [entries for _, entries in hooked])
+    state = _CastState(dtype, [entry for _, entries in hooked for entry in entries])
     record_of(model, create=True).compute_cast = state
     for module, entries in hooked:
         module.register_forward_pre_hook(_cast_inputs(state), with_kwargs=True, prepend=True)
@@ -75,15 +75,14 @@ def cast_once(model: nn.Module) -> Iterator[None]:
     if state is None or state.held:
         yield
         return
-    entries = [entry for group in state.groups for entry in group]
     with torch.no_grad():
-        _set(entries, state.dtype)
+        _set(state.entries, state.dtype)
     state.held = True
     try:
         yield
     finally:
         state.held = False
-        _drop(entries)
+        _drop(state.entries)
 
 
 def _modules_of_group(module: nn.Module, group_roots: list[nn.Module], ignored) -> Iterator[nn.Module]:

@@ -22,8 +22,6 @@ skips some trainable parameters in a step needs `find_unused_parameters=True`, a
 
 from __future__ import annotations
 
-import logging
-
 import torch
 import torch.nn as nn
 from torch.distributed._composable.replicate import replicate
@@ -35,9 +33,6 @@ from ..runtime import collectives
 from ..runtime.distributed import REPLICATE_DIM, SHARD_DIM
 from . import compute_cast
 from .groups import ShardPlan, ignored_modules
-
-_LOG = logging.getLogger("hf_fsdp2")
-
 
 def trains_on_reducer(replicate_size: int, shard_size: int, other_dims: int, config: FSDP2Config) -> bool:
     """Whether a layout (replicas x shard size x the product of the TP/CP sizes) trains on DDP's reducer
