@@ -87,14 +87,17 @@ def test_cpu_ram_efficient_loading_under_auto_loads_each_ranks_rows_at_prepare(t
     assert out["losses"] == pytest.approx(reference_losses(3), abs=1e-4)
     # PEFT's get_peft_model between the load and prepare: the adapters PEFT left on meta are initialised at
     # prepare (PEFT's own init: B = 0, so the first loss is the base model's), the base rows read, and the
-    # trained adapter is what PeftModel.from_pretrained loads.
+    # trained adapter is what PeftModel.from_pretrained loads. Run with a default group that refuses CPU
+    # tensors, as NCCL does (tests/nccl_like.py): the adapters' broadcast and the rows' load use the mesh's groups.
     from peft import PeftModel
+
+    from tests.dist_harness import NCCL_LIKE
 
     lora_out = launch("fsdp2.yaml", 2, tmp_path / "b.json", "--steps", "2", "--from-pretrained",
                       str(tmp_path / "base"), "--lora", "--lora-zero-b", "--save-model", str(tmp_path / "adapter"),
                       launch_args=("--fsdp_cpu_ram_efficient_loading", "true", "--fsdp_sync_module_states", "true"),
                       env={"HF_FSDP2_SHARD_SIZE": "auto", "HF_FSDP2_MEMORY_BUDGET": "20GB",
-                           "HF_FSDP2_PLAN_SEQ_LEN": "16"})
+                           "HF_FSDP2_PLAN_SEQ_LEN": "16", "TEST_DEFAULT_BACKEND": NCCL_LIKE})
     assert lora_out["loaded_on_meta_everywhere"] is True and lora_out["ddp_reducer"]
     assert lora_out["losses"][0] == pytest.approx(reference_losses(1)[0], abs=1e-4)
     assert lora_out["losses"][1] != pytest.approx(lora_out["losses"][0], abs=1e-6)  # the adapters trained
