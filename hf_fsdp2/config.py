@@ -56,6 +56,17 @@ def parse_bool(value: Any, field_name: str) -> bool:
     raise ValueError(f"`{field_name}`={value!r} is not a boolean; use true or false.")
 
 
+def _parse_compile(value: Any) -> bool | str:
+    """False, True (regional: each decoder layer) or "model" (the whole forward, collectives traced)."""
+    if isinstance(value, str) and value.strip().lower() in ("model", "regional"):
+        return "model" if value.strip().lower() == "model" else True
+    try:
+        return parse_bool(value, "compile")
+    except ValueError:
+        raise ValueError(f"`compile`={value!r} is not one of true (regional: each decoder layer compiled), "
+                         "'model' (the whole forward with its collectives, bucketed by inductor) or false.") from None
+
+
 def _parse_names(value: Any) -> tuple[str, ...] | None:
     if value is None:
         return None
@@ -227,7 +238,7 @@ class FSDP2Config:
     memory_budget: int | str | None = None
     plan_batch_size: int = 1
     plan_seq_len: int | None = None
-    compile: bool = False
+    compile: bool | str = False
     replication: str = "ddp"
     find_unused_parameters: bool = False
     bucket_cap_mb: int | None = None
@@ -283,7 +294,7 @@ class FSDP2Config:
         if self.tp_size > 1 and self.wrap_policy != "transformer":
             raise ValueError(f"`tp_size`={self.tp_size} applies the model's tensor-parallel plan per decoder layer: "
                              f"it needs `wrap_policy`='transformer', not {self.wrap_policy!r}.")
-        self.compile = parse_bool(self.compile, "compile")
+        self.compile = _parse_compile(self.compile)
         self.replication = str(self.replication).strip().lower() if isinstance(self.replication, str) else self.replication
         if self.replication not in ("ddp", "fsdp2"):
             raise ValueError(f"`replication`={self.replication!r} is not one of 'ddp' (torch's replicate, DDP's reducer) "
@@ -306,6 +317,16 @@ class FSDP2Config:
         self.plan_batch_size = _parse_int(self.plan_batch_size, "plan_batch_size", 1)
         if self.plan_seq_len is not None:
             self.plan_seq_len = _parse_int(self.plan_seq_len, "plan_seq_len", 1)
+        if self.compile == "model":
+            conflicts = [f"`{field}`" for field in ("fp8", "cpu_offload", "activation_offload") if getattr(self, field)]
+            conflicts += ["`output_dtype`"] if self.output_dtype is not None else []
+            conflicts += [f"`reshard_after_forward`={self.reshard_after_forward}"] if not isinstance(
+                self.reshard_after_forward, bool) else []
+            conflicts += ["`shard_size`='auto'"] if self.shard_size == "auto" else []
+            if conflicts:
+                raise ValueError(f"`compile`='model' (collectives in the compiled graph) cannot honour "
+                                 f"{', '.join(conflicts)}: those need FSDP2's groups (the auto layout costs "
+                                 "them). Use compile=True (regional) with them, or drop them.")
 
     @staticmethod
     def _parse_reshard(value: Any) -> bool | int:

@@ -31,7 +31,8 @@ from .groups import ShardPlan, apply_frozen_dtype, plan_groups, replicated_froze
 from .layout import resolve_auto_layout
 from .generation import wrap_generate
 from .record import record_of
-from . import activation_offload, adopt, context_parallel, replication, selective_checkpoint, tensor_parallel
+from . import (activation_offload, adopt, compiled_collectives, context_parallel, replication, selective_checkpoint,
+               tensor_parallel)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -57,9 +58,10 @@ def apply_activation_checkpointing(model: nn.Module, layers: list[nn.Module], ev
     Applied before `fully_shard` so each wrapper becomes the group: FSDP's unshard happens outside
     the checkpointed region and again, through its pre-backward hook, for the recomputation.
     """
+    chosen = {id(layer) for layer in selective_checkpoint.checkpointed_layers(layers, every)}
     wrapped: list[nn.Module] = []
-    for index, layer in enumerate(layers):
-        if isinstance(layer, CheckpointWrapper) or index % every:
+    for layer in layers:
+        if isinstance(layer, CheckpointWrapper) or id(layer) not in chosen:
             wrapped.append(layer)
             continue
         parent, name = _parent_of(model, layer)
@@ -228,14 +230,15 @@ def shard_model(
     if config.fp8:
         apply_fp8(model, plan)
     apply_frozen_dtype(model, config.frozen_dtype)
-    if config.activation_checkpointing:
+    if config.activation_checkpointing and config.compile != "model":  # compile="model": a graph pass
         plan.layers = apply_activation_checkpointing(model, plan.layers, config.checkpoint_every,
                                                      config.checkpoint_save_matmuls)
     if config.activation_offload:
         activation_offload.apply_activation_offload(plan.layers)
-    if config.compile:
+    if config.compile is True:
         compile_layers(plan.layers)
-    if any(is_compiled(layer) or isinstance(layer, CheckpointWrapper) for layer in plan.layers):
+    if config.compile == "model" or any(is_compiled(layer) or isinstance(layer, CheckpointWrapper)
+                                         for layer in plan.layers):
         disable_cache_in_training(model)  # ours or Accelerate's checkpointing / regional compilation
     replicated = _replicate_or_shard(model, plan, config, mesh)
     if config.fp8 and mesh.device_type == "cpu":
@@ -257,7 +260,13 @@ def shard_model(
 
 def _replicate_or_shard(model: nn.Module, plan: ShardPlan, config: FSDP2Config, mesh: DeviceMesh) -> bool:
     """One-rank shard groups train with DDP's reducer (sharding/replication.py) unless the config asks for
-    FSDP2 or needs what only FSDP2 has; everything else with FSDP2. True when the model was replicated."""
+    FSDP2 or needs what only FSDP2 has; everything else with FSDP2, or, under compile="model", with the
+    collectives in the compiled graph (sharding/compiled_collectives.py). True when the model was replicated."""
+    if config.compile == "model":
+        checkpointed = (selective_checkpoint.checkpointed_layers(plan.layers, config.checkpoint_every)
+                        if config.activation_checkpointing else [])
+        compiled_collectives.apply(model, config, mesh, plan.ignored_params, checkpointed)
+        return False
     if replication.mesh_trains_on_reducer(mesh, config):
         reasons = replication.fsdp_only_reasons(model, config)
         if not reasons:
@@ -309,6 +318,10 @@ def no_sync(model: nn.Module) -> Iterator[None]:
 
     Run the accumulation micro-steps inside, the last micro-step outside.
     """
+    if compiled_collectives.is_traced(model):
+        compiled_collectives.say_no_sync_reduces()
+        yield
+        return
     if not (isinstance(model, FSDPModule) or replication.is_replicated(model)):
         raise TypeError(f"`no_sync` needs a model returned by `shard_model`, got {type(model).__name__}.")
     model.set_requires_gradient_sync(False)

@@ -29,7 +29,7 @@ import torch.nn as nn
 
 from ..runtime import collectives, upstream
 from ..runtime.distributed import reshard
-from . import compute_cast
+from . import compiled_collectives, compute_cast
 
 FREE_MEMORY_FRACTION = 0.5  # of the memory free at generate(): the rest is the KV cache's and activations'
 _SEAM = "transformers.generation.utils.GenerationMixin.generate"
@@ -45,7 +45,8 @@ def _generate(model: nn.Module, original):
     @functools.wraps(original)
     def generate(*args, **kwargs):
         with gathered_for_generation(model) as kept, compute_cast.cast_once(model):
-            if kwargs.get("synced_gpus") is None and len(kept) == len(_groups(model)):
+            if (kwargs.get("synced_gpus") is None and len(kept) == len(_groups(model))
+                    and not compiled_collectives.is_traced(model)):  # whose forward gathers each use
                 # transformers turns `synced_gpus` on for FSDP models (generation/utils.py: it checks
                 # is_fsdp_managed_module) so that ranks keep stepping together through per-token
                 # all-gathers: one all-reduce of an "I'm done" flag per token, and every rank waits for

@@ -73,7 +73,7 @@ import torch.nn as nn
 from ..config import FSDP2Config
 from ..quantization import bnb_4bit, fp8
 from .activation_trace import trace_activations
-from . import replication
+from . import replication, selective_checkpoint
 from .groups import ShardPlan, apply_frozen_dtype, plan_groups, replicated_frozen_parameters, unwrap_peft
 from .memory_report import ActivationMemory, GroupMemory, MemoryEstimate
 from .meta_model import DEFAULT_LORA_TARGETS, add_lora, build_meta_model, meta_copy
@@ -477,7 +477,7 @@ def _checkpointed_names(model: nn.Module, plan: ShardPlan, config: FSDP2Config) 
     if not config.activation_checkpointing:
         return set()
     names = {id(m): n for n, m in model.named_modules()}
-    return {names[id(layer)] for i, layer in enumerate(plan.layers) if i % config.checkpoint_every == 0}
+    return {names[id(layer)] for layer in selective_checkpoint.checkpointed_layers(plan.layers, config.checkpoint_every)}
 
 
 def _gathered_peak(groups: list[GroupMemory], plan: ShardPlan, config: FSDP2Config,

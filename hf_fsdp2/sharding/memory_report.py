@@ -8,6 +8,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from .selective_checkpoint import checkpointed_layers
+
 
 @dataclass(frozen=True)
 class GroupMemory:
@@ -61,8 +63,8 @@ class ActivationMemory:
             kept, recomputed = 0, self.largest_layer_bytes
         else:
             matmuls = self.layer_matmul_bytes if save_matmuls else (0,) * len(self.layer_bytes)
-            checkpointed = [i for i in range(len(self.layer_bytes)) if i % every == 0]
-            kept = (sum(b for i, b in enumerate(self.layer_bytes) if i % every)
+            checkpointed = checkpointed_layers(range(len(self.layer_bytes)), every)
+            kept = (sum(b for i, b in enumerate(self.layer_bytes) if i not in checkpointed)
                     + sum(matmuls[i] for i in checkpointed))
             recomputed = max(max(0, self.layer_bytes[i] - matmuls[i]) for i in checkpointed)
         peak = self.outside_layers_bytes + self.layer_inputs_bytes + kept + recomputed

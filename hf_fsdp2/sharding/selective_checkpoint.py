@@ -36,6 +36,12 @@ def context_fn():
     return create_selective_checkpoint_contexts(_policy)
 
 
+def checkpointed_layers(layers: list, every: int) -> list:
+    """The layers activation checkpointing recomputes: 0, every, 2 x every, ... (`checkpoint_every`); the one
+    rule the engine, the estimator and compile="model"'s graph pass share."""
+    return [layer for index, layer in enumerate(layers) if index % every == 0]
+
+
 def checkpoint_kwargs(save_matmuls: bool) -> dict:
     """Keyword arguments for `checkpoint_wrapper` (passed on to torch's checkpoint)."""
     return {"context_fn": context_fn} if save_matmuls else {}
@@ -61,4 +67,4 @@ def without_cache_in_training(wrapper) -> None:
     wrapper.register_forward_pre_hook(hook, with_kwargs=True)
 
 
-__all__ = ["SAVED_OPS", "checkpoint_kwargs", "context_fn", "without_cache_in_training"]
+__all__ = ["SAVED_OPS", "checkpoint_kwargs", "checkpointed_layers", "context_fn", "without_cache_in_training"]
