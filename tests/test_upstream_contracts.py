@@ -32,6 +32,7 @@ UPSTREAM = ("torch", "accelerate", "transformers", "peft", "bitsandbytes", "torc
 OPTIONAL = ("bitsandbytes", "torchao")  # extras: a seam of an extra not installed is not checked
 
 # Private names of torch hf_fsdp2 relies on without replacing them: (module, attribute path, used by).
+CC = "sharding/compiled_collectives.py"
 TORCH_PRIVATE = [
     ("torch.distributed.distributed_c10d", "_get_default_group", "runtime/collectives.py"),
     ("torch.distributed.distributed_c10d", "ProcessGroup._device_types", "runtime/collectives.py"),
@@ -52,6 +53,15 @@ TORCH_PRIVATE = [
     ("torch.distributed.fsdp._fully_shard._fsdp_state", "FSDPState._lazy_init", "sharding/generation.py"),
     ("torch.distributed.fsdp._fully_shard._fsdp_state", "FSDPState._cast_forward_inputs", "sharding/generation.py"),
     ("torch.distributed.fsdp._fully_shard._fsdp_state", "FSDPState._cast_output_dtype", "sharding/generation.py"),
+    *[("torch._functorch.config", name, CC) for name in ("joint_custom_pass", "enable_autograd_cache",
+                                                       "enable_remote_autograd_cache")],
+    *[("torch._inductor.config", name, CC) for name in (
+        "bucket_all_gathers_fx", "bucket_reduce_scatters_fx", "bucket_all_reduces_fx",
+        "bucket_all_gathers_fx_bucket_size_determinator", "bucket_reduce_scatters_fx_bucket_size_determinator",
+        "bucket_all_reduces_fx_bucket_size_determinator")],
+    *[("torch._inductor.fx_passes.bucketing", name, CC)
+      for name in ("is_fsdp_all_gather", "is_wait_tensor", "is_all_gather_into_tensor")],
+    ("torch._inductor.compile_fx", "compile_fx", CC),
 ]
 
 

@@ -117,6 +117,10 @@ SEAMS: tuple[Seam, ...] = (
     Seam("torch.distributed._composable.replicate.replicate", CLASS_SWAPPED, "checkpoint/key_conversion.py",
          "replicate (shard size 1, sharding/replication.py) makes the model a DDP<Name>(DDP, Name); as for "
          "fully_shard, transformers' conversion lookup is shown the original class"),
+    Seam("torch.nn.Module.__getattr__", CLASS_SWAPPED, "sharding/compiled_collectives.py",
+         "compile='model' stores each parameter sharded and reads it gathered inside forward: every module "
+         "holding parameters becomes a same-named subclass whose properties are found before "
+         "nn.Module.__getattr__ would read _parameters (SimpleFSDP's form, torchtitan)"),
     Seam("torch.distributed.fsdp._fully_shard._fsdp_collectives.DefaultAllGather.__call__", SUBCLASSED,
          "quantization/fp8.py", "gloo has no float8 dtype: float8 all-gather inputs travel as bytes"),
     Seam("transformers.generation.utils.GenerationMixin.generate", INSTANCE_WRAPPED, "sharding/generation.py",

@@ -41,7 +41,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 
 from ..config import FSDP2Config
 from ..quantization import bnb_4bit
-from ..runtime import collectives
+from ..runtime import collectives, upstream
 from ..runtime.distributed import CP_DIM, TP_DIM, data_parallel_mesh
 from .record import record_of
 
@@ -82,12 +82,17 @@ def _gathering_property(name: str, use: _Use) -> property:
     return property(get)
 
 
+_SEAM = "torch.nn.Module.__getattr__"
+
+
 def _swap_class(module: nn.Module, members: dict[str, Any]) -> None:
-    """`module` becomes an instance of a subclass of its class with the same name, holding `members`."""
+    """`module` becomes an instance of a subclass of its class with the same name, holding `members`: a
+    class property is found before `nn.Module.__getattr__`, which reads `_parameters` only when ordinary
+    lookup fails (runtime/upstream.py seam)."""
     cls = type(module)
     swapped = type(cls.__name__, (cls,), {"__qualname__": cls.__qualname__, "__module__": cls.__module__,
                                           "_hf_fsdp2_traced": True, **members})
-    module.__class__ = swapped
+    upstream.set_class(module, swapped, _SEAM)
 
 
 def unsupported(model: nn.Module, mesh: DeviceMesh) -> list[str]:
