@@ -202,6 +202,12 @@ class FSDP2Config:
             torch.compile before `fully_shard`, so FSDP2's hooks stay outside the graphs and layers of one
             class share the compiled code. `register(compile=True)`, HF_FSDP2_COMPILE=1, or Accelerate's
             `dynamo_config` with `dynamo_use_regional_compilation: true`.
+            "model": the whole training forward compiled with its all-gathers and reduce-scatters in the
+            graph, bucketed by inductor (sharding/compiled_collectives.py; parameters stored as dim-0
+            DTensors, names and checkpoints unchanged); activation checkpointing and reshard_after_forward
+            become recompute tags of the graph. Not with fp8, cpu_offload, activation_offload, output_dtype,
+            shard_size="auto", an integer reshard_after_forward, 4-bit weights or TP/CP (refused by name).
+            `register(compile="model")`, HF_FSDP2_COMPILE=model.
         replication: how a layout with one-rank shard groups (`shard_size`=1 with replicas, as the auto
             layout picks when the model fits) trains: "ddp" (default; sharding/replication.py) with torch's
             composable `replicate`, DDP's bucketed all-reduce over plain parameters; "fsdp2" keeps FSDP2
@@ -211,7 +217,8 @@ class FSDP2Config:
             said on rank 0.
         find_unused_parameters, bucket_cap_mb: DDP's own settings under "ddp" replication (Accelerate's
             `DistributedDataParallelKwargs`, the Trainer's `ddp_find_unused_parameters` /
-            `ddp_bucket_cap_mb`); unused otherwise.
+            `ddp_bucket_cap_mb`). `bucket_cap_mb` also caps compile="model"'s collective buckets (default
+            there: one decoder layer's gathered bytes).
     """
 
     wrap_policy: str = "transformer"

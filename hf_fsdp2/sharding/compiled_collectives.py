@@ -106,11 +106,12 @@ def unsupported(model: nn.Module, mesh: DeviceMesh) -> list[str]:
     return reasons
 
 
-def apply(model: nn.Module, config: FSDP2Config, mesh: DeviceMesh, ignored: set,
+def apply(model: nn.Module, config: FSDP2Config, mesh: DeviceMesh, ignored: set, layers: list[nn.Module],
           checkpointed: list[nn.Module]) -> None:
     """Store every parameter of `model` (but `ignored`) sharded on dim 0 over `mesh`'s data-parallel
-    dimensions, gathered where it is used; compile the root's training forward with bucketed collectives,
-    recomputing the `checkpointed` layers in backward."""
+    dimensions, gathered where it is used; compile the root's training forward with bucketed collectives
+    (buckets of `bucket_cap_mb`, by default the largest of the decoder `layers` gathered), recomputing the
+    `checkpointed` layers in backward."""
     reasons = unsupported(model, mesh)
     if reasons:
         raise ValueError("compile='model' (collectives in the compiled graph) cannot honour "
@@ -136,7 +137,7 @@ def apply(model: nn.Module, config: FSDP2Config, mesh: DeviceMesh, ignored: set,
             names.append(name)
         members = {name: _gathering_property(name, use) for name in names}
         if module is model:
-            members["forward"] = _root_forward(type(model).forward, _backend(_inductor_options(config), passes))
+            members["forward"] = _root_forward(type(model).forward, _backend(_inductor_options(config, layers), passes))
         if members:
             _swap_class(module, members)
 
@@ -155,14 +156,27 @@ def _root_forward(original, backend):
     return forward
 
 
-def _inductor_options(config: FSDP2Config) -> dict:
+def _inductor_options(config: FSDP2Config, layers: list[nn.Module]) -> dict:
+    """Inductor's bucketing passes, with a bucket cap: `bucket_cap_mb`, or else one decoder layer's gathered
+    bytes, so about one layer's weights are in flight at a time, as with FSDP2's per-layer groups (torch's
+    own default, 2 GB, would gather a small model whole in one bucket)."""
+    cap = float(config.bucket_cap_mb) if config.bucket_cap_mb is not None else _layer_mb(layers, config.param_dtype)
     options: dict[str, Any] = {"bucket_all_gathers_fx": "only_fsdp", "bucket_reduce_scatters_fx": "all",
                                "bucket_all_reduces_fx": "all"}
-    if config.bucket_cap_mb is not None:
-        cap = float(config.bucket_cap_mb)
-        for kind in ("all_gathers", "reduce_scatters", "all_reduces"):
-            options[f"bucket_{kind}_fx_bucket_size_determinator"] = lambda _index, cap=cap: cap
+    for kind in ("all_gathers", "reduce_scatters", "all_reduces"):
+        options[f"bucket_{kind}_fx_bucket_size_determinator"] = functools.partial(_constant_cap, cap)
     return options
+
+
+def _constant_cap(cap: float, _bucket_index: int) -> float:
+    return cap  # module-level (under functools.partial) so inductor's cache can pickle the option
+
+
+def _layer_mb(layers: list[nn.Module], param_dtype: torch.dtype | None) -> float:
+    """The largest layer's parameters as gathered (in `param_dtype` when set), in MiB; 1 without layers."""
+    sizes = [sum(p.numel() * (param_dtype.itemsize if param_dtype and p.is_floating_point() else p.element_size())
+                 for p in layer.parameters()) for layer in layers]
+    return max(sizes, default=0) / 2**20 or 1.0
 
 
 def _backend(inductor_options: dict, passes: "_JointPasses"):

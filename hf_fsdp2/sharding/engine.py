@@ -265,7 +265,7 @@ def _replicate_or_shard(model: nn.Module, plan: ShardPlan, config: FSDP2Config, 
     if config.compile == "model":
         checkpointed = (selective_checkpoint.checkpointed_layers(plan.layers, config.checkpoint_every)
                         if config.activation_checkpointing else [])
-        compiled_collectives.apply(model, config, mesh, plan.ignored_params, checkpointed)
+        compiled_collectives.apply(model, config, mesh, plan.ignored_params, plan.layers, checkpointed)
         return False
     if replication.mesh_trains_on_reducer(mesh, config):
         reasons = replication.fsdp_only_reasons(model, config)
