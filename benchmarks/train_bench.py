@@ -38,10 +38,10 @@ CONTESTANTS
   ours_auto_bf16_fsdp2  opt-in: ours_auto_bf16 on FSDP2 one-rank groups (replication="fsdp2").
   deepspeed   opt-in peer (needs `pip install deepspeed`, see benchmarks/deepspeed_contestant.py): DeepSpeed
               ZeRO-3, fp32, the same torch AdamW handed to deepspeed.initialize, no gradient clipping.
-  traced_graph  opt-in experiment (issue 35's compiler item, not an hf_fsdp2 feature yet): every parameter a
-              dim-0 DTensor gathered where it is used (SimpleFSDP's form, benchmarks/traced_fsdp.py), the whole
-              model compiled by inductor with its all-gathers/reduce-scatters bucketed (the first warm-up step
-              compiles). Compare its collectives per step and step time with `ours` and `ours_compile`.
+  ours_compile_model  opt-in: ours with FSDP2Config(compile="model"): the whole training forward compiled with its
+              all-gathers/reduce-scatters in the graph, bucketed by inductor (sharding/compiled_collectives.py;
+              buckets of one decoder layer by default). The first warm-up step compiles. Compare its
+              collectives per step and step time with `ours` (eager) and `ours_compile` (regional).
   ddp_bf16    opt-in: the `ddp` contestant with its forward under torch.autocast(bf16), as Accelerate runs
               DDP with `mixed_precision: bf16` (Accelerator.prepare_model wraps the forward in autocast).
   ours_auto_tight  opt-in: ours_auto with a budget that forces sharding: 1 byte less than the
@@ -136,7 +136,7 @@ REPO, RESULTS_DIR = harness.REPO, harness.RESULTS_DIR
 MiB = 1 << 20
 CONTESTANTS = ("ours", "accelerate", "fsdp1", "ddp")
 EXTRA = ("ours_zero2", "ours_plain", "ours_bf16", "ours_fp8", "ours_auto", "ours_auto_fsdp2", "ours_auto_tight",
-         "ours_auto_bf16", "ours_auto_bf16_fsdp2", "ddp_bf16", "deepspeed", "traced_graph",
+         "ours_auto_bf16", "ours_auto_bf16_fsdp2", "ddp_bf16", "deepspeed", "ours_compile_model",
          "ours_auto_loaded",
          "ours_ac", "ours_sac", "ours_compile",
          "replicate", "transformers")  # opt-in settings of ours (and torch's replicate, a candidate; transformers'
@@ -326,15 +326,10 @@ def wrap_ddp(model, ctx):
     return ddp
 
 
-def wrap_traced_graph(model, ctx):
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
+def wrap_ours_compile_model(model, ctx):
+    from hf_fsdp2 import FSDP2Config, shard_model
 
-    from traced_fsdp import compile_with_bucketing, traced_fsdp
-
-    mesh = init_device_mesh(ctx["device"].type, (dist.get_world_size(),))
-    model.to(ctx["device"])
-    return compile_with_bucketing(traced_fsdp(model, mesh))
+    return shard_model(model, FSDP2Config(compile="model"))
 
 
 def wrap_deepspeed(model, ctx):
@@ -550,7 +545,7 @@ WRAPPERS = {"ours": wrap_ours, "accelerate": wrap_accelerate, "fsdp1": wrap_fsdp
             "ours_zero2": wrap_ours_zero2, "ours_plain": wrap_ours_plain, "ours_bf16": wrap_ours_bf16,
             "ours_fp8": wrap_ours_fp8, "ours_auto": wrap_ours_auto, "ours_auto_fsdp2": wrap_ours_auto_fsdp2,
             "ours_auto_tight": wrap_ours_auto_tight, "ours_auto_bf16": wrap_ours_auto_bf16,
-            "ours_auto_bf16_fsdp2": wrap_ours_auto_bf16_fsdp2, "ddp_bf16": wrap_ddp_bf16, "deepspeed": wrap_deepspeed, "traced_graph": wrap_traced_graph,
+            "ours_auto_bf16_fsdp2": wrap_ours_auto_bf16_fsdp2, "ddp_bf16": wrap_ddp_bf16, "deepspeed": wrap_deepspeed, "ours_compile_model": wrap_ours_compile_model,
             "ours_auto_loaded": wrap_ours_auto_loaded, "ours_ac": wrap_ours_ac, "ours_sac": wrap_ours_sac,
             "ours_compile": wrap_ours_compile, "replicate": wrap_replicate, "transformers": wrap_transformers}
 
