@@ -117,6 +117,7 @@ per rank, and also reports MFU (model FLOPs: 6N per token for full, 4N + 2N_trai
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as _dt
 import gc
 import json
@@ -184,6 +185,18 @@ _COLLECTIVES = {
     "all_to_all_single": ("all_to_all", lambda a, k: _nbytes(a[1] if len(a) > 1 else k.get("input"))),
 }
 _WIRE_FACTOR = {"all_gather": 1, "reduce_scatter": 1, "broadcast": 1, "all_to_all": 1, "all_reduce": 2}
+
+
+@contextlib.contextmanager
+def backend_collectives(result: dict):
+    """`result["backend_collectives"]`: {op: calls} of the process-group ops (torch.profiler's "gloo:..." /
+    "nccl:..." events) run inside the block, wherever they were issued from (a compiled graph included)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        yield
+    result["backend_collectives"] = {e.key: e.count for e in prof.key_averages()
+                                     if e.key.split(":")[0] in ("gloo", "nccl")}
 
 
 class CollectiveCounter:
@@ -726,11 +739,14 @@ def run_rank(rank: int, world: int, job: dict) -> dict:
                         if i == 1:
                             sync()
                             r["first_step_s"] = time.perf_counter() - t_first
-                        loss = model(input_ids=batches[i], labels=batches[i]).loss
-                        loss.backward()
-                        grads.append(grad_bytes(model))
-                        opt.step()
-                        opt.zero_grad(set_to_none=True)
+                        # The last warm-up step profiled: the collectives as the backend received them,
+                        # counting those inside compiled graphs (functional collectives bypass the counter).
+                        with backend_collectives(r) if i == job["warmup"] - 1 else contextlib.nullcontext():
+                            loss = model(input_ids=batches[i], labels=batches[i]).loss
+                            loss.backward()
+                            grads.append(grad_bytes(model))
+                            opt.step()
+                            opt.zero_grad(set_to_none=True)
                         r["losses"].append(loss.item())
                     sync()
                     r["grads"] = {k: max(g[k] for g in grads) for k in grads[0]} if grads else {}
@@ -856,6 +872,7 @@ def summarize(ranks: list[dict], mode: str, name: str, job: dict, world: int, pe
         "warnings_rank0": r0.get("warnings", []),
         "first_step_s_max": max(p.get("first_step_s", float("nan")) for p in per),
         "layout": r0.get("layout"),
+        "backend_collectives_last_warmup_step": r0.get("backend_collectives", {}),
     }
     if "cuda_peak_bytes" in r0:
         s["cuda_peak_bytes_per_rank"] = [p["cuda_peak_bytes"] for p in per]
@@ -954,6 +971,11 @@ def report(res: dict) -> list[str]:
             f"{name}: " + ", ".join(f"{fn}={v['calls']:.0f} ({mib(v['payload_bytes'])} MiB)"
                                     for fn, v in sorted(s["collectives_by_fn_per_step"].items()))
             for name, s in table.items() if "error" not in s))
+        lines.append("  process-group ops of the last warm-up step (torch.profiler; compiled graphs' collectives "
+                     "included; gloo runs a reduce-scatter as an all-reduce): " + "; ".join(
+                         f"{name}: " + ", ".join(f"{op}={n}" for op, n in sorted(
+                             s.get("backend_collectives_last_warmup_step", {}).items()))
+                         for name, s in table.items() if "error" not in s))
     return lines
 
 
