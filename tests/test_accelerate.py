@@ -130,6 +130,21 @@ def test_auto_layout_and_accelerate_regional_compilation(tmp_path):
     assert out["losses"] == pytest.approx(reference_losses(3), abs=1e-4)
 
 
+def test_compile_model_under_accelerate_launch(tmp_path):
+    """HF_FSDP2_COMPILE=model under `accelerate launch`: the whole forward compiled with its collectives
+    (sharding/compiled_collectives.py); Accelerate's gradient accumulation (`set_requires_gradient_sync`,
+    which reduce-scatters anyway here), gradient clipping over DTensor gradients and `save_model` run on
+    it: losses equal one process's, and what it saved loads in stock transformers."""
+    from transformers import LlamaForCausalLM
+
+    out = launch("fsdp2.yaml", 2, tmp_path / "a.json", "--steps", "2", "--accum", "2", "--per-device-batch", "2",
+                 "--save-model", str(tmp_path / "model"), env={"HF_FSDP2_COMPILE": "model"})
+    assert out["compiled_collectives"] and out["all_dtensor"]
+    assert out["losses"] == pytest.approx(reference_losses(2), abs=1e-4)
+    assert out["state_dict_keys"] == len(build_model().state_dict())
+    assert LlamaForCausalLM.from_pretrained(tmp_path / "model").num_parameters() == build_model().num_parameters()
+
+
 def test_without_register_cpu_runs_unsynchronised_replicas(tmp_path):
     """Documents what stock Accelerate does here, which `register()` fixes."""
     out = launch("fsdp2.yaml", 2, tmp_path / "a.json", "--steps", "1", "--no-register")

@@ -138,6 +138,7 @@ def apply(model: nn.Module, config: FSDP2Config, mesh: DeviceMesh, ignored: set,
         members = {name: _gathering_property(name, use) for name in names}
         if module is model:
             members["forward"] = _root_forward(type(model).forward, _backend(_inductor_options(config, layers), passes))
+            members["set_requires_gradient_sync"] = _set_requires_gradient_sync
         if members:
             _swap_class(module, members)
 
@@ -301,6 +302,13 @@ def is_traced(model: nn.Module) -> bool:
     return getattr(type(model), "_hf_fsdp2_traced", False) and record_of(model) is not None
 
 
+def _set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+    """FSDPModule's switch, which Accelerate's `no_sync` (gradient accumulation) and hf_fsdp2.no_sync call:
+    here gradients are reduce-scattered in every backward regardless (`say_no_sync_reduces`)."""
+    if not requires_gradient_sync:
+        say_no_sync_reduces()
+
+
 @functools.cache
 def say_no_sync_reduces() -> None:
     """`no_sync` cannot keep gradients unreduced here: a stored parameter's gradient is its shard, so each
@@ -312,4 +320,4 @@ def say_no_sync_reduces() -> None:
             "gradient a parameter holds is its shard); the result is the same, the communication is not saved.")
 
 
-__all__ = ["apply", "is_traced", "say_no_sync_reduces", "unsupported"]
+__all__ = ["apply", "is_traced", "unsupported"]

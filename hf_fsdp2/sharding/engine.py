@@ -318,11 +318,7 @@ def no_sync(model: nn.Module) -> Iterator[None]:
 
     Run the accumulation micro-steps inside, the last micro-step outside.
     """
-    if compiled_collectives.is_traced(model):
-        compiled_collectives.say_no_sync_reduces()
-        yield
-        return
-    if not (isinstance(model, FSDPModule) or replication.is_replicated(model)):
+    if not (isinstance(model, FSDPModule) or replication.is_replicated(model) or compiled_collectives.is_traced(model)):
         raise TypeError(f"`no_sync` needs a model returned by `shard_model`, got {type(model).__name__}.")
     model.set_requires_gradient_sync(False)
     try:

@@ -39,6 +39,7 @@ args = parser.parse_args()
 import hf_fsdp2  # noqa: E402
 from hf_fsdp2.sharding import record_of  # noqa: E402
 from hf_fsdp2.sharding.replication import is_replicated  # noqa: E402
+from hf_fsdp2.sharding.compiled_collectives import is_traced  # noqa: E402
 from tests import nccl_like  # noqa: E402
 
 nccl_like.init_if_asked()  # TEST_DEFAULT_BACKEND=cuda:gloo: GPU process-group semantics (tests/test_gpu_semantics.py)
@@ -157,6 +158,7 @@ report = {
     "packed_4bit_rows": [[p.to_local().shape[0], p.shape[0]] for p in model.parameters() if p.dtype == torch.uint8],
     "mesh": list(getattr(getattr(record_of(model), "mesh", None), "shape", ())),
     "ddp_reducer": is_replicated(model),  # shard size 1: DDP's reducer (sharding/replication.py)
+    "compiled_collectives": is_traced(model),  # compile="model" (sharding/compiled_collectives.py)
     "compiled_modules": sum(getattr(m, "_compiled_call_impl", None) is not None for m in model.modules()),
     "reshard_after_forward": getattr(getattr(record_of(model), "config", None), "reshard_after_forward", None),
     "loaded_on_meta_everywhere": loaded_on_meta_everywhere if args.from_pretrained else None,
