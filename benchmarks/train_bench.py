@@ -517,7 +517,10 @@ def wrap_ours_auto_accelerate_loaded(model, ctx):
             from peft import get_peft_model
 
             model = get_peft_model(model, lora)
-        return Accelerator().prepare(model)
+        # Accelerate's FSDP2 path wants an optimizer alongside the model (it re-maps its parameters onto
+        # the shards); the run's own optimizer is built on the prepared model afterwards, as for the others.
+        prepared, _ = Accelerator().prepare(model, torch.optim.SGD(model.parameters(), lr=0.0))
+        return prepared
     finally:
         hf_fsdp2.unregister()
         for key, value in before.items():
