@@ -132,14 +132,18 @@ def test_auto_layout_and_accelerate_regional_compilation(tmp_path):
 
 def test_compile_model_under_accelerate_launch(tmp_path):
     """HF_FSDP2_COMPILE=model under `accelerate launch`: the whole forward compiled with its collectives
-    (sharding/compiled_collectives.py); Accelerate's gradient accumulation (`set_requires_gradient_sync`,
-    which reduce-scatters anyway here), gradient clipping over DTensor gradients and `save_model` run on
-    it: losses equal one process's, and what it saved loads in stock transformers."""
+    (sharding/compiled_collectives.py), here with the gathered weights saved for backward
+    (HF_FSDP2_RESHARD_AFTER_FORWARD=false: MUST_SAVE tags) and one bucket (HF_FSDP2_BUCKET_CAP_MB);
+    Accelerate's gradient accumulation (`set_requires_gradient_sync`, which reduce-scatters anyway here),
+    gradient clipping over DTensor gradients and `save_model` run on it: losses equal one process's, and
+    what it saved loads in stock transformers."""
     from transformers import LlamaForCausalLM
 
     out = launch("fsdp2.yaml", 2, tmp_path / "a.json", "--steps", "2", "--accum", "2", "--per-device-batch", "2",
-                 "--save-model", str(tmp_path / "model"), env={"HF_FSDP2_COMPILE": "model"})
-    assert out["compiled_collectives"] and out["all_dtensor"]
+                 "--save-model", str(tmp_path / "model"),
+                 env={"HF_FSDP2_COMPILE": "model", "HF_FSDP2_RESHARD_AFTER_FORWARD": "false",
+                      "HF_FSDP2_BUCKET_CAP_MB": "1000"})
+    assert out["compiled_collectives"] and out["all_dtensor"] and out["reshard_after_forward"] is False
     assert out["losses"] == pytest.approx(reference_losses(2), abs=1e-4)
     assert out["state_dict_keys"] == len(build_model().state_dict())
     assert LlamaForCausalLM.from_pretrained(tmp_path / "model").num_parameters() == build_model().num_parameters()

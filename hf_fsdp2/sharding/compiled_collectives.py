@@ -11,7 +11,7 @@ HSDP), and each *use* redistributes it to Replicate, so the all-gather is a func
 forward graph and its autograd (Partial("avg") -> Shard(0)) the reduce-scatter (HSDP: and all-reduce) in
 the backward graph. Inductor's FX passes (`bucket_all_gathers_fx="only_fsdp"`,
 `bucket_reduce_scatters_fx="all"`: torch/_inductor/fx_passes/fsdp.py, bucketing.py) then merge them into
-buckets of `bucket_cap_mb`.
+buckets of `bucket_cap_mb` (default: one decoder layer's gathered bytes, FSDP2's granularity).
 
 The "use" is a property on the module's class (torchtitan's `_register_parametrization`: the module's
 class is swapped for a subclass of the same name), so parameter names, `state_dict` keys, hf_fsdp2's
@@ -21,9 +21,8 @@ forward (`_inside_forward`); outside it (checkpoint code, LoRA merge, a user rea
 attribute is the stored shard, as under FSDP2.
 
 Training forwards (grad enabled, `model.training`) run the compiled graph; evaluation and `generate` run
-the same forward eagerly (each use gathers its parameter: correct, not fast). `reshard_after_forward`:
-True has the joint graph recompute each gathered parameter in backward instead of saving it
-(torchtitan's `annotate_fsdp_all_gather`, as a `joint_custom_pass`), False saves them.
+the same forward eagerly (each use gathers its parameter: correct, not fast). `reshard_after_forward` and
+activation checkpointing are recompute tags on the joint graph (`_JointPasses`).
 """
 
 from __future__ import annotations
@@ -120,22 +119,24 @@ def apply(model: nn.Module, config: FSDP2Config, mesh: DeviceMesh, ignored: set,
     names = {id(module): name for name, module in model.named_modules()}
     passes = _JointPasses(reshard=config.reshard_after_forward, save_matmuls=config.checkpoint_save_matmuls,
                           checkpointed=[names[id(layer)] for layer in checkpointed])
-    placements = [Replicate()] * (mesh.ndim - 1) + [Shard(0)]
+    sharded = [Replicate()] * (mesh.ndim - 1) + [Shard(0)]
     use = _Use(mesh, config.param_dtype, config.reduce_dtype)
     stored: dict[int, nn.Parameter] = {}  # a tied weight stays one parameter
     for module in list(model.modules()):
-        names = []
+        own = []
         for name, param in list(module.named_parameters(recurse=False)):
-            if param in ignored or param.dim() == 0:
+            if param in ignored:
                 continue
             if id(param) not in stored:
                 # Each rank keeps its own rows without communication (src_data_rank=None), as
-                # `fully_shard` does: ranks built the same weights (seeded, or loaded after).
+                # `fully_shard` does: ranks built the same weights (seeded, or loaded after). A 0-dim
+                # parameter is replicated (its gradient still averaged).
+                placements = sharded if param.dim() else [Replicate()] * mesh.ndim
                 shard = distribute_tensor(param.detach(), mesh, placements, src_data_rank=None)
                 stored[id(param)] = nn.Parameter(shard, requires_grad=param.requires_grad)
             module.register_parameter(name, stored[id(param)])
-            names.append(name)
-        members = {name: _gathering_property(name, use) for name in names}
+            own.append(name)
+        members = {name: _gathering_property(name, use) for name in own}
         if module is model:
             members["forward"] = _root_forward(type(model).forward, _backend(_inductor_options(config, layers), passes))
             members["set_requires_gradient_sync"] = _set_requires_gradient_sync
@@ -144,6 +145,8 @@ def apply(model: nn.Module, config: FSDP2Config, mesh: DeviceMesh, ignored: set,
 
 
 def _root_forward(original, backend):
+    """The root's forward: its properties gather inside it; training forwards run compiled (one compiled
+    callable per model, made at its first training forward), the others eagerly."""
     compiled: dict[int, Any] = {}
 
     @functools.wraps(original)
