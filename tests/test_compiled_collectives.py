@@ -54,6 +54,20 @@ def _train(model, data, rank, world, group) -> dict:
     return {"losses": losses + [loss], "saved": saved, "calls": calls}
 
 
+def _with_a_graph_break():
+    """The tests' Llama with a forward dynamo cannot trace whole."""
+    from transformers import LlamaForCausalLM
+
+    class BrokenLlama(LlamaForCausalLM):
+        def forward(self, *args, **kwargs):
+            torch._dynamo.graph_break()
+            return super().forward(*args, **kwargs)
+
+    model = build_model()
+    model.__class__ = BrokenLlama  # the test's own model, not a library's object
+    return model
+
+
 def _compiled_model(rank: int, world: int, root: str) -> dict:
     import hf_fsdp2
     from hf_fsdp2 import no_sync, save_pretrained, shard_model
@@ -111,6 +125,12 @@ def _compiled_model(rank: int, world: int, root: str) -> dict:
         adapter(input_ids=ids, labels=ids).loss.backward()  # the batch's shape: no recompilation
     adapter(input_ids=ids, labels=ids).loss.backward()
     out["accumulated_grads"] = all(p.grad is not None for p in adapter.parameters() if p.requires_grad)
+
+    broken = shard_model(_with_a_graph_break(), FSDP2Config(compile="model"))
+    try:
+        broken(input_ids=ids, labels=ids)
+    except ValueError as error:
+        out["graph_break_refused"] = str(error)
     return out
 
 
@@ -149,6 +169,8 @@ def test_compile_model_buckets_collectives_and_keeps_checkpoints(tmp_path):
     for name, value in loaded.items():
         torch.testing.assert_close(value.detach().float(), r["adapter"][name], atol=0, rtol=0, msg=name)
     assert r["accumulated_grads"]
+    assert "BrokenLlama's training forward to compile as one graph" in r["graph_break_refused"]
+    assert "compile=True" in r["graph_break_refused"]
 
 
 @pytest.mark.parametrize("setting", [dict(fp8=True), dict(cpu_offload=True), dict(output_dtype="bf16"),

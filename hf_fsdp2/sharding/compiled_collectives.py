@@ -155,8 +155,18 @@ def _root_forward(original, backend):
             if not (self.training and torch.is_grad_enabled()):
                 return original(self, *args, **kwargs)
             if id(self) not in compiled:
-                compiled[id(self)] = torch.compile(functools.partial(original, self), backend=backend)
-            return compiled[id(self)](*args, **kwargs)
+                # One graph or none: at a graph break the collectives on either side could not be bucketed
+                # together, and torch 2.13 cannot compile a partial graph whose DTensor inputs come out
+                # aliased (Llava's forward, for one).
+                compiled[id(self)] = torch.compile(functools.partial(original, self), backend=backend,
+                                                   fullgraph=True)
+            try:
+                return compiled[id(self)](*args, **kwargs)
+            except torch._dynamo.exc.Unsupported as error:
+                reason = str(error).strip().splitlines()[0]
+                raise ValueError(f"compile='model' needs {type(self).__name__}'s training forward to compile as "
+                                 f"one graph, and dynamo breaks it: {reason}. Use compile=True (regional "
+                                 "compilation of the decoder layers) for this model.") from error
     return forward
 
 
