@@ -103,7 +103,12 @@ def _compiled_model(rank: int, world: int, root: str) -> dict:
         m.eval()
     with torch.no_grad():
         prompt = data[0][:1, :4]
-        out["generated"] = model.generate(prompt, max_new_tokens=4, do_sample=False).tolist()
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            out["generated"] = model.generate(prompt, max_new_tokens=4, do_sample=False).tolist()
+        out["generate_ops"] = {e.key: e.count for e in prof.key_averages() if e.key.startswith("gloo:")}
+        out["parameters"] = len(list(model.parameters()))
         eager.load_state_dict(model.state_dict())  # the same weights, both sharded on dim 0 over the mesh
         out["generated_eager"] = eager.generate(prompt, max_new_tokens=4, do_sample=False).tolist()
 
@@ -156,6 +161,9 @@ def test_compile_model_buckets_collectives_and_keeps_checkpoints(tmp_path):
     assert r["checkpointed"]["saved"] < 0.6 * traced["saved"]
     torch.testing.assert_close(r["checkpointed"]["losses"], traced["losses"], atol=1e-5, rtol=0)
     assert r["loaded_equal"] and r["generated"] == r["generated_eager"]
+    # generate() gathers each parameter once for its 4 tokens (one all-reduce: the ranks agree on the memory
+    # that allows it); with every weight kept, no per-token end-of-sequence all-reduce (synced_gpus).
+    assert r["generate_ops"] == {"gloo:all_gather": r["parameters"], "gloo:all_reduce": 1}, r["generate_ops"]
 
     # What was written is stock format: transformers reads the full model as one process.
     stock = LlamaForCausalLM.from_pretrained(tmp_path / "full")

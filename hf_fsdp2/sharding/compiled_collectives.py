@@ -21,7 +21,8 @@ forward (`_inside_forward`); outside it (checkpoint code, LoRA merge, a user rea
 attribute is the stored shard, as under FSDP2.
 
 Training forwards (grad enabled, `model.training`) run the compiled graph; evaluation and `generate` run
-the same forward eagerly (each use gathers its parameter: correct, not fast). `reshard_after_forward` and
+the same forward eagerly, each use gathering its parameter, except that inside `generate()` each parameter
+is gathered once per call and kept when the model fits (`gathered_once`, from sharding/generation.py). `reshard_after_forward` and
 activation checkpointing are recompute tags on the joint graph (`_JointPasses`).
 """
 
@@ -66,12 +67,24 @@ class _Use:
         self.compute = [Replicate()] * mesh.ndim
         self.grad = [Partial("avg")] * mesh.ndim
         self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
+        self.kept: dict[int, torch.Tensor] | None = None  # inside `gathered_once`: gathered weights by id
 
     def __call__(self, stored: DTensor) -> torch.Tensor:
+        if self.kept is not None and not torch.is_grad_enabled():
+            if id(stored) not in self.kept:
+                self.kept[id(stored)] = self._gather(stored)
+            return self.kept[id(stored)]
+        return self._gather(stored)
+
+    def _gather(self, stored: DTensor) -> torch.Tensor:
         param_dtype = self.param_dtype if stored.is_floating_point() else None
         full = stored.redistribute(placements=self.compute, forward_dtype=param_dtype,
                                    backward_dtype=self.reduce_dtype if stored.requires_grad else None)
         return full.to_local(grad_placements=self.grad)
+
+    def gathered_bytes(self, model: nn.Module) -> int:
+        return sum(p.numel() * (self.param_dtype.itemsize if self.param_dtype and p.is_floating_point()
+                                else p.element_size()) for p in model.parameters() if isinstance(p, DTensor))
 
 
 def _gathering_property(name: str, use: _Use) -> property:
@@ -120,7 +133,7 @@ def apply(model: nn.Module, config: FSDP2Config, mesh: DeviceMesh, ignored: set,
     passes = _JointPasses(reshard=config.reshard_after_forward, save_matmuls=config.checkpoint_save_matmuls,
                           checkpointed=[names[id(layer)] for layer in checkpointed])
     sharded = [Replicate()] * (mesh.ndim - 1) + [Shard(0)]
-    use = _Use(mesh, config.param_dtype, config.reduce_dtype)
+    use = record_of(model, create=True).gather = _Use(mesh, config.param_dtype, config.reduce_dtype)
     stored: dict[int, nn.Parameter] = {}  # a tied weight stays one parameter
     for module in list(model.modules()):
         own = []
@@ -315,6 +328,23 @@ def is_traced(model: nn.Module) -> bool:
     return getattr(type(model), "_hf_fsdp2_traced", False) and record_of(model) is not None
 
 
+@contextlib.contextmanager
+def gathered_once(model: nn.Module, budget: int) -> Iterator[bool]:
+    """Inside the block (generation), each parameter is gathered at its first use without gradient and
+    kept, when the model's gathered weights fit `budget` bytes (the same on every rank); yields whether
+    they do. Otherwise every use gathers again, as in training. Not re-entrant by design: an inner block
+    keeps the outer one's weights."""
+    use: _Use | None = getattr(record_of(model), "gather", None)
+    if use is None or use.kept is not None or use.gathered_bytes(model) > budget:
+        yield use is not None and use.kept is not None
+        return
+    use.kept = {}
+    try:
+        yield True
+    finally:
+        use.kept = None
+
+
 def _set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
     """FSDPModule's switch, which Accelerate's `no_sync` (gradient accumulation) and hf_fsdp2.no_sync call:
     here gradients are reduce-scattered in every backward regardless (`say_no_sync_reduces`)."""
@@ -333,4 +363,4 @@ def say_no_sync_reduces() -> None:
             "gradient a parameter holds is its shard); the result is the same, the communication is not saved.")
 
 
-__all__ = ["apply", "is_traced", "unsupported"]
+__all__ = ["apply", "gathered_once", "is_traced", "unsupported"]

@@ -44,9 +44,8 @@ def wrap_generate(model: nn.Module) -> None:
 def _generate(model: nn.Module, original):
     @functools.wraps(original)
     def generate(*args, **kwargs):
-        with gathered_for_generation(model) as kept, compute_cast.cast_once(model):
-            if (kwargs.get("synced_gpus") is None and len(kept) == len(_groups(model))
-                    and not compiled_collectives.is_traced(model)):  # whose forward gathers each use
+        with gathered_for_generation(model) as kept, compute_cast.cast_once(model), _traced_kept(model) as traced:
+            if kwargs.get("synced_gpus") is None and len(kept) == len(_groups(model)) and traced is not False:
                 # transformers turns `synced_gpus` on for FSDP models (generation/utils.py: it checks
                 # is_fsdp_managed_module) so that ranks keep stepping together through per-token
                 # all-gathers: one all-reduce of an "I'm done" flag per token, and every rank waits for
@@ -55,6 +54,20 @@ def _generate(model: nn.Module, original):
                 kwargs["synced_gpus"] = False
             return original(*args, **kwargs)
     return generate
+
+
+@contextlib.contextmanager
+def _traced_kept(model: nn.Module) -> Iterator[bool | None]:
+    """compile="model" (compiled_collectives.py): every parameter gathered once per generate() call when the
+    whole model fits FREE_MEMORY_FRACTION of the free memory (smallest over ranks); yields whether it does
+    (None for other models). Collective for those models: every rank calls generate()."""
+    if not compiled_collectives.is_traced(model):
+        yield None
+        return
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    budget = collectives.all_reduce_int(int(free_memory(device) * FREE_MEMORY_FRACTION), "min")
+    with compiled_collectives.gathered_once(model, budget) as kept:
+        yield kept
 
 
 def _groups(model: nn.Module) -> list[nn.Module]:

@@ -31,6 +31,7 @@ class ShardedModel:
     no_cache_in_training: bool = False  # compile.disable_cache_in_training ran
     generating: bool = False  # inside generation.gathered_for_generation
     compute_cast: Any = None  # sharding/compute_cast.py's state, when DDP's reducer trains with a param_dtype cast
+    gather: Any = None  # compile="model": compiled_collectives' parameter gather (its generation cache)
     deferred_checkpoint: Any = None  # integrations/deferred_load.py: a directory prepare() reads each rank's rows from
 
 
