@@ -239,7 +239,6 @@ class _JointPasses:
 
     def __init__(self, reshard: bool, save_matmuls: bool, checkpointed: list[str]):
         self.reshard, self.save_matmuls, self.checkpointed = reshard, save_matmuls, checkpointed
-        self.tagged_layers: set[str] = set()  # the checkpointed layers found in the last graph
 
     def __call__(self, gm: torch.fx.GraphModule, _inputs: Any = None) -> torch.fx.GraphModule:
         if self.checkpointed:
@@ -261,7 +260,6 @@ class _JointPasses:
 
         from .selective_checkpoint import SAVED_OPS
 
-        self.tagged_layers = set()
         kept_tuples: set[torch.fx.Node] = set()  # tuple-valued ops whose outputs are saved
         for node in gm.graph.nodes:
             if node.op != "call_function" or node.meta.get("partitioner_tag") == "is_backward":
@@ -286,7 +284,6 @@ class _JointPasses:
                 policy = CheckpointPolicy.PREFER_RECOMPUTE
             node.meta["recompute"] = policy
             node.meta["ac_graph_id"] = layer + 1
-            self.tagged_layers.add(self.checkpointed[layer])
 
     def _tag_gathers(self, gm: torch.fx.GraphModule) -> None:
         from torch._inductor.fx_passes.bucketing import is_all_gather_into_tensor, is_fsdp_all_gather, is_wait_tensor
