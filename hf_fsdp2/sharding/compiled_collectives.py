@@ -229,9 +229,9 @@ class _JointPasses:
     - activation checkpointing: every forward node run inside a checkpointed layer (its `nn_module_stack`
       names the layer) is PREFER_RECOMPUTE, one `ac_graph_id` per layer; with `save_matmuls` the layer's
       matmuls and attention (selective_checkpoint.SAVED_OPS) are MUST_SAVE; random ops (dropout, attention
-      kernels) are saved (`_seeded`). torch's `checkpoint` itself cannot wrap a layer
-      here: its higher-order op saves the DTensor's DeviceMesh for backward, which AOT autograd refuses
-      ("expected all tensors_saved_with_vc_check to be Tensors", torch 2.13).
+      kernels) are saved (`_seeded`). torch's `checkpoint` (CheckpointWrapper) around a layer failed here
+      ("expected all tensors_saved_with_vc_check to be Tensors", torch 2.13): it recomputes the layer's
+      attention kernel, a seeded op, which `_seeded` explains; these tags keep it saved instead.
     - reshard after forward: each parameter all-gather (torch's `is_fsdp_all_gather`: fed by one graph
       input), its wait, the cast before it and the views after it are MUST_RECOMPUTE (gathered again in
       backward) or, with `reshard_after_forward=False`, MUST_SAVE (torchtitan's
