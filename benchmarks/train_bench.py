@@ -150,6 +150,7 @@ EXTRA = ("ours_zero2", "ours_plain", "ours_bf16", "ours_fp8", "ours_auto", "ours
 # own FSDP, a peer run on request since it needs its own load): not in the targets
 # The sharding peers `ours` (full sharding) must match; DDP replicates, so it is `ours_auto`'s peer (below).
 PEERS = ("accelerate", "fsdp1", "transformers", "deepspeed")
+LOADERS = ("ours_auto_loaded", "ours_auto_accelerate_loaded")  # built from saved weights, not from `model`
 OPTIMIZERS = {"fused": {"fused": True}, "foreach": {"foreach": True}, "loop": {"foreach": False}}
 MODES = ("lora", "full")
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -465,22 +466,30 @@ def wrap_ours_auto_tight(model, ctx):
     return shard_model(model, _auto_config(ctx, memory_budget=_tight_budget(model, ctx)))
 
 
-def wrap_ours_auto_loaded(model, ctx):
-    """`model` is None: the weights come from `ctx["saved"]` (see `save_weights`), each rank its rows."""
+def _loaded_budget(ctx):
+    """(ours_auto_tight's budget for the saved model, the LoRA config or None): planned on a meta copy."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from hf_fsdp2 import from_pretrained
-
-    peft_config = None
+    lora = None
     with torch.device("meta"):
         probe = LlamaForCausalLM(LlamaConfig.from_pretrained(ctx["saved"]))
     if ctx["mode"] == "lora":
         from peft import LoraConfig, get_peft_model
 
-        peft_config = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=LORA_TARGETS)
-        probe = get_peft_model(probe, peft_config)
-    budget = _tight_budget(probe, ctx)
+        lora = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=LORA_TARGETS)
+        probe = get_peft_model(probe, lora)
+    return _tight_budget(probe, ctx), lora
+
+
+def wrap_ours_auto_loaded(model, ctx):
+    """`model` is None: the weights come from `ctx["saved"]` (see `save_weights`), each rank its rows."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from hf_fsdp2 import from_pretrained
+
+    budget, peft_config = _loaded_budget(ctx)
     return from_pretrained(LlamaForCausalLM, ctx["saved"], _auto_config(ctx, memory_budget=budget),
                            torch_dtype=torch.float32, peft_config=peft_config)
 
@@ -491,19 +500,11 @@ def wrap_ours_auto_accelerate_loaded(model, ctx):
     prepared, so the other contestants in these processes are untouched."""
     import torch
     from accelerate import Accelerator
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     import hf_fsdp2
 
-    with torch.device("meta"):
-        probe = LlamaForCausalLM(LlamaConfig.from_pretrained(ctx["saved"]))
-    lora = None
-    if ctx["mode"] == "lora":
-        from peft import LoraConfig, get_peft_model
-
-        lora = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=LORA_TARGETS)
-        probe = get_peft_model(probe, lora)
-    budget = _tight_budget(probe, ctx)
+    budget, lora = _loaded_budget(ctx)
     launched = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_CPU_RAM_EFFICIENT_LOADING": "true",
                 "FSDP_SYNC_MODULE_STATES": "true", "FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP",
                 "FSDP_STATE_DICT_TYPE": "SHARDED_STATE_DICT", "ACCELERATE_MIXED_PRECISION": "no"}
@@ -747,8 +748,7 @@ def run_rank(rank: int, world: int, job: dict) -> dict:
             torch.cuda.synchronize()
 
     out = {"rank": rank, "modes": {}}
-    loaders = ("ours_auto_loaded", "ours_auto_accelerate_loaded")  # build from saved weights, not from `model`
-    saved = save_weights(job, rank) if set(loaders) & set(job["contestants"]) else None
+    saved = save_weights(job, rank) if set(LOADERS) & set(job["contestants"]) else None
     prime(job, rank, device)
     for mode in job["modes"]:
         live, res = {}, {}
@@ -768,7 +768,7 @@ def run_rank(rank: int, world: int, job: dict) -> dict:
                 warnings.simplefilter("always")
                 try:
                     t0 = time.perf_counter()
-                    model = WRAPPERS[name](None if name in loaders else
+                    model = WRAPPERS[name](None if name in LOADERS else
                                            build_model(job["model_size"], mode, job["seed"]),
                                            {"rank": rank, "device": device, "mode": mode, "seq": seq, "saved": saved,
                                             "micro_batch": per, "fsdp1_full_policy": job["fsdp1_full_policy"]})
@@ -1066,7 +1066,7 @@ def targets(res: dict) -> list[tuple[bool | None, str]]:
             peak = max(tight["rss_delta_per_rank"])
             out.append((peak <= lay["budget_bytes"], f"{mode}, {world} ranks: ours_auto_tight peak RSS Δ "
                         f"{mib(peak)} MiB <= its budget {mib(lay['budget_bytes'])} MiB"))
-        for loader in ("ours_auto_loaded", "ours_auto_accelerate_loaded"):
+        for loader in LOADERS:
             loaded = table.get(loader)
             if loaded and "error" not in loaded and loaded.get("layout"):
                 lay, peak = loaded["layout"], max(loaded["rss_delta_per_rank"])

@@ -83,8 +83,7 @@ class _Use:
         return full.to_local(grad_placements=self.grad)
 
     def gathered_bytes(self, model: nn.Module) -> int:
-        return sum(p.numel() * (self.param_dtype.itemsize if self.param_dtype and p.is_floating_point()
-                                else p.element_size()) for p in model.parameters() if isinstance(p, DTensor))
+        return _gathered_bytes((p for p in model.parameters() if isinstance(p, DTensor)), self.param_dtype)
 
 
 def _gathering_property(name: str, use: _Use) -> property:
@@ -103,7 +102,7 @@ def _swap_class(module: nn.Module, members: dict[str, Any]) -> None:
     lookup fails (runtime/upstream.py seam)."""
     cls = type(module)
     swapped = type(cls.__name__, (cls,), {"__qualname__": cls.__qualname__, "__module__": cls.__module__,
-                                          "_hf_fsdp2_traced": True, **members})
+                                          **members})
     upstream.set_class(module, swapped, _SEAM)
 
 
@@ -160,21 +159,21 @@ def apply(model: nn.Module, config: FSDP2Config, mesh: DeviceMesh, ignored: set,
 def _root_forward(original, backend):
     """The root's forward: its properties gather inside it; training forwards run compiled (one compiled
     callable per model, made at its first training forward), the others eagerly."""
-    compiled: dict[int, Any] = {}
+    compiled: dict[str, Any] = {}  # the class is this model's own (`_swap_class`): one compiled callable
 
     @functools.wraps(original)
     def forward(self, *args, **kwargs):
         with _inside_forward():
             if not (self.training and torch.is_grad_enabled()):
                 return original(self, *args, **kwargs)
-            if id(self) not in compiled:
+            if "forward" not in compiled:
                 # One graph or none: at a graph break the collectives on either side could not be bucketed
                 # together, and torch 2.13 cannot compile a partial graph whose DTensor inputs come out
                 # aliased (Llava's forward, for one).
-                compiled[id(self)] = torch.compile(functools.partial(original, self), backend=backend,
-                                                   fullgraph=True)
+                compiled["forward"] = torch.compile(functools.partial(original, self), backend=backend,
+                                                    fullgraph=True)
             try:
-                return compiled[id(self)](*args, **kwargs)
+                return compiled["forward"](*args, **kwargs)
             except torch._dynamo.exc.Unsupported as error:
                 reason = str(error).strip().splitlines()[0]
                 raise ValueError(f"compile='model' needs {type(self).__name__}'s training forward to compile as "
@@ -200,10 +199,14 @@ def _constant_cap(cap: float, _bucket_index: int) -> float:
 
 
 def _layer_mb(layers: list[nn.Module], param_dtype: torch.dtype | None) -> float:
-    """The largest layer's parameters as gathered (in `param_dtype` when set), in MiB; 1 without layers."""
-    sizes = [sum(p.numel() * (param_dtype.itemsize if param_dtype and p.is_floating_point() else p.element_size())
-                 for p in layer.parameters()) for layer in layers]
-    return max(sizes, default=0) / 2**20 or 1.0
+    """The largest layer's parameters as gathered, in MiB; 1 without layers."""
+    return max((_gathered_bytes(layer.parameters(), param_dtype) for layer in layers), default=0) / 2**20 or 1.0
+
+
+def _gathered_bytes(params, param_dtype: torch.dtype | None) -> int:
+    """Bytes of `params` gathered whole: floating ones in `param_dtype` when set (the cast precedes the gather)."""
+    return sum(p.numel() * (param_dtype.itemsize if param_dtype and p.is_floating_point() else p.element_size())
+               for p in params)
 
 
 def _backend(inductor_options: dict, passes: "_JointPasses"):
@@ -322,7 +325,8 @@ def _seeded(node: torch.fx.Node) -> bool:
 
 
 def is_traced(model: nn.Module) -> bool:
-    return getattr(type(model), "_hf_fsdp2_traced", False) and record_of(model) is not None
+    """Sharded with compile="model" (its record holds the gather)."""
+    return getattr(record_of(model), "gather", None) is not None
 
 
 @contextlib.contextmanager

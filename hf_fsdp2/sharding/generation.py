@@ -64,9 +64,7 @@ def _traced_kept(model: nn.Module) -> Iterator[bool | None]:
     if not compiled_collectives.is_traced(model):
         yield None
         return
-    device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    budget = collectives.all_reduce_int(int(free_memory(device) * FREE_MEMORY_FRACTION), "min")
-    with compiled_collectives.gathered_once(model, budget) as kept:
+    with compiled_collectives.gathered_once(model, _generation_budget(model)) as kept:
         yield kept
 
 
@@ -116,6 +114,12 @@ def free_memory(device: torch.device) -> int:
     return available // local_world_size(collectives.world_size())
 
 
+def _generation_budget(model: nn.Module) -> int:
+    """FREE_MEMORY_FRACTION of the memory free on the model's device, the smallest over ranks (collective)."""
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    return collectives.all_reduce_int(int(free_memory(device) * FREE_MEMORY_FRACTION), "min")
+
+
 def groups_to_keep(model: nn.Module, budget: int | None = None) -> list[nn.Module]:
     """The groups kept gathered during generate(): in execution order (module order), while they fit
     `budget` (default: FREE_MEMORY_FRACTION of the free memory, the smallest over ranks).
@@ -124,8 +128,7 @@ def groups_to_keep(model: nn.Module, budget: int | None = None) -> list[nn.Modul
     if not groups:
         return []
     if budget is None:
-        device = next((p.device for p in model.parameters()), torch.device("cpu"))
-        budget = collectives.all_reduce_int(int(free_memory(device) * FREE_MEMORY_FRACTION), "min")
+        budget = _generation_budget(model)
     order = groups[1:] + groups[:1]  # the root group (the model itself) runs around the layers: last priority
     kept, used = [], 0
     for group in order:

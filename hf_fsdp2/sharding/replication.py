@@ -34,6 +34,7 @@ from ..runtime.distributed import REPLICATE_DIM, SHARD_DIM
 from . import compute_cast
 from .groups import ShardPlan, ignored_modules
 
+
 def trains_on_reducer(replicate_size: int, shard_size: int, other_dims: int, config: FSDP2Config) -> bool:
     """Whether a layout (replicas x shard size x the product of the TP/CP sizes) trains on DDP's reducer
     when the model needs nothing FSDP2-only (`fsdp_only_reasons`): the one rule the engine and the
