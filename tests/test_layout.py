@@ -213,6 +213,61 @@ def test_nothing_fits_names_the_smallest_budget():
     assert _plan(budget=smallest).chosen is not None
 
 
+def test_cpu_budget_that_glibc_heap_would_break_returns_freed_blocks():
+    """On CPU the plan adds what the step allocates and frees for gathered parameters (what glibc's heap may
+    keep) to the chosen layout's peak; over the budget, the plan says freed blocks go back to the OS."""
+    generous = _plan(budget=1 << 40, world=2, device="cpu")
+    est = generous.chosen.estimate
+    assert generous.chosen.shard_size == 1 and not generous.returns_freed_memory
+    assert est.step_gathered_bytes == 0  # replication on DDP's reducer, fp32: nothing gathered or cast
+    sharded = [c for c in generous.candidates if c.shard_size == 2 and not c.activation_checkpointing]
+    for c in sharded:  # each group gathered in forward, again in backward when resharded (the root once)
+        groups = c.estimate.groups
+        twice = 2 if c.reshard_after_forward else 1
+        assert c.estimate.step_gathered_bytes == sum(g.gathered_bytes * (1 if g.name == "<root>" else twice)
+                                                     for g in groups) > 0
+    lean = sharded[-1]  # S=2, resharded: the first candidate a budget between the replicas' peak and it picks
+    tight = _plan(budget=lean.needed_bytes, world=2, device="cpu")
+    assert tight.chosen.describe() == lean.describe() and tight.returns_freed_memory
+    assert "given back to the OS" in tight.summary() and "given back to the OS" in tight.format_table()
+    roomy = _plan(budget=lean.needed_bytes + lean.estimate.step_gathered_bytes, world=2, device="cpu")
+    assert not roomy.returns_freed_memory or roomy.chosen.describe() != lean.describe()
+    assert not _plan(budget=lean.needed_bytes, world=2, device="cuda").returns_freed_memory  # caching allocator
+
+
+_HEAP_PROBE = """
+import os, sys, torch
+from hf_fsdp2.runtime import host_allocator
+def rss(): return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+if sys.argv[1] == "return":
+    assert host_allocator.return_freed_blocks() and host_allocator.returns_freed_blocks()
+big = torch.ones(1 << 22)  # 16 MiB, mmapped; freed, it makes glibc's default raise its mmap threshold
+del big
+kept, freed = [], []
+for _ in range(64):  # 1 MiB buffers (as gathered parameters) between live 128 KiB tensors (as activations)
+    freed.append(torch.ones(1 << 18))
+    kept.append(torch.ones(1 << 15))
+before = rss()
+del freed
+print((before - rss()) >> 20)  # MiB given back
+"""
+
+
+def test_return_freed_blocks_gives_glibc_heap_pages_back():
+    """The premise and the lever of `host_allocator`, on this machine's glibc: by default 64 MiB of freed
+    buffers between live tensors stay resident; after `return_freed_blocks` they are given back."""
+    import subprocess
+    import sys
+
+    from hf_fsdp2.runtime import host_allocator
+
+    if not host_allocator.is_glibc():
+        pytest.skip("not glibc")
+    given_back = {policy: int(subprocess.run([sys.executable, "-c", _HEAP_PROBE, policy], check=True, text=True,
+                                       capture_output=True).stdout.split()[-1]) for policy in ("default", "return")}
+    assert given_back["default"] <= 16 and given_back["return"] >= 56, given_back
+
+
 def test_config_fields():
     assert FSDP2Config(shard_size="AUTO", memory_budget="1.5GiB").memory_budget == 3 << 29
     assert FSDP2Config(shard_size="auto", memory_budget="80GB").memory_budget == 80 * 10**9
@@ -269,6 +324,9 @@ def _auto_and_compile(rank: int, world: int, root: str) -> dict:
     model = shard_model(build_model(), FSDP2Config(shard_size="auto", memory_budget="20GB", **plan_for))
     out["ample"] = record_of(model).config.to_dict()
     out["ample_mesh"] = tuple(record_of(model).mesh.shape)
+    from hf_fsdp2.runtime import host_allocator
+
+    out["heap_ample"] = host_allocator.returns_freed_blocks()
     out["losses"] = sharded_train(model, data, rank, world)
     save_pretrained(model, Path(root) / "auto")
     trained = full_params(model)
@@ -277,6 +335,8 @@ def _auto_and_compile(rank: int, world: int, root: str) -> dict:
                 if c.shard_size == world and not (c.reshard_after_forward or c.activation_checkpointing)).needed_bytes
     other = shard_model(build_model(seed=3), FSDP2Config(shard_size="auto", memory_budget=need, **plan_for))
     out["tight"] = record_of(other).config.to_dict()
+    # On CPU that budget has no room for what glibc's heap would keep: the plan made it return freed blocks.
+    out["heap_tight"] = (record_of(other).layout.returns_freed_memory, host_allocator.returns_freed_blocks())
     load_pretrained(other, Path(root) / "auto")  # written by the replicated layout, read by the sharded one
     out["resumed_equal"] = all(torch.equal(a, b) for a, b in zip(full_params(other).values(), trained.values()))
     # hf_fsdp2.from_pretrained plans on the meta model (no rank holds the whole model), then loads its rows.
@@ -329,6 +389,7 @@ def test_auto_layout_and_regional_compile_on_two_ranks(tmp_path):
         r["tight"]["replicate_size"], r["tight"]["shard_size"])
     assert r["ample"]["reshard_after_forward"] is False and r["ample"]["activation_checkpointing"] is False
     assert (r["tight"]["replicate_size"], r["tight"]["shard_size"]) == (1, 2)
+    assert all(res["heap_ample"] is False and res["heap_tight"] == (True, True) for res in results)
     torch.testing.assert_close(r["losses"], reference_train(build_model(), batches(3)), atol=2e-5, rtol=0)
     assert all(res["resumed_equal"] for res in results)
     assert set(saved_tensors(tmp_path / "auto")) == set(build_model().state_dict())

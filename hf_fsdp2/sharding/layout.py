@@ -100,6 +100,15 @@ class LayoutPlan:
         """The least budget under which some candidate would fit."""
         return min(c.needed_bytes for c in self.candidates)
 
+    @property
+    def returns_freed_memory(self) -> bool:
+        """On CPU: whether the chosen layout needs glibc to give freed blocks back to the OS to keep the
+        budget, i.e. its peak plus the step's gathered buffers (what glibc's default may keep in the heap:
+        runtime/host_allocator.py) exceeds the budget. A speed lever of last resort, decided after the layout."""
+        chosen = self.chosen
+        return (self.device_type == "cpu" and chosen is not None
+                and chosen.needed_bytes + chosen.estimate.step_gathered_bytes > self.budget_bytes)
+
     def config(self, base: FSDP2Config) -> FSDP2Config:
         """`base` with the chosen layout; raises naming the smallest budget that would work."""
         chosen = self.chosen
@@ -133,7 +142,15 @@ class LayoutPlan:
         skipped = "; ".join(f"{c.describe()}: {format_bytes(c.needed_bytes)}" for c in self.candidates[:index])
         return (head + f"{chosen.describe()}, estimated peak {format_bytes(chosen.needed_bytes)} "
                 f"(candidate {index + 1} of {len(self.candidates)} in cost order"
-                + (f"; cheaper ones need more: {skipped})" if skipped else ")"))
+                + (f"; cheaper ones need more: {skipped})" if skipped else ")") + self._heap_note())
+
+    def _heap_note(self) -> str:
+        if not self.returns_freed_memory:
+            return ""
+        step = self.chosen.estimate.step_gathered_bytes
+        return (f". On CPU glibc's heap may keep the {format_bytes(step)} of gathered parameters each step "
+                f"frees, over the budget: freed blocks over 128 KiB are given back to the OS (slower: a page "
+                f"fault per fresh page; runtime/host_allocator.py)")
 
     def format_table(self) -> str:
         chosen = self.chosen
@@ -148,7 +165,7 @@ class LayoutPlan:
                          f"{_ac_label(c):>5}  {str(c.cpu_offload):>7}  "
                          f"{format_bytes(c.needed_bytes):>12}  {format_bytes(c.host_bytes) if c.host_bytes else '-':>10}  "
                          f"{'yes' if c.fits else 'no'}{mark}")
-        lines.append(f"chosen: {chosen.describe()}" if chosen else self.failure())
+        lines.append(f"chosen: {chosen.describe()}{self._heap_note()}" if chosen else self.failure())
         return "\n".join(lines)
 
 
@@ -304,7 +321,7 @@ def resolve_auto_layout(model: nn.Module, config: FSDP2Config, *, cp_size: int =
         return config
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
-    from ..runtime import collectives
+    from ..runtime import collectives, host_allocator
     from ..runtime.distributed import device_type as current_device_type
 
     world = collectives.world_size()
@@ -324,6 +341,8 @@ def resolve_auto_layout(model: nn.Module, config: FSDP2Config, *, cp_size: int =
                        seq_len=plan_seq_len(model, config),
                        checkpointing_fixed=any(isinstance(m, CheckpointWrapper) for m in model.modules()),
                        tp_sizes=(config.tp_size,), cp_sizes=(cp_size,), mesh_shape=mesh_shape)
+    if plan.returns_freed_memory and not host_allocator.return_freed_blocks() and collectives.rank() == 0:
+        logger.warning("hf_fsdp2: the C library is not glibc; its freed memory may keep RSS over the budget.")
     if collectives.rank() == 0:
         logger.warning(plan.summary())
     resolved = plan.config(config)

@@ -1,0 +1,68 @@
+"""What the C library does with freed host memory: the one lever a CPU memory budget needs beyond the layout.
+
+On CPU, torch's allocator is glibc's malloc. After the first large freed block, glibc raises its mmap
+threshold (up to 32 MiB), so FSDP2's per-step all-gather outputs and unsharded parameters come from
+the heap, and their pages stay with the process after `free` wherever live tensors sit above them
+(benchmarks/README.md: a LoRA fine-tune planned at 318 MiB per rank held 676 MiB of RSS; with the
+threshold fixed at 128 KiB, 341 MiB). `return_freed_blocks` fixes the thresholds (`mallopt`, which
+also turns the dynamic adjustment off for the rest of the process): every block over 128 KiB is
+mmapped and unmapped when freed, and free heap tops over 128 KiB are trimmed. The price is a page
+fault per page of every fresh buffer each step (0.55-0.65x tokens/s at 58M parameters on the 2-core
+CI machine), so the planner turns it on only when glibc's default would break the budget
+(layout.LayoutPlan.returns_freed_memory). On GPUs the caching allocator reuses blocks and none of this applies.
+
+Process-wide and one-way: glibc has no call that turns the dynamic threshold back on.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+
+# glibc's malloc.h
+M_TRIM_THRESHOLD = -1
+M_MMAP_THRESHOLD = -3
+RETURN_THRESHOLD_BYTES = 128 * 1024  # glibc's own initial mmap threshold
+
+_returning = False
+
+
+@functools.cache
+def _glibc() -> ctypes.CDLL | None:
+    """glibc, or None on another C library (musl, macOS), whose policies this module does not know."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.gnu_get_libc_version.restype = ctypes.c_char_p
+        libc.gnu_get_libc_version()
+        return libc
+    except (OSError, AttributeError):
+        return None
+
+
+def is_glibc() -> bool:
+    return _glibc() is not None
+
+
+def returns_freed_blocks() -> bool:
+    """Whether `return_freed_blocks` is in force in this process."""
+    return _returning
+
+
+def return_freed_blocks() -> bool:
+    """Make glibc give freed blocks over 128 KiB back to the OS from now on, and trim what is free now.
+    False (nothing changed) when the C library is not glibc."""
+    global _returning
+    libc = _glibc()
+    if libc is None:
+        return False
+    if not _returning:
+        if not (libc.mallopt(M_MMAP_THRESHOLD, RETURN_THRESHOLD_BYTES)
+                and libc.mallopt(M_TRIM_THRESHOLD, RETURN_THRESHOLD_BYTES)):
+            raise OSError("glibc's mallopt refused M_MMAP_THRESHOLD / M_TRIM_THRESHOLD = 128 KiB")
+        _returning = True
+    libc.malloc_trim(0)
+    return True
+
+
+__all__ = ["is_glibc", "return_freed_blocks", "returns_freed_blocks"]
