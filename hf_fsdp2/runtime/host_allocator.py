@@ -65,4 +65,11 @@ def return_freed_blocks() -> bool:
     return True
 
 
-__all__ = ["is_glibc", "return_freed_blocks", "returns_freed_blocks"]
+def trim_if_returning() -> None:
+    """Under `return_freed_blocks`: give back what is free now, such as a whole model's heap blocks freed
+    when it was sharded (blocks allocated before the thresholds were fixed stay in the heap when freed)."""
+    if _returning:
+        _glibc().malloc_trim(0)
+
+
+__all__ = ["is_glibc", "return_freed_blocks", "returns_freed_blocks", "trim_if_returning"]

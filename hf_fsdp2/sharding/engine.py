@@ -24,7 +24,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from ..config import FSDP2Config
 from ..quantization import fp8
 from ..quantization.bnb_4bit import prepare_4bit_modules, refuse_8bit_modules
-from ..runtime import collectives
+from ..runtime import collectives, host_allocator
 from ..runtime.distributed import CP_DIM, TP_DIM, build_mesh, data_parallel_mesh, default_device, local_tensor
 from .compile import compile_layers, disable_cache_in_training, is_compiled
 from .groups import ShardPlan, apply_frozen_dtype, plan_groups, replicated_frozen_parameters, unwrap_peft
@@ -255,6 +255,7 @@ def shard_model(
     record = record_of(model, create=True)
     record.config, record.mesh = config, mesh
     wrap_generate(model)  # each group gathered once per generate() call
+    host_allocator.trim_if_returning()  # a CPU budget's plan: the unsharded weights' freed pages go back now
     return model
 
 
