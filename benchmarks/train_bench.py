@@ -23,6 +23,8 @@ CONTESTANTS
               This is what `Accelerator._prepare_fsdp2` runs for the model, minus the optimizer
               parameter swap (we build the optimizer after wrapping instead) and minus compile/AC.
   ours_zero2  opt-in (`--contestants ... ours_zero2`), not a peer: ours with reshard_after_forward=False.
+  ours_hsdp   opt-in (world >= 4): ours on 2 replicas x world/2 shards (HSDP; each group's reduce-scattered
+              gradients all-reduced over the replicas, in place: see its all_reduce line per step).
   ours_bf16   opt-in: ours with param_dtype=bf16 (bf16 all-gather and compute, fp32 masters and reduce).
   ours_fp8    opt-in: ours_bf16 plus FSDP2Config(fp8=True): the decoder layers' linears in torchao float8
               with FP8 all-gather, scales precomputed after each optimizer step (compare its payload
@@ -142,7 +144,7 @@ from harness import RssSampler, hwm_bytes, malloc_trim, reset_hwm, rss_bytes, ru
 REPO, RESULTS_DIR = harness.REPO, harness.RESULTS_DIR
 MiB = 1 << 20
 CONTESTANTS = ("ours", "accelerate", "fsdp1", "ddp")
-EXTRA = ("ours_zero2", "ours_plain", "ours_bf16", "ours_fp8", "ours_auto", "ours_auto_fsdp2", "ours_auto_tight",
+EXTRA = ("ours_zero2", "ours_hsdp", "ours_plain", "ours_bf16", "ours_fp8", "ours_auto", "ours_auto_fsdp2", "ours_auto_tight",
          "ours_auto_bf16", "ours_auto_bf16_fsdp2", "ddp_bf16", "deepspeed", "ours_compile_model",
          "ours_auto_loaded", "ours_auto_accelerate_loaded",
          "ours_ac", "ours_sac", "ours_compile",
@@ -365,6 +367,19 @@ def wrap_ddp_bf16(model, ctx):
 
     model.forward = torch.autocast(ctx["device"].type, dtype=torch.bfloat16)(model.forward)
     return wrap_ddp(model, ctx)
+
+
+def wrap_ours_hsdp(model, ctx):
+    """ours on an HSDP mesh: 2 replicas x world/2 shards (FSDP2's all-reduce of each group's reduce-scattered
+    gradients over the replicas: the branch torch's own composable `replicate` also runs)."""
+    import torch.distributed as dist
+
+    from hf_fsdp2 import FSDP2Config, shard_model
+
+    world = dist.get_world_size()
+    if world < 4 or world % 2:
+        raise ValueError(f"ours_hsdp needs an even world size of 4 or more (2 replicas x shards), not {world}")
+    return shard_model(model, FSDP2Config(replicate_size=2, shard_size=world // 2))
 
 
 def wrap_ours_zero2(model, ctx):
@@ -607,7 +622,7 @@ def wrap_ours_compile(model, ctx):
 
 
 WRAPPERS = {"ours": wrap_ours, "accelerate": wrap_accelerate, "fsdp1": wrap_fsdp1, "ddp": wrap_ddp,
-            "ours_zero2": wrap_ours_zero2, "ours_plain": wrap_ours_plain, "ours_bf16": wrap_ours_bf16,
+            "ours_zero2": wrap_ours_zero2, "ours_hsdp": wrap_ours_hsdp, "ours_plain": wrap_ours_plain, "ours_bf16": wrap_ours_bf16,
             "ours_fp8": wrap_ours_fp8, "ours_auto": wrap_ours_auto, "ours_auto_fsdp2": wrap_ours_auto_fsdp2,
             "ours_auto_tight": wrap_ours_auto_tight, "ours_auto_bf16": wrap_ours_auto_bf16,
             "ours_auto_bf16_fsdp2": wrap_ours_auto_bf16_fsdp2, "ddp_bf16": wrap_ddp_bf16, "deepspeed": wrap_deepspeed, "ours_compile_model": wrap_ours_compile_model,

@@ -329,9 +329,11 @@ def _run_plan(args: argparse.Namespace) -> int:
                     "activation_checkpointing": c.activation_checkpointing, "checkpoint_every": c.checkpoint_every,
                     "checkpoint_save_matmuls": c.checkpoint_save_matmuls,
                     "activation_offload": c.activation_offload, "cpu_offload": c.cpu_offload,
-                    "needed_bytes": c.needed_bytes, "host_bytes": c.host_bytes, "fits": c.fits}
+                    "needed_bytes": c.needed_bytes, "host_bytes": c.host_bytes, "fits": c.fits,
+                    "step_gathered_bytes": c.estimate.step_gathered_bytes}
         print(json.dumps({"budget_bytes": budget, "world_size": args.world_size, "device": args.device,
                           "chosen": row(plan.chosen) if plan.chosen else None,
+                          "returns_freed_memory": plan.returns_freed_memory,
                           "smallest_workable_budget": plan.smallest_workable_budget,
                           "candidates": [row(c) for c in plan.candidates]}, indent=2))
     else:

@@ -290,7 +290,8 @@ def test_plan_command(tmp_path, capsys):
     assert "<- chosen" in table and "chosen: shard_size=1 x 4 replicas" in table
     assert cli_main(["plan", "--model", str(config_json), "--world-size", "4", "--memory", "1KB", "--json"]) == 1
     out = json.loads(capsys.readouterr().out)
-    assert out["chosen"] is None and out["smallest_workable_budget"] > 1000
+    assert out["chosen"] is None and out["smallest_workable_budget"] > 1000 and out["returns_freed_memory"] is False
+    assert all(c["step_gathered_bytes"] >= 0 for c in out["candidates"])
     # TP (2 divides both head counts) and CP (1, 2, 4 divide half of seq 2048) are costed too
     assert {(c["tp_size"], c["cp_size"]) for c in out["candidates"]} == {(1, 1), (1, 2), (1, 4), (2, 1), (2, 2)}
     assert cli_main(["plan", "--model", str(config_json), "--world-size", "4", "--memory", "1KB", "--json",
