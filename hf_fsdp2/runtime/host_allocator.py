@@ -7,7 +7,7 @@ the heap, and their pages stay with the process after `free` wherever live tenso
 threshold fixed at 128 KiB, 341 MiB). `return_freed_blocks` fixes the thresholds (`mallopt`, which
 also turns the dynamic adjustment off for the rest of the process): every block over 128 KiB is
 mmapped and unmapped when freed, and free heap tops over 128 KiB are trimmed. The price is a page
-fault per page of every fresh buffer each step (0.55-0.65x tokens/s at 58M parameters on the 2-core
+fault per page of every fresh buffer each step (0.59-0.73x tokens/s at 58M parameters on the 2-core
 CI machine), so the planner turns it on only when glibc's default would break the budget
 (layout.LayoutPlan.returns_freed_memory). On GPUs the caching allocator reuses blocks and none of this applies.
 
