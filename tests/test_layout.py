@@ -219,18 +219,18 @@ def test_cpu_budget_that_glibc_heap_would_break_returns_freed_blocks():
     generous = _plan(budget=1 << 40, world=2, device="cpu")
     est = generous.chosen.estimate
     assert generous.chosen.shard_size == 1 and not generous.returns_freed_memory
-    assert est.step_gathered_bytes == 0  # replication on DDP's reducer, fp32: nothing gathered or cast
+    assert est.step_freed_bytes == 0  # replication on DDP's reducer, fp32: nothing gathered or cast
     sharded = [c for c in generous.candidates if c.shard_size == 2 and not c.activation_checkpointing]
-    for c in sharded:  # each group gathered in forward, again in backward when resharded (the root once)
-        groups = c.estimate.groups
+    for c in sharded:  # each group gathered in forward, again in backward when resharded (the root once),
+        groups = c.estimate.groups  # and its gradients reduce-scattered once
         twice = 2 if c.reshard_after_forward else 1
-        assert c.estimate.step_gathered_bytes == sum(g.gathered_bytes * (1 if g.name == "<root>" else twice)
-                                                     for g in groups) > 0
+        assert c.estimate.step_freed_bytes == sum(g.gathered_bytes * (1 if g.name == "<root>" else twice)
+                                                  + g.reduce_scatter_bytes for g in groups) > 0
     lean = sharded[-1]  # S=2, resharded: the first candidate a budget between the replicas' peak and it picks
     tight = _plan(budget=lean.needed_bytes, world=2, device="cpu")
     assert tight.chosen.describe() == lean.describe() and tight.returns_freed_memory
     assert "given back to the OS" in tight.summary() and "given back to the OS" in tight.format_table()
-    roomy = _plan(budget=lean.needed_bytes + lean.estimate.step_gathered_bytes, world=2, device="cpu")
+    roomy = _plan(budget=lean.needed_bytes + lean.estimate.step_freed_bytes, world=2, device="cpu")
     assert not roomy.returns_freed_memory or roomy.chosen.describe() != lean.describe()
     assert not _plan(budget=lean.needed_bytes, world=2, device="cuda").returns_freed_memory  # caching allocator
 
@@ -291,7 +291,7 @@ def test_plan_command(tmp_path, capsys):
     assert cli_main(["plan", "--model", str(config_json), "--world-size", "4", "--memory", "1KB", "--json"]) == 1
     out = json.loads(capsys.readouterr().out)
     assert out["chosen"] is None and out["smallest_workable_budget"] > 1000 and out["returns_freed_memory"] is False
-    assert all(c["step_gathered_bytes"] >= 0 for c in out["candidates"])
+    assert all(c["step_freed_bytes"] >= 0 for c in out["candidates"])
     # TP (2 divides both head counts) and CP (1, 2, 4 divide half of seq 2048) are costed too
     assert {(c["tp_size"], c["cp_size"]) for c in out["candidates"]} == {(1, 1), (1, 2), (1, 4), (2, 1), (2, 2)}
     assert cli_main(["plan", "--model", str(config_json), "--world-size", "4", "--memory", "1KB", "--json",

@@ -103,11 +103,11 @@ class LayoutPlan:
     @property
     def returns_freed_memory(self) -> bool:
         """On CPU: whether the chosen layout needs glibc to give freed blocks back to the OS to keep the
-        budget, i.e. its peak plus the step's gathered buffers (what glibc's default may keep in the heap:
+        budget, i.e. its peak plus the buffers a step frees (what glibc's default may keep in the heap:
         runtime/host_allocator.py) exceeds the budget. A speed lever of last resort, decided after the layout."""
         chosen = self.chosen
         return (self.device_type == "cpu" and chosen is not None
-                and chosen.needed_bytes + chosen.estimate.step_gathered_bytes > self.budget_bytes)
+                and chosen.needed_bytes + chosen.estimate.step_freed_bytes > self.budget_bytes)
 
     def config(self, base: FSDP2Config) -> FSDP2Config:
         """`base` with the chosen layout; raises naming the smallest budget that would work."""
@@ -147,9 +147,9 @@ class LayoutPlan:
     def _heap_note(self) -> str:
         if not self.returns_freed_memory:
             return ""
-        step = self.chosen.estimate.step_gathered_bytes
-        return (f". On CPU glibc's heap may keep the {format_bytes(step)} of gathered parameters each step "
-                f"frees, over the budget: freed blocks over 128 KiB are given back to the OS (slower: a page "
+        step = self.chosen.estimate.step_freed_bytes
+        return (f". On CPU glibc's heap may keep the {format_bytes(step)} of gathered parameters and gradient "
+                f"buffers each step frees, over the budget: freed blocks over 128 KiB are given back to the OS (slower: a page "
                 f"fault per fresh page; runtime/host_allocator.py)")
 
     def format_table(self) -> str:

@@ -301,10 +301,11 @@ def _estimate(prepared: MetaTrainingModel, world_size: int, config: FSDP2Config,
     if ddp_reducer:  # sharding/replication.py: parameters used in place, gradients all-reduced in their buckets
         gathered_peak, peak_names = _cast_peak(groups, _checkpointed_names(model, plan, config))
         reduce_scatter_peak = 0
-        step_gathered = sum(g.cast_bytes for g in groups)
-    else:  # each group gathered in forward, again in backward when resharded after forward (the root: once)
-        step_gathered = sum(g.gathered_bytes * (1 if g.name == "<root>" or config.reshard_after_forward is False
-                                                else 2) for g in groups)
+        step_freed = sum(g.cast_bytes for g in groups)  # gradients are views of the buckets, kept
+    else:  # each group gathered in forward, again in backward when resharded after forward (the root: once),
+        # and its unsharded gradients + reduce-scatter input once
+        step_freed = sum(g.gathered_bytes * (1 if g.name == "<root>" or config.reshard_after_forward is False else 2)
+                         + g.reduce_scatter_bytes for g in groups)
 
     activations, act_error = None, None
     if batch_size is not None:
@@ -363,7 +364,7 @@ def _estimate(prepared: MetaTrainingModel, world_size: int, config: FSDP2Config,
         gathered_peak_groups=tuple(peak_names), reduce_scatter_peak_bytes=reduce_scatter_peak,
         activations=activations, activations_error=act_error, notes=tuple(notes),
         load_in_4bit=prepared.load_in_4bit, double_quant=prepared.double_quant, dequantized_peak_bytes=dequantized,
-        tp_size=config.tp_size, cp_size=cp_size, step_gathered_bytes=step_gathered,
+        tp_size=config.tp_size, cp_size=cp_size, step_freed_bytes=step_freed,
     )
 
 

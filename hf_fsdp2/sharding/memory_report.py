@@ -109,9 +109,10 @@ class MemoryEstimate:
     dequantized_peak_bytes: int = 0  # 4-bit: the largest weight bitsandbytes dequantizes for a matmul
     tp_size: int = 1  # tensor parallelism: the numbers are TP rank 0's (the largest blocks)
     cp_size: int = 1  # context parallelism: each rank's activations hold seq_len / cp_size tokens
-    # Bytes the step allocates and frees again for gathered parameters (all groups, each gather): what
-    # glibc's heap may keep on CPU (runtime/host_allocator.py); not part of the device peak.
-    step_gathered_bytes: int = 0
+    # Bytes a step allocates and frees again (all groups: each gather of their parameters, their unsharded
+    # gradients and reduce-scatter buffers): what glibc's heap may keep on CPU (runtime/host_allocator.py);
+    # not part of the device peak.
+    step_freed_bytes: int = 0
 
     # ---- max over ranks
     @property
