@@ -29,10 +29,12 @@ MODES = {
 
 def _run(rank: int, world: int, mode: str, steps: int = 6) -> dict:
     """One rank: `steps` steps of the tiny Llama in `mode`; the last profiled."""
+    import contextlib
+
     import torch
     import torch.distributed as dist
-    from torch.profiler import ProfilerActivity, profile
 
+    import harness
     from hf_fsdp2 import FSDP2Config, shard_model
     from tests.common import batches, build_model, local_rows, optimizer
 
@@ -44,12 +46,12 @@ def _run(rank: int, world: int, mode: str, steps: int = 6) -> dict:
         saved[0] += tensor.numel() * tensor.element_size()
         return tensor
 
-    losses, times, calls = [], [], {}
+    losses, times, profiled = [], [], {}
     for i, ids in enumerate(batches(steps)):
         ids = local_rows(ids, rank, world)
         saved[0] = 0
         start = time.perf_counter()
-        with profile(activities=[ProfilerActivity.CPU]) if i == steps - 1 else _nothing() as prof:
+        with harness.backend_collectives(profiled) if i == steps - 1 else contextlib.nullcontext():
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
                 loss = model(input_ids=ids, labels=ids).loss
             loss.backward()
@@ -59,17 +61,9 @@ def _run(rank: int, world: int, mode: str, steps: int = 6) -> dict:
         value = loss.detach().clone()
         dist.all_reduce(value)
         losses.append(value.item() / world)
-    calls = {e.key[len("gloo:"):]: e.count for e in prof.key_averages() if e.key.startswith("gloo:")}
+    calls = {op.split(":", 1)[1]: n for op, n in profiled["backend_collectives"].items()}
     return {"losses": losses, "first_s": times[0], "step_ms": sorted(1000 * t for t in times[1:]),
             "calls": calls, "saved_kib": saved[0] / 1024}
-
-
-class _nothing:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 def main(modes: list[str]) -> None:

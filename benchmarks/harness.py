@@ -7,7 +7,7 @@ spawned ranks too).
 
 from __future__ import annotations
 
-import ctypes
+import contextlib
 import datetime as _dt
 import multiprocessing as mp
 import os
@@ -84,17 +84,23 @@ def reset_hwm() -> bool:
         return False
 
 
-_LIBC = None
-
-
 def malloc_trim() -> None:
     """Give freed heap memory back to the OS so the next baseline RSS is not inflated."""
-    global _LIBC
-    try:
-        _LIBC = _LIBC or ctypes.CDLL("libc.so.6")
-        _LIBC.malloc_trim(0)
-    except OSError:
-        pass
+    from hf_fsdp2.runtime import host_allocator
+
+    host_allocator.trim()
+
+
+@contextlib.contextmanager
+def backend_collectives(result: dict):
+    """`result["backend_collectives"]`: {op: calls} of the process-group ops (torch.profiler's "gloo:..." /
+    "nccl:..." events) run inside the block, wherever they were issued from (a compiled graph included)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        yield
+    result["backend_collectives"] = {e.key: e.count for e in prof.key_averages()
+                                     if e.key.split(":")[0] in ("gloo", "nccl")}
 
 
 class RssSampler:

@@ -139,7 +139,7 @@ import warnings
 from pathlib import Path
 
 import harness
-from harness import RssSampler, hwm_bytes, malloc_trim, reset_hwm, rss_bytes, run_ranks
+from harness import RssSampler, backend_collectives, hwm_bytes, malloc_trim, reset_hwm, rss_bytes, run_ranks
 
 REPO, RESULTS_DIR = harness.REPO, harness.RESULTS_DIR
 MiB = 1 << 20
@@ -194,18 +194,6 @@ _COLLECTIVES = {
     "all_to_all_single": ("all_to_all", lambda a, k: _nbytes(a[1] if len(a) > 1 else k.get("input"))),
 }
 _WIRE_FACTOR = {"all_gather": 1, "reduce_scatter": 1, "broadcast": 1, "all_to_all": 1, "all_reduce": 2}
-
-
-@contextlib.contextmanager
-def backend_collectives(result: dict):
-    """`result["backend_collectives"]`: {op: calls} of the process-group ops (torch.profiler's "gloo:..." /
-    "nccl:..." events) run inside the block, wherever they were issued from (a compiled graph included)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        yield
-    result["backend_collectives"] = {e.key: e.count for e in prof.key_averages()
-                                     if e.key.split(":")[0] in ("gloo", "nccl")}
 
 
 class CollectiveCounter:
@@ -1050,6 +1038,14 @@ def report(res: dict) -> list[str]:
     return lines
 
 
+def _budget_peak(name: str, shared: dict, isolated: dict) -> tuple[float, str]:
+    """(peak RSS Δ of a budgeted contestant, where measured): alone in fresh processes when measured, since
+    in the shared run the other contestants' heap pages (and, when a plan makes glibc return freed blocks,
+    that process-wide setting) mix in."""
+    alone = isolated.get(name, {}).get("rss_delta_per_rank")
+    return max(alone or shared["rss_delta_per_rank"]), "alone" if alone else "in the shared run"
+
+
 def targets(res: dict) -> list[tuple[bool | None, str]]:
     world, out = res["world_size"], []
     for mode, table in res["modes"].items():
@@ -1082,20 +1078,14 @@ def targets(res: dict) -> list[tuple[bool | None, str]]:
         iso = res.get("isolated_memory", {}).get(mode, {})
         lay = (tight or {}).get("layout")
         if lay and "error" not in tight:
-            alone = iso.get("ours_auto_tight", {}).get("rss_delta_per_rank")
-            peak = max(alone or tight["rss_delta_per_rank"])
+            peak, where = _budget_peak("ours_auto_tight", tight, iso)
             out.append((peak <= lay["budget_bytes"], f"{mode}, {world} ranks: ours_auto_tight peak RSS Δ "
-                        f"{'alone' if alone else 'in the shared run'} {mib(peak)} MiB <= its budget "
-                        f"{mib(lay['budget_bytes'])} MiB"))
+                        f"{where} {mib(peak)} MiB <= its budget {mib(lay['budget_bytes'])} MiB"))
         for loader in LOADERS:
             loaded = table.get(loader)
             if loaded and "error" not in loaded and loaded.get("layout"):
-                # Alone in fresh processes when measured: in the shared run the other contestants' heap
-                # pages (and, when a plan makes glibc return freed blocks, that process-wide setting) mix in.
-                alone = iso.get(loader, {})
                 lay = loaded["layout"]
-                peak = max(alone.get("rss_delta_per_rank") or loaded["rss_delta_per_rank"])
-                where = "alone" if alone.get("rss_delta_per_rank") else "in the shared run"
+                peak, where = _budget_peak(loader, loaded, iso)
                 heap = "; glibc returns freed blocks" if lay.get("returns_freed_memory") else ""
                 out.append((peak <= 1.2 * lay["budget_bytes"], f"{mode}, {world} ranks: {loader} (meta + per-rank "
                             f"load) peak RSS Δ {where} {mib(peak)} MiB <= 1.2 x its budget {mib(lay['budget_bytes'])} "

@@ -61,15 +61,22 @@ def return_freed_blocks() -> bool:
                 and libc.mallopt(M_TRIM_THRESHOLD, RETURN_THRESHOLD_BYTES)):
             raise OSError("glibc's mallopt refused M_MMAP_THRESHOLD / M_TRIM_THRESHOLD = 128 KiB")
         _returning = True
-    libc.malloc_trim(0)
+    trim()
     return True
+
+
+def trim() -> None:
+    """Give the heap's free pages back to the OS now (`malloc_trim(0)`); nothing on another C library."""
+    libc = _glibc()
+    if libc is not None:
+        libc.malloc_trim(0)
 
 
 def trim_if_returning() -> None:
     """Under `return_freed_blocks`: give back what is free now, such as a whole model's heap blocks freed
     when it was sharded (blocks allocated before the thresholds were fixed stay in the heap when freed)."""
     if _returning:
-        _glibc().malloc_trim(0)
+        trim()
 
 
-__all__ = ["is_glibc", "return_freed_blocks", "returns_freed_blocks", "trim_if_returning"]
+__all__ = ["is_glibc", "return_freed_blocks", "returns_freed_blocks", "trim", "trim_if_returning"]
