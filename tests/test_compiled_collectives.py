@@ -8,6 +8,8 @@ tensors (NCCL's rule, `NCCL_LIKE`): every collective of the mode runs on the mes
 
 from __future__ import annotations
 
+import contextlib
+
 from pathlib import Path
 
 import pytest
@@ -39,18 +41,26 @@ def _step(model, opt, ids, rank, world, group):
     return value.item() / world, saved[0]
 
 
-def _train(model, data, rank, world, group) -> dict:
-    """Steps over `data`; the last one profiled: the collectives that reached gloo (functional collectives
-    inside a compiled graph bypass Python-level counters) and the bytes saved for backward."""
+@contextlib.contextmanager
+def _gloo_ops(calls: dict):
+    """Fills `calls` with {"gloo:<op>": count} of the process-group ops run inside the block (torch.profiler:
+    functional collectives inside a compiled graph bypass Python-level counters)."""
     from torch.profiler import ProfilerActivity, profile
 
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        yield calls
+    calls.update({e.key: e.count for e in prof.key_averages() if e.key.startswith("gloo:")})
+
+
+def _train(model, data, rank, world, group) -> dict:
+    """Steps over `data`; the last one profiled: the collectives that reached gloo and the bytes saved
+    for backward."""
     from tests.common import optimizer
 
     opt = optimizer(model)
     losses = [_step(model, opt, ids, rank, world, group)[0] for ids in data[:-1]]
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    with _gloo_ops({}) as calls:
         loss, saved = _step(model, opt, data[-1], rank, world, group)
-    calls = {e.key: e.count for e in prof.key_averages() if e.key.startswith("gloo:")}
     return {"losses": losses + [loss], "saved": saved, "calls": calls}
 
 
@@ -103,11 +113,8 @@ def _compiled_model(rank: int, world: int, root: str) -> dict:
         m.eval()
     with torch.no_grad():
         prompt = data[0][:1, :4]
-        from torch.profiler import ProfilerActivity, profile
-
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with _gloo_ops({}) as out["generate_ops"]:
             out["generated"] = model.generate(prompt, max_new_tokens=4, do_sample=False).tolist()
-        out["generate_ops"] = {e.key: e.count for e in prof.key_averages() if e.key.startswith("gloo:")}
         out["parameters"] = len(list(model.parameters()))
         eager.load_state_dict(model.state_dict())  # the same weights, both sharded on dim 0 over the mesh
         out["generated_eager"] = eager.generate(prompt, max_new_tokens=4, do_sample=False).tolist()
