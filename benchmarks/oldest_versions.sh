@@ -6,7 +6,10 @@
 #   bash benchmarks/oldest_versions.sh SET            # the whole suite
 # SET names a pin file: oldest (= llamafactory) -> constraints-min.txt (the oldest versions we support:
 # LLaMA-Factory 0.9.5's caps), NAME -> constraints-NAME.txt (axolotl: axolotl 0.21's pins, in CI; torch215: torch 2.15,
-# not in CI: several GB; transformers524: transformers 5.24.0, by hand).
+# not in CI: several GB; transformers524: transformers 5.24.0, by hand; gpu-image: the GPU machine's stack, torch 2.11 on
+# Python 3.12, by hand).
+# A pin file whose first line is `# python: X.Y` is built with pyenv's Python X.Y as a whole environment of its own
+# (another Python cannot share the main environment's packages).
 # Extra arguments go to pytest. The environment is (re)built when its pin file changes. It sees the main
 # environment's packages (--system-site-packages) and installs over them only what the pin file pins
 # differently: no second multi-GB torch.
@@ -24,7 +27,14 @@ VENV=".venv-$SET"
 STAMP="$VENV/$(basename "$PINS")"
 if [ ! -x "$VENV/bin/python" ] || ! cmp -s "$PINS" "$STAMP"; then
     rm -rf "$VENV"
-    python -m venv --system-site-packages "$VENV"
+    PY_WANTED="$(sed -n '1s/^# python: *\([0-9.]*\).*/\1/p' "$PINS")"
+    if [ -n "$PY_WANTED" ]; then
+        PYENV_PY="$(ls -d "$(pyenv root 2>/dev/null || echo ~/.pyenv)"/versions/"$PY_WANTED"*/bin/python 2>/dev/null | tail -1)"
+        [ -x "$PYENV_PY" ] || { echo "$PINS wants Python $PY_WANTED, which pyenv does not have" >&2; exit 2; }
+        "$PYENV_PY" -m venv "$VENV"
+    else
+        python -m venv --system-site-packages "$VENV"
+    fi
     # PIP_CONSTRAINT: the pin file replaces any machine-wide constraint (one here caps torch at 2.14.1).
     PIP_CONSTRAINT="$PINS" "$VENV/bin/python" -m pip install -q -c "$PINS" -e ".[test]"
     cp "$PINS" "$STAMP"

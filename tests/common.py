@@ -146,11 +146,19 @@ def assert_close_dicts(actual: dict, expected: dict, atol: float, rtol: float = 
         torch.testing.assert_close(actual[k], expected[k], atol=atol, rtol=rtol, msg=lambda m, k=k: f"{k}: {m}")
 
 
+# The collective FSDP2's all-gather calls (_fsdp_collectives.DefaultAllGather): dist.all_gather_single from
+# torch 2.13, dist.all_gather_into_tensor in 2.11 and 2.12; counted under its own name. SENT_ARG: which
+# argument is the tensor a rank sends.
+FSDP_ALL_GATHER = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+SENT_ARG = {"all_gather_single": -1, "all_gather_into_tensor": 1}
+
+
 @contextlib.contextmanager
 def count_collectives() -> Iterator[dict[str, int]]:
     """Count the collectives FSDP2 issues (it calls them as `dist.<name>` at run time)."""
-    names = ["all_gather_single", "reduce_scatter_single", "all_reduce", "all_gather_into_tensor",
-             "reduce_scatter_tensor", "all_gather", "broadcast", "barrier", "all_to_all_single"]
+    names = [n for n in ("all_gather_single", "reduce_scatter_single", "all_reduce", "all_gather_into_tensor",
+                         "reduce_scatter_tensor", "all_gather", "broadcast", "barrier", "all_to_all_single")
+             if hasattr(dist, n)]  # torch 2.11/2.12 have no *_single
     counts = {n: 0 for n in names}
     counts["elements"] = 0  # tensor elements sent, summed over the calls
     counts["bytes"] = 0  # and their bytes
@@ -159,8 +167,9 @@ def count_collectives() -> Iterator[dict[str, int]]:
     def wrap(name):
         def counted(*args, **kwargs):
             counts[name] += 1
-            if args and isinstance(args[-1 if name == "all_gather_single" else 0], torch.Tensor):
-                sent = args[-1 if name == "all_gather_single" else 0]
+            where = SENT_ARG.get(name, 0) if name == FSDP_ALL_GATHER else 0
+            if len(args) > abs(where) and isinstance(args[where], torch.Tensor):
+                sent = args[where]
                 counts["elements"] += sent.numel()
                 counts["bytes"] += sent.numel() * sent.element_size()
             return originals[name](*args, **kwargs)

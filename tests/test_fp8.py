@@ -11,7 +11,8 @@ import torch
 pytest.importorskip("torchao.float8")
 
 from tests.common import (  # noqa: E402
-    batches, build_model, count_collectives, full_params, local_rows, lora, optimizer, saved_tensors, sharded_train)
+    FSDP_ALL_GATHER, batches, build_model, count_collectives, full_params, local_rows, lora, optimizer, saved_tensors,
+    sharded_train)
 from tests.dist_harness import run_ranks  # noqa: E402
 
 STEPS = 6
@@ -27,7 +28,7 @@ def _gathered_bytes(model, rank, world):
     from hf_fsdp2.checkpoint.tensor_export import reshard
 
     reshard(model)
-    return counts["all_gather_single"], counts["bytes"]
+    return counts[FSDP_ALL_GATHER], counts["bytes"]
 
 
 class Block(torch.nn.Module):

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.common import batches, build_model, count_collectives, optimizer, reference_train, sharded_train
+from tests.common import (FSDP_ALL_GATHER, batches, build_model, count_collectives, optimizer, reference_train,
+                          sharded_train)
 from tests.dist_harness import run_ranks
 
 PROMPT = torch.tensor([[5, 9, 13, 17, 21, 25], [3, 6, 9, 12, 15, 18]])
@@ -19,7 +20,7 @@ def _generate(model, tokens: int, all_reduces: list | None = None, **kwargs):
                              min_new_tokens=tokens, do_sample=False, **kwargs)
     if all_reduces is not None:
         all_reduces.append(counts["all_reduce"])
-    return out, counts["all_gather_single"]
+    return out, counts[FSDP_ALL_GATHER]
 
 
 def _worker(rank, world):

@@ -25,7 +25,7 @@ from hf_fsdp2.quantization.bnb_4bit import (  # noqa: E402
     dequantize_rows, finish_quantization, prepare_4bit_modules, quant_state, quantize_rows)
 from hf_fsdp2.quantization.bnb_4bit import spec_of as bnb_4bit_spec_of  # noqa: E402
 from tests.common import (  # noqa: E402
-    batches, count_collectives, full_params, local_rows, optimizer, plain_params, reference_train, sharded_train,
+    FSDP_ALL_GATHER, batches, count_collectives, full_params, local_rows, optimizer, plain_params, reference_train, sharded_train,
     tiny_config)
 from tests.dist_harness import run_ranks  # noqa: E402
 
@@ -187,7 +187,7 @@ def _stock_loaded_worker(rank, world, directory, resume):
     ids = local_rows(batches(steps=1)[0], rank, world)
     with count_collectives() as counts, torch.no_grad():
         model(input_ids=ids)
-    report["all_gathers"], report["groups"] = counts["all_gather_single"], len(groups)
+    report["all_gathers"], report["groups"] = counts[FSDP_ALL_GATHER], len(groups)
     hf_fsdp2.load_state(resume, model, opt)  # saved by the 4-rank launch
     ids = local_rows(batches(steps=STEPS + 1)[-1], rank, world)
     loss = model(input_ids=ids, labels=ids).loss

@@ -11,7 +11,7 @@ import hf_fsdp2
 from hf_fsdp2 import FSDP2Config, shard_model
 
 from .common import (
-    assert_close_dicts, batches, build_model, count_collectives, full_params, local_rows, lora, optimizer,
+    FSDP_ALL_GATHER, assert_close_dicts, batches, build_model, count_collectives, full_params, local_rows, lora, optimizer,
     plain_params, reference_train, sharded_train,
 )
 from .dist_harness import run_ranks
@@ -101,7 +101,7 @@ def _schedule_worker(rank, world, config_kwargs, lora_targets):
              for s in base.model.embed_tokens._get_fsdp_state()._states_to_forward_prefetch]
     losses = sharded_train(model, batches(), rank, world)
     params = full_params(model)  # collective: every rank
-    return {"fwd": fwd["all_gather_single"], "bwd": bwd["all_gather_single"], "embedding_prefetches": chain,
+    return {"fwd": fwd[FSDP_ALL_GATHER], "bwd": bwd[FSDP_ALL_GATHER], "embedding_prefetches": chain,
             "losses": losses, "n_layers": base.config.num_hidden_layers, "params": params if rank == 0 else None}
 
 
@@ -188,7 +188,7 @@ def test_lora_frozen_and_adapters_gathered_together():
     # the reference is the plain 5-step run.
     out = run_ranks(_lora_worker, 2, None)
     r = out[0]
-    assert r["fwd"]["all_gather_single"] == r["expected_groups"], r["fwd"]
+    assert r["fwd"][FSDP_ALL_GATHER] == r["expected_groups"], r["fwd"]
     # Only the decoder-layer groups hold trainable LoRA weights: only they are reduce-scattered.
     assert r["bwd"]["reduce_scatter_single"] == r["expected_groups"] - 2, r["bwd"]
     assert r["kinds"] == {(False, torch.float32), (True, torch.float32)}
@@ -201,7 +201,7 @@ def test_lora_bf16_frozen_base_with_fp32_adapters_in_one_group():
     out = run_ranks(_lora_worker, 2, "bf16")
     r = out[0]
     assert r["kinds"] == {(False, torch.bfloat16), (True, torch.float32)}
-    assert r["fwd"]["all_gather_single"] == r["expected_groups"], r["fwd"]
+    assert r["fwd"][FSDP_ALL_GATHER] == r["expected_groups"], r["fwd"]
     assert r["frozen_grads"] == [] and r["missing_grads"] == []
     assert r["losses"][-1] < r["losses"][0]
 

@@ -27,11 +27,14 @@ import pytest
 pytestmark = pytest.mark.oldest  # CI runs this file on every older version set too
 
 RECORD = Path(__file__).with_name("upstream_contracts.json")
+PRIVATE_RECORD = Path(__file__).with_name("torch_private_contracts.json")  # TORCH_PRIVATE's signatures
 PACKAGE = Path(__file__).resolve().parents[1] / "hf_fsdp2"
 UPSTREAM = ("torch", "accelerate", "transformers", "peft", "bitsandbytes", "torchao", "safetensors", "trl")
 OPTIONAL = ("bitsandbytes", "torchao")  # extras: a seam of an extra not installed is not checked
 
-# Private names of torch hf_fsdp2 relies on without replacing them: (module, attribute path, used by).
+# Private names of torch hf_fsdp2 relies on without replacing them: (module, attribute path, used by[, the
+# oldest torch (major, minor) that has it, where hf_fsdp2 branches on it]). A callable's signature is recorded
+# per torch version in torch_private_contracts.json (oldest supported: 2.11).
 CC = "sharding/compiled_collectives.py"
 TORCH_PRIVATE = [
     ("torch.distributed.distributed_c10d", "_get_default_group", "runtime/collectives.py"),
@@ -51,8 +54,13 @@ TORCH_PRIVATE = [
     ("torch.nn.parallel", "DistributedDataParallel._active_ddp_module", "sharding/replication.py"),
     ("torch._C", "_current_graph_task_id", "sharding/replication.py"),
     ("torch.distributed.fsdp._fully_shard._fsdp_state", "FSDPState._lazy_init", "sharding/generation.py"),
-    ("torch.distributed.fsdp._fully_shard._fsdp_state", "FSDPState._cast_forward_inputs", "sharding/generation.py"),
-    ("torch.distributed.fsdp._fully_shard._fsdp_state", "FSDPState._cast_output_dtype", "sharding/generation.py"),
+    # runtime/fsdp_state.py: FSDP2's casts are methods from torch 2.13; before, its helpers are called directly.
+    ("torch.distributed.fsdp._fully_shard._fsdp_state", "FSDPState._cast_forward_inputs", "runtime/fsdp_state.py",
+     (2, 13)),
+    ("torch.distributed.fsdp._fully_shard._fsdp_state", "FSDPState._cast_output_dtype", "runtime/fsdp_state.py",
+     (2, 13)),
+    ("torch.distributed.fsdp._fully_shard._fsdp_common", "_cast_fp_tensor", "runtime/fsdp_state.py"),
+    ("torch.distributed.utils", "_apply_to_tensors", "runtime/fsdp_state.py"),
     *[("torch._functorch.config", name, CC) for name in ("joint_custom_pass", "enable_autograd_cache",
                                                        "enable_remote_autograd_cache")],
     *[("torch._inductor.config", name, CC) for name in (
@@ -62,6 +70,7 @@ TORCH_PRIVATE = [
     *[("torch._inductor.fx_passes.bucketing", name, CC)
       for name in ("is_fsdp_all_gather", "is_wait_tensor", "is_all_gather_into_tensor")],
     ("torch._inductor.compile_fx", "compile_fx", CC),
+    ("torch.utils._ordered_set", "OrderedSet", CC),  # is_fsdp_all_gather's ancestor sets on torch 2.11/2.12
 ]
 
 
@@ -206,20 +215,74 @@ def test_undeclared_or_misused_seams_are_refused():
         upstream.replace("torch.nn.Module.register_parameter", lambda *a: None, "x")
 
 
-def test_private_torch_names_exist():
+_ABSENT = object()
+
+
+def private_torch_names():
+    """(name, the object or _ABSENT, used by) for every TORCH_PRIVATE entry this torch should have."""
     import importlib
 
-    missing, absent = [], object()
-    for module, path, user in TORCH_PRIVATE:
+    import torch
+
+    from hf_fsdp2.runtime.versions import parse
+
+    out = []
+    for module, path, user, *since in TORCH_PRIVATE:
+        if since and parse(torch.__version__) < since[0]:
+            continue  # hf_fsdp2 takes another branch on this torch
         obj = importlib.import_module(module)
         for part in path.split("."):
-            obj = getattr(obj, part, absent)  # a class attribute may be None (DDP._active_ddp_module)
-        if obj is absent:
-            missing.append(f"{module}.{path} (used by hf_fsdp2/{user})")
+            obj = getattr(obj, part, _ABSENT)  # a class attribute may be None (DDP._active_ddp_module)
+        out.append((f"{module}.{path}", obj, user))
+    return out
+
+
+def private_signature(obj) -> str | None:
+    """A callable's signature as recorded (None for a value, e.g. a config flag)."""
+    if not callable(obj):
+        return None
+    try:
+        return re.sub(r" at 0x[0-9a-f]+", "", str(inspect.signature(inspect.unwrap(obj))))
+    except (TypeError, ValueError):  # a builtin without a signature
+        return "<no signature>"
+
+
+def test_private_torch_names_exist():
+    missing = [f"{name} (used by hf_fsdp2/{user})" for name, obj, user in private_torch_names() if obj is _ABSENT]
     assert not missing, "torch no longer has: " + "; ".join(missing)
 
 
+def test_private_torch_signatures_are_recorded():
+    """A private torch function whose signature is not one we checked fails by name, as a seam does."""
+    import torch
+
+    known = json.loads(PRIVATE_RECORD.read_text())
+    changed = []
+    for name, obj, user in private_torch_names():
+        signature = private_signature(obj)
+        if obj is _ABSENT or signature is None:
+            continue
+        entry = known.get(name)
+        if entry is None or signature not in entry["signature"]:
+            changed.append(f"{name} (used by hf_fsdp2/{user}) on torch {torch.__version__}: {signature[:100]}; "
+                           f"recorded on {entry['checked_on'] if entry else 'none'}")
+    assert not changed, ("private torch signatures not reviewed for this version; read the code that uses each, "
+                         "then record (python -m tests.test_upstream_contracts --record):\n" + "\n".join(changed))
+
+
 def record() -> None:
+    import torch
+
+    private = json.loads(PRIVATE_RECORD.read_text()) if PRIVATE_RECORD.exists() else {}
+    for name, obj, _ in private_torch_names():
+        signature = private_signature(obj)
+        if obj is _ABSENT or signature is None:
+            continue
+        entry = private.setdefault(name, {"signature": [], "checked_on": []})
+        for key, value in (("signature", signature), ("checked_on", f"torch {torch.__version__}")):
+            if value not in entry[key]:
+                entry[key].append(value)
+    PRIVATE_RECORD.write_text(json.dumps(private, indent=1, sort_keys=True) + "\n")
     known = json.loads(RECORD.read_text()) if RECORD.exists() else {}
     for target, fn, checked_on in checked_seams():
         entry = known.setdefault(target, {"signature": [], "source_sha256": [], "checked_on": []})

@@ -28,7 +28,7 @@ import dataclasses
 import torch
 import torch.nn as nn
 
-from ..runtime import upstream
+from ..runtime import fsdp_state, upstream
 from ..runtime.distributed import reshard
 
 INSTALL_HINT = "pip install 'torchao>=0.17' (or pip install -e '.[fp8]' in the hf_fsdp2 checkout)"
@@ -149,5 +149,5 @@ def gather_float8_as_bytes(model: nn.Module) -> None:
 
     comm = _byte_view_all_gather()
     for module in model.modules():
-        if isinstance(module, FSDPModule) and module._get_fsdp_state()._fsdp_param_group is not None:
+        if isinstance(module, FSDPModule) and fsdp_state.param_groups(module._get_fsdp_state()):
             module.set_custom_all_gather(comm)

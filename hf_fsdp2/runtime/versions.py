@@ -15,7 +15,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 # package -> (oldest supported (major, minor), newest tested (major, minor))
 SUPPORTED: dict[str, tuple[tuple[int, int], tuple[int, int]]] = {
-    "torch": ((2, 13), (2, 15)),  # the only torch with a CPU wheel here: older ones are untested, so refused
+    "torch": ((2, 11), (2, 15)),  # 2.11: the GPU machine's image (constraints-gpu-image.txt), a CUDA build from PyPI that runs on CPU
     # The oldest: LLaMA-Factory 0.9.5's caps (constraints-min.txt); 4.57 and 5.0 fail tests (README).
     "transformers": ((5, 6), (5, 23)),
     "accelerate": ((1, 11), (1, 15)),

@@ -289,7 +289,7 @@ class _JointPasses:
             node.meta["ac_graph_id"] = layer + 1
 
     def _tag_gathers(self, gm: torch.fx.GraphModule) -> None:
-        from torch._inductor.fx_passes.bucketing import is_all_gather_into_tensor, is_fsdp_all_gather, is_wait_tensor
+        from torch._inductor.fx_passes.bucketing import is_all_gather_into_tensor, is_wait_tensor
         from torch.utils.checkpoint import CheckpointPolicy
 
         policy = CheckpointPolicy.MUST_RECOMPUTE if self.reshard else CheckpointPolicy.MUST_SAVE
@@ -300,7 +300,7 @@ class _JointPasses:
 
         for node in list(gm.graph.nodes):
             if not (is_wait_tensor(node) and is_all_gather_into_tensor(node.args[0])
-                    and is_fsdp_all_gather(node.args[0])):
+                    and _is_fsdp_all_gather(node.args[0])):
                 continue
             gather = node.args[0]
             tag(gather)
@@ -365,3 +365,22 @@ def say_no_sync_reduces() -> None:
 
 
 __all__ = ["apply", "gathered_once", "is_traced", "unsupported"]
+
+
+def _is_fsdp_all_gather(gather: torch.fx.Node) -> bool:
+    """torch's test that an all-gather gathers a parameter (one placeholder among its ancestors). torch 2.13+
+    finds the ancestors itself; 2.11 and 2.12 take a map of every node's ancestors, built here for this one."""
+    import inspect
+
+    from torch._inductor.fx_passes.bucketing import is_fsdp_all_gather
+    from torch.utils._ordered_set import OrderedSet
+
+    if inspect.signature(is_fsdp_all_gather).parameters["all_node_ancestors"].default is not inspect.Parameter.empty:
+        return is_fsdp_all_gather(gather)
+    ancestors, stack = OrderedSet(), list(gather.all_input_nodes)
+    while stack:
+        node = stack.pop()
+        if node not in ancestors:
+            ancestors.add(node)
+            stack.extend(node.all_input_nodes)
+    return is_fsdp_all_gather(gather, {gather: ancestors})

@@ -27,7 +27,7 @@ from typing import Iterator
 import torch
 import torch.nn as nn
 
-from ..runtime import collectives, upstream
+from ..runtime import collectives, fsdp_state, upstream
 from ..runtime.distributed import reshard
 from . import compiled_collectives, compute_cast
 
@@ -86,7 +86,7 @@ def _gathered_bytes(group: nn.Module) -> int:
     # FSDP2 gathers floating-point parameters in the policy's param_dtype, others as they are
     # (torch/distributed/fsdp/_fully_shard/_fsdp_param.py: init_dtype_attrs).
     total = 0
-    for param_group in group._get_fsdp_state()._fsdp_param_groups:
+    for param_group in fsdp_state.param_groups(group._get_fsdp_state()):
         for fsdp_param in param_group.fsdp_params:
             dtype = fsdp_param.sharded_param.dtype  # orig_dtype is set only at lazy init
             if dtype.is_floating_point and param_group.mp_policy.param_dtype is not None:
@@ -209,13 +209,13 @@ def _handles(state) -> list:
 
 def _cast_inputs(state):
     def hook(module, args, kwargs):
-        return state._cast_forward_inputs(args, kwargs)
+        return fsdp_state.cast_forward_inputs(state, args, kwargs)
     return hook
 
 
 def _cast_output(state):
     def hook(module, args, output):
-        return state._cast_output_dtype(output)
+        return fsdp_state.cast_output(state, output)
     return hook
 
 
@@ -223,12 +223,12 @@ def _reshard_setting(group: nn.Module):
     # FSDP2 keeps the setting per parameter group (`post_forward_mesh_info`: None = keep unsharded, else
     # the mesh to reshard to) plus the root's automatic choice; set_reshard_after_forward overwrites both.
     state = group._get_fsdp_state()
-    return state._auto_reshard_after_forward, [g.post_forward_mesh_info for g in state._fsdp_param_groups]
+    return state._auto_reshard_after_forward, [g.post_forward_mesh_info for g in fsdp_state.param_groups(state)]
 
 
 def _restore_reshard_setting(group: nn.Module, setting) -> None:
     auto, infos = setting
     state = group._get_fsdp_state()
     state._auto_reshard_after_forward = auto
-    for param_group, info in zip(state._fsdp_param_groups, infos):
+    for param_group, info in zip(fsdp_state.param_groups(state), infos):
         param_group.post_forward_mesh_info = info
