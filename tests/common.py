@@ -146,10 +146,12 @@ def assert_close_dicts(actual: dict, expected: dict, atol: float, rtol: float = 
         torch.testing.assert_close(actual[k], expected[k], atol=atol, rtol=rtol, msg=lambda m, k=k: f"{k}: {m}")
 
 
-# The collective FSDP2's all-gather calls (_fsdp_collectives.DefaultAllGather): dist.all_gather_single from
-# torch 2.13, dist.all_gather_into_tensor in 2.11 and 2.12; counted under its own name. SENT_ARG: which
+# The collectives FSDP2's all-gather and reduce-scatter call (_fsdp_collectives.DefaultAllGather and
+# DefaultReduceScatter): dist.all_gather_single / reduce_scatter_single from torch 2.13,
+# all_gather_into_tensor / reduce_scatter_tensor in 2.11 and 2.12; each counted under its own name. SENT_ARG: which
 # argument is the tensor a rank sends.
 FSDP_ALL_GATHER = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+FSDP_REDUCE_SCATTER = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
 SENT_ARG = {"all_gather_single": -1, "all_gather_into_tensor": 1}
 
 

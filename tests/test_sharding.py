@@ -11,7 +11,8 @@ import hf_fsdp2
 from hf_fsdp2 import FSDP2Config, shard_model
 
 from .common import (
-    FSDP_ALL_GATHER, assert_close_dicts, batches, build_model, count_collectives, full_params, local_rows, lora, optimizer,
+    FSDP_ALL_GATHER, FSDP_REDUCE_SCATTER, assert_close_dicts, batches, build_model, count_collectives, full_params,
+    local_rows, lora, optimizer,
     plain_params, reference_train, sharded_train,
 )
 from .dist_harness import run_ranks
@@ -190,7 +191,7 @@ def test_lora_frozen_and_adapters_gathered_together():
     r = out[0]
     assert r["fwd"][FSDP_ALL_GATHER] == r["expected_groups"], r["fwd"]
     # Only the decoder-layer groups hold trainable LoRA weights: only they are reduce-scattered.
-    assert r["bwd"]["reduce_scatter_single"] == r["expected_groups"] - 2, r["bwd"]
+    assert r["bwd"][FSDP_REDUCE_SCATTER] == r["expected_groups"] - 2, r["bwd"]
     assert r["kinds"] == {(False, torch.float32), (True, torch.float32)}
     assert r["frozen_grads"] == [] and r["missing_grads"] == []
     assert r["losses"] == pytest.approx(ref_losses_full, abs=LOSS_ATOL)
@@ -219,7 +220,7 @@ def _no_sync_worker(rank, world):
         first, second = ids.chunk(2)
         with count_collectives() as inside, hf_fsdp2.no_sync(model):
             (model(input_ids=first, labels=first).loss / 2).backward()
-        scatters_inside.append(inside["reduce_scatter_single"] + inside["all_reduce"])
+        scatters_inside.append(inside[FSDP_REDUCE_SCATTER] + inside["all_reduce"])
         (model(input_ids=second, labels=second).loss / 2).backward()
         opt.step()
         opt.zero_grad()
