@@ -30,7 +30,7 @@ bf16. A missed target says by how much, and the step's profile (top CUDA kernels
 
 On the GPU machine (torch 2.11, transformers 5.17, accelerate 1.15, peft, safetensors; no datasets, trl,
 bitsandbytes or torchao; nothing can be downloaded there) hf_fsdp2 runs from the checkout (this script puts
-it on sys.path). FP8 needs torchao, carried as a wheel (~8 MiB); here, from the repository root:
+it on sys.path). FP8 needs torchao, carried as a wheel (3 MiB); here, from the repository root:
     echo /.whl/ >> .git/info/exclude   # .gitignore has it too
     python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \\
         --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .whl torchao==0.17.0

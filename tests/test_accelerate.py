@@ -167,6 +167,35 @@ def test_lora_yaml_saves_an_adapter_peft_loads(tmp_path):
     assert any("lora_A" in n for n, _ in model.named_parameters())
 
 
+def test_hf_fsdp2_from_pretrained_then_prepare_as_the_yaml_recommends(tmp_path):
+    """accelerate_configs/fsdp2.yaml's own advice ("for no full copy per rank, load with hf_fsdp2.from_pretrained"):
+    the model arrives at prepare sharded, and is kept as it is (Accelerate's wrap-class lookup, which fails on
+    FSDP<Name> classes, is skipped). Full fine-tune and LoRA (peft_config) train as one process does; a setting the
+    sharded model cannot take is refused by name with the config to load it with."""
+    from peft import PeftModel
+
+    from .dist_harness import run_launched
+
+    build_model().save_pretrained(tmp_path / "base")
+    out = launch("fsdp2.yaml", 2, tmp_path / "a.json", "--steps", "3", "--hf-fsdp2-from-pretrained",
+                 str(tmp_path / "base"), "--save-model", str(tmp_path / "model"))
+    assert out["all_dtensor"] and out["opt_params_are_model_params"] and out["mesh"] == [2]
+    assert out["losses"] == pytest.approx(reference_losses(3), abs=1e-4)
+    lora_out = launch("fsdp2_lora.yaml", 2, tmp_path / "b.json", "--steps", "2", "--hf-fsdp2-from-pretrained",
+                      str(tmp_path / "base"), "--lora", "--lora-zero-b", "--save-model", str(tmp_path / "adapter"))
+    assert lora_out["losses"][0] == pytest.approx(reference_losses(1)[0], abs=1e-4)  # B = 0: the base's loss
+    trained_b = [p for n, p in PeftModel.from_pretrained(build_model(), tmp_path / "adapter").named_parameters()
+                 if "lora_B" in n]
+    assert trained_b and all(p.abs().sum() > 0 for p in trained_b)
+    cmd = accelerate_launch(CONFIGS / "fsdp2.yaml", "--mixed_precision", "bf16", processes=2) + [
+        str(SCRIPT), "--out", str(tmp_path / "c.json"), "--steps", "1", "--hf-fsdp2-from-pretrained",
+        str(tmp_path / "base")]
+    refused = run_launched(cmd, cwd=ROOT, check=False, timeout=300)
+    assert refused.returncode != 0
+    assert "`param_dtype`=torch.bfloat16 where the model has None" in refused.stderr, refused.stderr[-3000:]
+    assert "FSDP2Config(param_dtype=torch.bfloat16)" in refused.stderr
+
+
 def test_hsdp_yaml_as_2x2_on_one_machine_and_as_two_machines(tmp_path):
     reference = reference_losses(3)
     out = launch("hsdp.yaml", 4, tmp_path / "one.json", "--steps", "3", launch_args=("--num_machines", "1"))

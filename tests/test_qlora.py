@@ -8,6 +8,7 @@ QLoRA on the same quantized weights, and the 2-rank launch resumes the 4-rank la
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 
@@ -293,6 +294,25 @@ def test_accelerate_qlora_yaml_shards_the_4bit_base(bf16_dir, tmp_path):
     ids = batches(steps=1, seed=3)[0]
     with torch.no_grad():
         torch.testing.assert_close(reloaded(input_ids=ids).logits, model(input_ids=ids).logits, atol=2e-4, rtol=0)
+
+
+def test_qlora_yaml_with_hf_fsdp2_from_pretrained_as_it_recommends(bf16_dir, tmp_path):
+    """fsdp2_qlora.yaml, as shipped (bf16 compute, activation checkpointing), with the loading its comment
+    recommends: hf_fsdp2.from_pretrained(..., FSDP2Config(<the file's settings>), quantization_config=...,
+    peft_config=...), then prepare keeps the sharded model. The 4-bit rows are each rank's, the adapters train,
+    and PEFT loads what save_model wrote."""
+    from tests.launched_runs import launch
+
+    out = launch("fsdp2_qlora.yaml", 2, tmp_path / "a.json", "--steps", "3", "--lora", "--lora-zero-b",
+                 "--hf-fsdp2-from-pretrained", str(bf16_dir), "--load-in-4bit", "--save-model",
+                 str(tmp_path / "adapter"), "--fsdp2-config",
+                 json.dumps({"param_dtype": "bf16", "activation_checkpointing": True}))
+    assert out["all_dtensor"] and out["packed_4bit_rows"]
+    assert all(local == rows // 2 for local, rows in out["packed_4bit_rows"])
+    assert all(math.isfinite(x) for x in out["losses"]) and out["losses"][-1] != out["losses"][0]
+    reloaded = PeftModel.from_pretrained(stock_4bit(bf16_dir, bnb_4bit_quant_type="nf4"), tmp_path / "adapter")
+    trained_b = [p for n, p in reloaded.named_parameters() if "lora_B" in n]
+    assert trained_b and all(p.abs().sum() > 0 for p in trained_b)
 
 
 # ---------------------------------------------------------------------------------------------

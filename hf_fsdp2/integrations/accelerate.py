@@ -29,7 +29,7 @@ from ..config import FSDP2Config
 from ..runtime.distributed import build_mesh
 from ..checkpoint.pretrained import save_pretrained
 from ..checkpoint.rank0_loading import shard_from_rank0
-from . import deferred_load, fsdp1_configs
+from . import deferred_load, fsdp1_configs, presharded
 from . import trl as trl_backend
 from .accelerate_settings import AccelerateSettings, fsdp2_values, layer_names
 from ..quantization import bnb_optimizers, fp8
@@ -371,7 +371,9 @@ def _prepare_fsdp2(self, *args):
     plugin.transformer_cls_names_to_wrap = names
     deferred = model is not None and deferred_load.deferred_checkpoint(model) is not None
     optimizer_names = deferred_load.optimizer_parameter_names(args, model) if deferred else None
-    with _regional_compilation_in_place(), _wrap_policy_of_a_presharded(model):
+    ours_already = model is not None and is_sharded(model)
+    with (presharded.prepared_as_it_is(model, config_from_accelerator(self), plugin) if ours_already
+          else contextlib.nullcontext()), _regional_compilation_in_place(), _wrap_policy_of_a_presharded(model):
         result = _original("Accelerator", "_prepare_fsdp2")(self, *args)
     if deferred:  # Accelerate maps optimizer parameters by data_ptr(), 0 for every meta parameter
         deferred_load.repoint_optimizers(result, optimizer_names)
@@ -384,10 +386,11 @@ def _prepare_fsdp2(self, *args):
 
 def _wrap_policy_of_a_presharded(model):
     """Accelerate resolves the plugin's wrap classes against the model before sharding
-    (`set_auto_wrap_policy`); a model transformers sharded at load (sharding/adopt.py) has FSDP<Name>
-    classes, so that lookup fails. It is already grouped: the lookup is skipped for it, and `shard_model`
-    checks the plugin's layer names against transformers' groups instead."""
-    if model is None or not sharded_by_transformers(model):
+    (`set_auto_wrap_policy`); a model sharded before prepare, by transformers at load (sharding/adopt.py)
+    or by hf_fsdp2.from_pretrained (presharded.py), has FSDP<Name> classes, so that lookup fails. It is
+    already grouped: the lookup is skipped for it, and its groups are checked against the plugin's
+    settings instead (`shard_model` for transformers', `presharded.keep_presharded` for ours)."""
+    if model is None or not (sharded_by_transformers(model) or is_sharded(model)):
         return contextlib.nullcontext()
     return upstream.scoped("accelerate.utils.dataclasses.FullyShardedDataParallelPlugin.set_auto_wrap_policy",
                            lambda original: lambda plugin, model: None)
@@ -458,7 +461,7 @@ def _prepare_model(self, model, device_placement=None, evaluation_mode=False):
 
 def _fsdp2_prepare_model(accelerator, model: nn.Module) -> nn.Module:
     """Replaces `accelerate.utils.fsdp_utils.fsdp2_prepare_model`: shard with hf_fsdp2."""
-    if is_sharded(model):
+    if is_sharded(model):  # sharded before prepare (hf_fsdp2.from_pretrained: checked in _prepare_fsdp2)
         return model
     config = config_from_accelerator(accelerator)
     ignored = accelerator.state.fsdp_plugin.ignored_modules

@@ -28,6 +28,9 @@ parser.add_argument("--save-state")
 parser.add_argument("--load-state")
 parser.add_argument("--seed", type=int, default=0)
 parser.add_argument("--from-pretrained", help="load the base model with transformers' from_pretrained")
+parser.add_argument("--hf-fsdp2-from-pretrained", help="load (and shard) the base model with hf_fsdp2.from_pretrained "
+                    "before prepare, as accelerate_configs/fsdp2.yaml recommends (with --lora: its peft_config)")
+parser.add_argument("--fsdp2-config", default="{}", help="with --hf-fsdp2-from-pretrained: FSDP2Config fields (JSON)")
 parser.add_argument("--load-in-4bit", action="store_true", help="with --from-pretrained: stock bitsandbytes 4-bit load")
 parser.add_argument("--fsdp-size", type=int, help="with --from-pretrained: transformers shards it at load "
                     "(DistributedConfig(fsdp_size=N))")
@@ -78,9 +81,28 @@ if args.from_pretrained:
     if torch.distributed.is_initialized():
         torch.distributed.all_reduce(on_meta, op=torch.distributed.ReduceOp.MIN)
     loaded_on_meta_everywhere = bool(on_meta.item())
+elif args.hf_fsdp2_from_pretrained:
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM
+
+    peft_config = None
+    if args.lora:  # tests.common.lora's settings, as a config: hf_fsdp2.from_pretrained applies it before sharding
+        torch.manual_seed(args.seed)
+        peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], lora_dropout=0.0,
+                                 init_lora_weights=True if args.lora_zero_b else False)
+    quantized = {}
+    if args.load_in_4bit:  # QLoRA as fsdp2_qlora.yaml recommends: each rank quantizes only its rows
+        from transformers import BitsAndBytesConfig
+
+        quantized = dict(quantization_config=BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+            bnb_4bit_quant_storage=torch.bfloat16, bnb_4bit_compute_dtype=torch.bfloat16))
+    model = hf_fsdp2.from_pretrained(AutoModelForCausalLM, args.hf_fsdp2_from_pretrained,
+                                     hf_fsdp2.FSDP2Config(**json.loads(args.fsdp2_config)), peft_config=peft_config,
+                                     **quantized)
 else:
     model = build_model(seed=args.seed)
-if args.lora:
+if args.lora and not args.hf_fsdp2_from_pretrained:
     model = lora(model, seed=args.seed, **({"init_lora_weights": True} if args.lora_zero_b else {}))
 if args.scramble_other_ranks and accelerator.process_index != 0:
     with torch.no_grad():
@@ -163,14 +185,14 @@ report = {
     "reshard_after_forward": getattr(getattr(record_of(model), "config", None), "reshard_after_forward", None),
     "loaded_on_meta_everywhere": loaded_on_meta_everywhere if args.from_pretrained else None,
 }
-from tests.common import count_collectives  # noqa: E402
+from tests.common import FSDP_REDUCE_SCATTER, count_collectives  # noqa: E402
 
 if args.accum > 1:  # an accumulation micro-step inside accelerator.accumulate(): no reduce-scatter
     ids = next(iter(data))
     with count_collectives() as calls, accelerator.accumulate(model):
         assert not accelerator.sync_gradients
         accelerator.backward(model(input_ids=ids, labels=ids).loss)
-    report["reduce_scatters_in_accumulation_step"] = calls["reduce_scatter_single"]
+    report["reduce_scatters_in_accumulation_step"] = calls[FSDP_REDUCE_SCATTER]
     opt.zero_grad()
 report["state_dict_keys"] = len(accelerator.get_state_dict(model))
 if args.save_model:

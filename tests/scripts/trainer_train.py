@@ -29,6 +29,7 @@ class ScriptArguments:
     eval: bool = False
     load_in_4bit: str | None = None  # a float model directory, loaded by stock transformers in 4-bit (QLoRA)
     model_shape: str | None = None  # JSON: LlamaConfig overrides of the tiny model (tests.common.tiny_config)
+    hf_fsdp2_from_pretrained: str | None = None  # a model directory, loaded and sharded by hf_fsdp2.from_pretrained
 
 
 def main():
@@ -40,9 +41,17 @@ def main():
         model = AutoModelForCausalLM.from_pretrained(script.load_in_4bit, device_map="cpu", dtype=torch.float32,
                                                      quantization_config=BitsAndBytesConfig(
                                                          load_in_4bit=True, bnb_4bit_compute_dtype=torch.float32))
+    elif script.hf_fsdp2_from_pretrained:  # sharded before the Trainer sees it: no rank holds the whole model
+        from peft import LoraConfig
+        from transformers import AutoModelForCausalLM
+
+        peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"],
+                                 lora_dropout=0.0) if script.lora else None
+        model = hf_fsdp2.from_pretrained(AutoModelForCausalLM, script.hf_fsdp2_from_pretrained,
+                                         peft_config=peft_config)
     else:
         model = build_model(**json.loads(script.model_shape or "{}"))
-    if script.lora:
+    if script.lora and not script.hf_fsdp2_from_pretrained:
         model = lora(model)
     rows = torch.cat(batches(steps=12, batch=8))
     dataset = [{"input_ids": r, "labels": r} for r in rows]
