@@ -174,8 +174,6 @@ def test_hf_fsdp2_from_pretrained_then_prepare_as_the_yaml_recommends(tmp_path):
     sharded model cannot take is refused by name with the config to load it with."""
     from peft import PeftModel
 
-    from .dist_harness import run_launched
-
     build_model().save_pretrained(tmp_path / "base")
     out = launch("fsdp2.yaml", 2, tmp_path / "a.json", "--steps", "3", "--hf-fsdp2-from-pretrained",
                  str(tmp_path / "base"), "--save-model", str(tmp_path / "model"))
@@ -187,13 +185,23 @@ def test_hf_fsdp2_from_pretrained_then_prepare_as_the_yaml_recommends(tmp_path):
     trained_b = [p for n, p in PeftModel.from_pretrained(build_model(), tmp_path / "adapter").named_parameters()
                  if "lora_B" in n]
     assert trained_b and all(p.abs().sum() > 0 for p in trained_b)
-    cmd = accelerate_launch(CONFIGS / "fsdp2.yaml", "--mixed_precision", "bf16", processes=2) + [
-        str(SCRIPT), "--out", str(tmp_path / "c.json"), "--steps", "1", "--hf-fsdp2-from-pretrained",
-        str(tmp_path / "base")]
-    refused = run_launched(cmd, cwd=ROOT, check=False, timeout=300)
-    assert refused.returncode != 0
-    assert "`param_dtype`=torch.bfloat16 where the model has None" in refused.stderr, refused.stderr[-3000:]
-    assert "FSDP2Config(param_dtype=torch.bfloat16)" in refused.stderr
+
+
+def test_a_presharded_model_refuses_settings_it_cannot_take_by_name():
+    """What prepare checks for a model sharded before it (integrations/presharded.py): a setting that differs
+    is named with the config to load with; unset choices and planner inputs agree with anything; DDP's
+    reducer settings count only for a model on the reducer."""
+    from hf_fsdp2.integrations import presharded
+
+    have = FSDP2Config(layer_cls_names=["LlamaDecoderLayer"], shard_size=2)
+    assert presharded.differing_settings(have, FSDP2Config(shard_size="auto", memory_budget="1GB", async_save=True),
+                                         on_reducer=False) == {}
+    assert presharded.differing_settings(have, FSDP2Config(find_unused_parameters=True), on_reducer=False) == {}
+    assert presharded.differing_settings(have, FSDP2Config(find_unused_parameters=True), on_reducer=True) == {
+        "find_unused_parameters": (False, True)}
+    assert presharded.differing_settings(have, FSDP2Config(param_dtype="bf16", layer_cls_names=["X"]),
+                                         on_reducer=False) == {"param_dtype": (None, torch.bfloat16),
+                                                               "layer_cls_names": (("LlamaDecoderLayer",), ("X",))}
 
 
 def test_hsdp_yaml_as_2x2_on_one_machine_and_as_two_machines(tmp_path):

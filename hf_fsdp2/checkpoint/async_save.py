@@ -44,7 +44,7 @@ from .safetensors_io import TensorSpec
 @dataclass(frozen=True)
 class StagedTensor:
     """A file tensor's rows this rank writes, already copied off the live parameters. Quacks like
-    `ExportTensor` for `write_tensors` (name, spec, rows(), block())."""
+    `ExportTensor` for `write_tensors` (name, spec, rows(), cols(), block())."""
 
     name: str
     spec: TensorSpec

@@ -14,7 +14,7 @@ builds an `ExportTensor` or calls back into another.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 import torch.nn as nn
@@ -71,7 +71,8 @@ def _merged_items(model: nn.Module, dtype: torch.dtype | None) -> list[ExportTen
                                       _dequantized_rows(module, delta), shape=(spec.out_features, spec.in_features)))
             continue
         item = _item(hf_name, tensor, dtype)
-        items.append(item if delta is None else dataclasses.replace(item, local_rows=_merged_rows(tensor, delta, cache)))
+        items.append(item if delta is None else dataclasses.replace(
+            item, local_rows=_merged_rows(tensor, delta, cache), local_pieces=_merged_pieces(tensor, delta)))
     return items
 
 
@@ -96,9 +97,47 @@ def _merged_rows(weight: torch.Tensor, delta: RowsDelta, cache: dict) -> Callabl
     return compute
 
 
+MERGE_CHUNK_BYTES = 8 << 20  # fp32 delta per piece of a merge: small buffers the allocator reuses
+
+
+def _merged_pieces(weight: torch.Tensor, delta: RowsDelta) -> Callable[[], Iterator[tuple[int, torch.Tensor]]]:
+    """This rank's merged rows piece by piece, for the writer to overlap with (weights_io.py): each piece
+    computed into one of two buffers used in turn, so a merged save allocates no block-sized tensor (fresh
+    block-sized buffers are page-faulted in on every save: at 1B parameters most of a merged save's time)."""
+    def pieces() -> Iterator[tuple[int, torch.Tensor]]:
+        start, _ = row_range(weight)
+        rows = local_tensor(weight)
+        buffers: list[torch.Tensor] = []
+        for i, (lo, hi) in enumerate(_row_chunks(rows)):
+            if len(buffers) < 2:
+                buffers.append(torch.empty_like(rows[lo:hi]))
+            out = buffers[i % 2][:hi - lo]
+            yield lo, _add_delta_into(out, rows[lo:hi], delta, start + lo, start + hi)
+    return pieces
+
+
+def _row_chunks(rows: torch.Tensor) -> list[tuple[int, int]]:
+    n = rows.shape[0]
+    step = max(1, MERGE_CHUNK_BYTES // max(1, rows[:1].numel() * 4))
+    return [(lo, min(n, lo + step)) for lo in range(0, n, step)]
+
+
+def _add_delta_into(out: torch.Tensor, rows: torch.Tensor, delta: RowsDelta, start: int, stop: int) -> torch.Tensor:
+    """out = rows + delta(start, stop), added in fp32, cast to out's dtype: into an fp32 copy of the rows in
+    one BLAS call where the delta can (`LinearRowsDelta.add_into`), else in place on the fresh fp32 delta."""
+    add_into = getattr(delta, "add_into", None)
+    if add_into is not None:  # copy=True: fp32 rows would otherwise be the model's own, changed in place
+        return out.copy_(add_into(rows.to(torch.float32, copy=True), start, stop))
+    return out.copy_(delta(start, stop).to(rows.device).add_(rows))
+
+
 def _plus_delta(rows: torch.Tensor, delta: RowsDelta, start: int, stop: int) -> torch.Tensor:
-    """Base rows [start, stop) + the adapter's delta of those rows, added in fp32, in the rows' dtype."""
-    return (rows.float() + delta(start, stop).to(rows.device)).to(rows.dtype)
+    """Base rows [start, stop) + the adapter's delta of those rows, added in fp32, in the rows' dtype: by
+    chunks of rows into one output (no block-sized fp32 tensor)."""
+    out = torch.empty_like(rows)
+    for lo, hi in _row_chunks(rows):
+        _add_delta_into(out[lo:hi], rows[lo:hi], delta, start + lo, start + hi)
+    return out
 
 
 def _as_on_disk(model: nn.Module, items: list[ExportTensor]) -> list[ExportTensor]:

@@ -11,6 +11,8 @@ to a row range:
   einsum("o r e, e r i -> e i o" or "-> e o i") of B viewed [out, r, E] and A viewed [E, r, in];
   FSDP2's dim-0 shards of such a parameter are whole experts.
 Other types (DoRA, multi-head attention) are refused by name: save the adapter instead.
+Each delta is a new tensor, scaled in place (the same values as PEFT's `(B @ A) * scaling`, one allocation
+fewer): export_plan.py adds the base rows into it in place.
 """
 
 from __future__ import annotations
@@ -24,11 +26,25 @@ from torch.distributed.tensor import DTensor
 
 from ..quantization import bnb_4bit
 
-RowsDelta = Callable[[int, int], torch.Tensor]  # (first row, stop row) -> float32 delta of those rows
+RowsDelta = Callable[[int, int], torch.Tensor]  # (first row, stop row) -> a new float32 tensor: the delta of those rows
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if isinstance(t, DTensor) else t).detach().float()
+
+
+class LinearRowsDelta:
+    """A `Linear`'s delta by rows, B[lo:hi] @ A * s, which `add_into` adds to fp32 rows in one BLAS call
+    (addmm: alpha = s), the pass over the rows a separate product, scale and add would make three times."""
+
+    def __init__(self, a: torch.Tensor, b: torch.Tensor, scaling: float):
+        self.a, self.b, self.scaling = a, b, scaling
+
+    def __call__(self, lo: int, hi: int) -> torch.Tensor:
+        return (self.b[lo:hi] @ self.a).mul_(self.scaling)
+
+    def add_into(self, rows32: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+        return rows32.addmm_(self.b[lo:hi].to(rows32.device), self.a.to(rows32.device), alpha=self.scaling)
 
 
 def _delta_of(module: nn.Module, adapter: str) -> tuple[torch.Tensor, RowsDelta]:
@@ -44,20 +60,20 @@ def _delta_of(module: nn.Module, adapter: str) -> tuple[torch.Tensor, RowsDelta]
     if isinstance(module, ParamWrapper):
         a, b = _full(module.lora_A[adapter].weight), _full(module.lora_B[adapter].weight)
         if module.num_experts == 1:
-            return module.get_param(), lambda lo, hi: (b[lo:hi] @ a) * scaling
+            return module.get_param(), lambda lo, hi: (b[lo:hi] @ a).mul_(scaling)
         experts = module.num_experts
         a3, b3 = a.reshape(experts, -1, a.shape[-1]), b.reshape(b.shape[0], -1, experts)
         # PEFT swaps in/out for [experts, out, in] parameters (`_did_swap_in_out_features`); PEFT < 0.19 never
         # swaps (no such attribute) and its get_delta_weight is always "-> e i o".
         swapped = getattr(module, "_did_swap_in_out_features", False)
         equation = "o r e, e r i -> e o i" if swapped else "o r e, e r i -> e i o"
-        return module.get_param(), lambda lo, hi: torch.einsum(equation, b3[:, :, lo:hi], a3[lo:hi]) * scaling
+        return module.get_param(), lambda lo, hi: torch.einsum(equation, b3[:, :, lo:hi], a3[lo:hi]).mul_(scaling)
     if isinstance(module, Linear) or bnb_4bit.is_sharded_4bit(module.get_base_layer()):
         # PEFT's 4-bit LoRA layer (peft/tuners/lora/bnb.py: Linear4bit.get_delta_weight) is Linear's delta.
         a, b = _full(module.lora_A[adapter].weight), _full(module.lora_B[adapter].weight)
         if module.fan_in_fan_out:  # weight is [in, out]: its rows are A's columns
-            return module.get_base_layer().weight, lambda lo, hi: (b @ a[:, lo:hi]).T * scaling
-        return module.get_base_layer().weight, lambda lo, hi: (b[lo:hi] @ a) * scaling
+            return module.get_base_layer().weight, lambda lo, hi: (b @ a[:, lo:hi]).T.mul_(scaling)
+        return module.get_base_layer().weight, LinearRowsDelta(a, b, scaling)
     if isinstance(module, _ConvNd):  # delta row o (out channel) needs B[o] only
         a, b = _full(module.lora_A[adapter].weight), _full(module.lora_B[adapter].weight)
         weight = module.get_base_layer().weight
@@ -66,7 +82,7 @@ def _delta_of(module: nn.Module, adapter: str) -> tuple[torch.Tensor, RowsDelta]
                 :, :, None, None] * scaling
         if module.get_base_layer().groups > 1:  # PEFT's grouped form is not row-separable: whole delta, sliced
             delta = module.conv_fn(a.transpose(0, 1), b) * scaling
-            return weight, lambda lo, hi: delta[lo:hi]
+            return weight, lambda lo, hi: delta[lo:hi].clone()  # a fresh tensor, as every delta here: added to in place
         return weight, lambda lo, hi: module.conv_fn(a.transpose(0, 1), b[lo:hi]).transpose(0, 1) * scaling
     if isinstance(module, Embedding):
         a, b = _full(module.lora_embedding_A[adapter]), _full(module.lora_embedding_B[adapter])

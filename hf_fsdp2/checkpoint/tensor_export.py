@@ -9,7 +9,7 @@ block of rows; under replication only the replica at coordinate 0 writes.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 import torch.nn as nn
@@ -38,6 +38,9 @@ class ExportTensor:
     # The file tensor's shape when `local_rows` computes rows of another shape than `tensor`'s (a
     # 4-bit weight's packed rows written dequantized); the rows are `tensor`'s rows.
     shape: tuple[int, ...] | None = None
+    # `local_rows` piece by piece: (first row, relative to this rank's, rows) pairs, each valid until the
+    # next is asked for (a merged adapter computes them into reused buffers; see `pieces`).
+    local_pieces: Callable[[], Iterator[tuple[int, torch.Tensor]]] | None = None
 
     @property
     def spec(self) -> TensorSpec:
@@ -58,6 +61,15 @@ class ExportTensor:
         if self.local_rows is None and self.view is None and is_writer(self.tensor):
             return block_range(self.tensor)[2]
         return None
+
+    def pieces(self) -> Iterator[tuple[int, torch.Tensor]]:
+        """This rank's rows of the file tensor as (first row relative to `rows()[0]`, rows) pieces: computed
+        piece by piece where they can be (a merged adapter), else `block()` whole. A piece may be overwritten
+        once the next one is asked for: write it before."""
+        if self.local_pieces is not None and self.view is None:
+            yield from self.local_pieces()
+        else:
+            yield 0, self.block()
 
     def block(self) -> torch.Tensor:
         """This rank's rows of the file tensor (those `rows()` names; only `cols()` of them)."""

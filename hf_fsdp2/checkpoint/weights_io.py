@@ -6,7 +6,9 @@ each rank's rows of the export plan's tensors (export_plan.py) into safetensors 
 
 from __future__ import annotations
 
+import contextlib
 import copy
+from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Sequence
 
@@ -68,18 +70,48 @@ def write_tensors(items: Sequence[ExportTensor], directory: Path, *, weights_nam
     total = sum(layout.specs[name].row_bytes * (stop - start) for layout, name, start, stop in work)
     # no_grad: writing reads parameters; autograd bookkeeping (views of leaves that require grad) is
     # useless here and takes per-tensor locks other threads may hold.
-    with _progress(total, f"saving {directory.name} (rank 0 share)", progress) as bar, torch.no_grad():
+    # Rows computed at write time (a merged adapter, dequantized 4-bit) overlap with the writes on a thread of
+    # their own; rows read as they are (a plain model, staged rows of a background save, which may run at
+    # interpreter exit, when no thread can be started) are written here.
+    computed = any(getattr(item, "local_rows", None) is not None for item in items)
+    with _progress(total, f"saving {directory.name} (rank 0 share)", progress) as bar, torch.no_grad(), \
+            (ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf_fsdp2-write") if computed
+             else contextlib.nullcontext()) as io:
         for layout in layouts:
             with FileWriter(directory / layout.filename, layout, create=collectives.rank() == 0, durable=durable) as writer:
-                for lay, name, start, stop in work:
-                    if lay is not layout or stop <= start:
-                        continue
-                    item = by_name[name]
-                    bar.update(writer.write_block(name, start, item.cols(), item.block()))
+                blocks = ((name, start, by_name[name]) for lay, name, start, stop in work
+                          if lay is layout and stop > start)
+                if io is None:
+                    for name, start, item in blocks:
+                        bar.update(writer.write_block(name, start, item.cols(), item.block()))
+                else:
+                    _write_overlapped(writer, blocks, io, bar)
     if index is not None and collectives.rank() == 0:
         if total_parameters is not None:  # stock save_pretrained: {"total_parameters", "total_size"}
             index["metadata"] = {"total_parameters": total_parameters, **index["metadata"]}
         write_json(directory / (weights_name + INDEX_SUFFIX), index, durable=durable)
+
+
+def _write_overlapped(writer: FileWriter, blocks, io: ThreadPoolExecutor, bar) -> None:
+    """Each item's rows computed here, piece by piece (`ExportTensor.pieces`), while the previous piece is
+    written on `io`'s thread: a merged LoRA block (base rows + B @ A, checkpoint/export_plan.py) or a
+    dequantized 4-bit one costs CPU time that would otherwise add to the disk's; pwrite and torch's kernels
+    release the GIL. A piece is written before the next-but-one is computed (the merge reuses two buffers);
+    every write has ended before the file is closed."""
+    pending = None
+    try:
+        for name, start, item in blocks:
+            for offset, piece in item.pieces():
+                args = (name, start + offset, item.cols(), piece)
+                if pending is not None:
+                    bar.update(pending.result())
+                pending = io.submit(writer.write_block, *args)
+        if pending is not None:
+            bar.update(pending.result())
+            pending = None
+    finally:
+        if pending is not None:  # an error while computing: the write in flight ends before the file closes
+            wait([pending])
 
 
 def write_configs(model: nn.Module, directory: Path, is_adapter: bool, dtype: torch.dtype | None) -> None:
