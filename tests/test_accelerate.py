@@ -106,6 +106,28 @@ def test_cpu_ram_efficient_loading_under_auto_loads_each_ranks_rows_at_prepare(t
     assert trained_b and all(p.abs().sum() > 0 for p in trained_b)  # B moved from its zero init
 
 
+def test_a_trained_adapter_loaded_before_prepare_under_deferred_loading_is_kept(tmp_path):
+    """Issue 48: with the deferred load (auto layout + ram-efficient loading) the base is on meta until prepare;
+    PeftModel.from_pretrained(base, trained_adapter, is_trainable=True) copied the adapter into meta tensors
+    (a no-op) and prepare initialised a fresh one. Its values are now kept at the load and restored at prepare:
+    the first loss is the trained adapter's, as one process computes it."""
+    from peft import PeftModel
+
+    from .common import lora
+
+    build_model().save_pretrained(tmp_path / "base")
+    lora(build_model()).save_pretrained(tmp_path / "trained")  # random A and B: it changes the output
+    out = launch("fsdp2.yaml", 2, tmp_path / "a.json", "--steps", "2", "--from-pretrained", str(tmp_path / "base"),
+                 "--adapter", str(tmp_path / "trained"),
+                 launch_args=("--fsdp_cpu_ram_efficient_loading", "true", "--fsdp_sync_module_states", "true"),
+                 env={"HF_FSDP2_SHARD_SIZE": "auto", "HF_FSDP2_MEMORY_BUDGET": "20GB", "HF_FSDP2_PLAN_SEQ_LEN": "16"})
+    assert out["loaded_on_meta_everywhere"] is True
+    trained = reference_losses(2, model=PeftModel.from_pretrained(build_model(), tmp_path / "trained",
+                                                                  is_trainable=True))
+    assert trained[0] != pytest.approx(reference_losses(1)[0], abs=1e-3)  # the adapter matters
+    assert out["losses"] == pytest.approx(trained, abs=1e-4)
+
+
 def test_gradient_accumulation_and_get_state_dict(tmp_path):
     """`accelerator.accumulate()`: micro-steps communicate nothing, and 2 x 4 rows per process equal
     one step of 8; `get_state_dict` still returns the full state dict. The script rebinds Accelerate's

@@ -14,7 +14,9 @@ hub-only arguments) whose checkpoint holds every weight of
 the model in the shapes it builds. Anything else (other keyword arguments, a hub id, .bin files, keys
 missing from the checkpoint) loads as transformers does, said on rank 0 with the reason. What may happen
 between the load and `prepare` is what transformers' ram-efficient loading already allows on the meta
-ranks: PEFT's `get_peft_model` (adapters initialised at prepare by PEFT, rank 0's broadcast), gradient
+ranks: PEFT's `get_peft_model` (adapters initialised at prepare by PEFT, rank 0's broadcast), a saved adapter
+loaded with `PeftModel.from_pretrained` / `AutoPeftModelForCausalLM` (its values kept at the load, restored at
+prepare: `_keep_adapter_values`), gradient
 checkpointing, config changes; anything that needs the weights' values (resizing embeddings, generate)
 does not work before `prepare`.
 """
@@ -62,7 +64,20 @@ def load_on_meta(model_class, path, args: tuple, kwargs: dict) -> nn.Module | No
                          "loading): %s.", getattr(model_class, "__name__", model_class), str(path), why)
         return None
     record_of(model, create=True).deferred_checkpoint = Path(path)
+    model.register_load_state_dict_pre_hook(_keep_adapter_values)
     return model
+
+
+def _keep_adapter_values(module: nn.Module, state_dict: dict, prefix: str, *args) -> None:
+    """Adapter values loaded into the model before prepare (PEFT's `PeftModel.from_pretrained` or
+    `load_adapter` on it, AutoPeftModelForCausalLM: `load_state_dict` of the adapter's keys), kept for
+    prepare: its adapters are on meta until then, where torch's copy is a no-op, and prepare would
+    initialise them afresh (a trained adapter silently replaced). A `load_state_dict` pre-hook, torch's
+    public API on this one model; the values are the adapter's, small."""
+    kept = record_of(module).deferred_adapter_values
+    for key, value in state_dict.items():
+        if key.startswith(prefix) and ".lora_" in key and isinstance(value, torch.Tensor):
+            kept[key[len(prefix):]] = value.detach().to("cpu", copy=True)
 
 
 def _try_meta(model_class, path, args: tuple, kwargs: dict) -> tuple[nn.Module | None, str]:
@@ -111,10 +126,32 @@ def shard_and_load(model: nn.Module, config, mesh) -> nn.Module:
     meta, then each rank's rows read from the deferred checkpoint. Collective."""
     directory = deferred_checkpoint(model)
     init_meta_adapters(model, mesh)
+    _restore_adapter_values(model)
     shard_model(model, config, mesh=mesh, init_weights=False)
     load_pretrained(model, directory)
     record_of(unwrap_peft(model)).deferred_checkpoint = None
     return model
+
+
+def _restore_adapter_values(model: nn.Module) -> None:
+    """The adapter values loaded before prepare (`_keep_adapter_values`) into the adapters, now real: every
+    rank read the same adapter files, so every rank holds the same values, as init's broadcast would give."""
+    record = record_of(unwrap_peft(model))
+    kept = record.deferred_adapter_values
+    if not kept:
+        return
+    params = dict(unwrap_peft(model).named_parameters())
+    missing = sorted(set(kept) - set(params))
+    if missing:
+        raise ValueError(f"adapter weights loaded before prepare name no parameter of the model: {missing[:5]}")
+    with torch.no_grad():
+        for name, value in kept.items():
+            param = params[name]
+            if param.is_meta or tuple(param.shape) != tuple(value.shape):
+                raise ValueError(f"adapter weight {name} loaded before prepare: shape {tuple(value.shape)} does not "
+                                 f"fit the model's {tuple(param.shape)}")
+            param.copy_(value)
+    record.deferred_adapter_values = {}
 
 
 def optimizer_parameter_names(args: tuple, model: nn.Module) -> list[list[list[str]]]:

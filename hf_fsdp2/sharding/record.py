@@ -33,6 +33,8 @@ class ShardedModel:
     compute_cast: Any = None  # sharding/compute_cast.py's state, when DDP's reducer trains with a param_dtype cast
     gather: Any = None  # compile="model": compiled_collectives' parameter gather (its generation cache)
     deferred_checkpoint: Any = None  # integrations/deferred_load.py: a directory prepare() reads each rank's rows from
+    # integrations/deferred_load.py: adapter values loaded into the meta model before prepare, name -> tensor
+    deferred_adapter_values: dict = dataclasses.field(default_factory=dict)
 
 
 def record_of(model: nn.Module, create: bool = False) -> ShardedModel | None:

@@ -21,6 +21,8 @@ parser.add_argument("--accum", type=int, default=1)
 parser.add_argument("--lora", action="store_true")
 parser.add_argument("--lora-zero-b", action="store_true", help="with --lora: PEFT's default init (B = 0), so the "
                     "first forward is the base model's")
+parser.add_argument("--adapter", help="continue training a saved PEFT adapter: PeftModel.from_pretrained(model, ADAPTER, "
+                    "is_trainable=True) before prepare")
 parser.add_argument("--no-register", action="store_true")
 parser.add_argument("--foreign-patch", action="store_true", help="rebind fsdp2_prepare_model after register()")
 parser.add_argument("--save-model")
@@ -104,6 +106,10 @@ else:
     model = build_model(seed=args.seed)
 if args.lora and not args.hf_fsdp2_from_pretrained:
     model = lora(model, seed=args.seed, **({"init_lora_weights": True} if args.lora_zero_b else {}))
+if args.adapter:
+    from peft import PeftModel
+
+    model = PeftModel.from_pretrained(model, args.adapter, is_trainable=True)
 if args.scramble_other_ranks and accelerator.process_index != 0:
     with torch.no_grad():
         for p in model.parameters():
