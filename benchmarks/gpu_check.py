@@ -155,8 +155,12 @@ def device_info(run: Run) -> dict:
     if run.cuda:
         p = torch.cuda.get_device_properties(0)
         info.update(name=p.name, memory=p.total_memory, capability=f"{p.major}.{p.minor}",
-                    multiprocessors=p.multi_processor_count, cuda=torch.version.cuda,
-                    nccl=".".join(map(str, torch.cuda.nccl.version())))
+                    multiprocessors=p.multi_processor_count, cuda=torch.version.cuda)
+        try:
+            v = torch.cuda.nccl.version()
+            info["nccl"] = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
+        except Exception as e:  # noqa: BLE001 - information only
+            info["nccl"] = f"unknown ({type(e).__name__})"
     return info
 
 

@@ -316,6 +316,10 @@ def _run_plan(args: argparse.Namespace) -> int:
         auto_tp, auto_cp = parallel_sizes(prepared, args.world_size, args.seq_len)
         tp_sizes = auto_tp if args.tp_sizes == "auto" else args.tp_sizes
         cp_sizes = auto_cp if args.cp_sizes == "auto" else args.cp_sizes
+        for flag, given in (("--tp-sizes", args.tp_sizes), ("--cp-sizes", args.cp_sizes)):
+            bad = [] if given == "auto" else [n for n in given if args.world_size % n]
+            if bad:  # costing nothing for them would drop them silently
+                raise ValueError(f"`{flag}` {','.join(map(str, bad))} does not divide `--world-size` {args.world_size}.")
         plan = plan_layout(prepared, args.world_size, config, budget_bytes=budget, budget_source="--memory",
                            device_type=args.device, batch_size=args.batch_size, seq_len=args.seq_len,
                            tp_sizes=tp_sizes, cp_sizes=cp_sizes)

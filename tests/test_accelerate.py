@@ -128,6 +128,29 @@ def test_a_trained_adapter_loaded_before_prepare_under_deferred_loading_is_kept(
     assert out["losses"] == pytest.approx(trained, abs=1e-4)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_deferred_model_has_the_dtypes_transformers_loads(tmp_path, dtype):
+    """Issue 48: the deferred meta model cast everything to `dtype`, where transformers keeps RoPE's inv_freq
+    (a buffer) and `_keep_in_fp32_modules(_strict)` (DeepseekV3's e_score_correction_bias) in fp32: every
+    parameter and buffer now has the dtype stock from_pretrained gives it."""
+    from transformers import AutoModelForCausalLM, DeepseekV3Config
+
+    from hf_fsdp2.integrations import deferred_load
+
+    deepseek = DeepseekV3Config(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
+                                num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1,
+                                q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8)
+    for i, model in enumerate((AutoModelForCausalLM.from_config(deepseek), build_model())):
+        model.save_pretrained(tmp_path / str(i))
+        stock = AutoModelForCausalLM.from_pretrained(tmp_path / str(i), dtype=dtype)
+        ours, why = deferred_load._try_meta(AutoModelForCausalLM, tmp_path / str(i), (), {"dtype": dtype})
+        assert ours is not None, why
+        expected = {n: t.dtype for n, t in [*stock.named_parameters(), *stock.named_buffers()]}
+        assert {n: t.dtype for n, t in [*ours.named_parameters(), *ours.named_buffers()]} == expected
+        assert torch.float32 in expected.values()  # something stays fp32: the comparison is not vacuous
+
+
 def test_gradient_accumulation_and_get_state_dict(tmp_path):
     """`accelerator.accumulate()`: micro-steps communicate nothing, and 2 x 4 rows per process equal
     one step of 8; `get_state_dict` still returns the full state dict. The script rebinds Accelerate's

@@ -297,6 +297,10 @@ def test_plan_command(tmp_path, capsys):
     assert cli_main(["plan", "--model", str(config_json), "--world-size", "4", "--memory", "1KB", "--json",
                      "--tp-sizes", "1", "--cp-sizes", "1"]) == 1
     assert len(json.loads(capsys.readouterr().out)["candidates"]) == 60  # FSDP alone
+    for flag in ("--cp-sizes", "--tp-sizes"):  # a size that does not divide the world is refused, not dropped
+        capsys.readouterr()
+        assert cli_main(["plan", "--model", str(config_json), "--world-size", "4", "--memory", "80GB", flag, "1,3"]) == 1
+        assert f"`{flag}` 3 does not divide `--world-size` 4" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         cli_main(["plan", "--model", str(config_json), "--world-size", "4", "--memory", "1KB", "--tp-sizes", "two"])
     assert "--tp-sizes: must be auto or positive integers" in capsys.readouterr().err

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -168,19 +169,58 @@ def from_pretrained(model_class, directory: str | os.PathLike, config: FSDP2Conf
 
 def build_on_meta(model_class, directory: Path, torch_dtype: torch.dtype | None = None, *, config=None,
                   **model_kwargs) -> nn.Module:
-    """`model_class` (a model or an Auto class) from `config` or `directory`'s, parameters on the meta device."""
-    with parameters_on_meta():
-        if config is not None:
-            model = model_class(config) if hasattr(model_class, "config_class") else model_class.from_config(config)
-        elif hasattr(model_class, "config_class"):  # a model class
-            model = model_class(model_class.config_class.from_pretrained(str(directory), **model_kwargs))
-        else:  # an Auto class (AutoModelForCausalLM, ...)
-            from transformers import AutoConfig
+    """`model_class` (a model or an Auto class) from `config` or `directory`'s, parameters on the meta device,
+    in the dtypes transformers' `from_pretrained(..., dtype=torch_dtype)` gives them: built under `torch_dtype`
+    as the default dtype (so buffers are as the model's init makes them: RoPE's `inv_freq` stays fp32), every
+    floating parameter in `torch_dtype` but those transformers keeps in fp32 at that dtype (its
+    `_get_dtype_plan`: `_keep_in_fp32_modules` for fp16, `_keep_in_fp32_modules_strict` for fp16 and bf16),
+    which are fp32, buffers of those too."""
+    previous = torch.get_default_dtype()
+    if torch_dtype is not None and torch_dtype.is_floating_point:
+        torch.set_default_dtype(torch_dtype)
+    try:
+        with parameters_on_meta():
+            if config is not None:
+                model = model_class(config) if hasattr(model_class, "config_class") else model_class.from_config(config)
+            elif hasattr(model_class, "config_class"):  # a model class
+                model = model_class(model_class.config_class.from_pretrained(str(directory), **model_kwargs))
+            else:  # an Auto class (AutoModelForCausalLM, ...)
+                from transformers import AutoConfig
 
-            model = model_class.from_config(AutoConfig.from_pretrained(str(directory), **model_kwargs))
+                model = model_class.from_config(AutoConfig.from_pretrained(str(directory), **model_kwargs))
+    finally:
+        torch.set_default_dtype(previous)
     if torch_dtype is not None:
-        model.to(torch_dtype)
+        _cast_as_transformers_loads(model, torch_dtype)
     return model
+
+
+def _cast_as_transformers_loads(model: nn.Module, dtype: torch.dtype) -> None:
+    keep = set(_dtype_plan(model, dtype))
+    params = {id(p) for p in model.parameters()}
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        if not tensor.dtype.is_floating_point:
+            continue
+        if any(re.search(rf"(^|\.){re.escape(k)}($|\.)", name) for k in keep):
+            wanted = torch.float32
+        else:  # parameters take the dtype asked for; buffers stay as the model's init made them
+            wanted = dtype if id(tensor) in params else tensor.dtype
+        if tensor.dtype != wanted:
+            tensor.data = tensor.data.to(wanted)
+
+
+def _dtype_plan(model: nn.Module, dtype: torch.dtype) -> dict:
+    """transformers' own plan of what stays fp32 at `dtype` (`PreTrainedModel._get_dtype_plan`, 5.x), or its
+    rule where a release lacks the method."""
+    plan = getattr(model, "_get_dtype_plan", None)
+    if plan is not None:
+        return plan(dtype)
+    out = {}
+    if dtype == torch.float16:
+        out.update(dict.fromkeys(getattr(model, "_keep_in_fp32_modules", None) or (), torch.float32))
+    if dtype in (torch.float16, torch.bfloat16):
+        out.update(dict.fromkeys(getattr(model, "_keep_in_fp32_modules_strict", None) or (), torch.float32))
+    return out
 
 
 def _with_adapters(model: nn.Module, peft_config, mesh) -> nn.Module:

@@ -98,12 +98,14 @@ def _try_meta(model_class, path, args: tuple, kwargs: dict) -> tuple[nn.Module |
     if not any((directory / name).is_file() for name in ("model.safetensors", "model.safetensors.index.json")):
         return None, "no model.safetensors (or its index) in it"
     dtype = next((kwargs[k] for k in _DTYPE_KWARGS if kwargs.get(k) is not None), "auto")
-    model = build_on_meta(model_class, directory, config=config)
     if dtype == "auto":  # transformers' default: the dtype the config records
-        dtype = getattr(model.config, "dtype", None) or getattr(model.config, "torch_dtype", None)
+        from transformers import AutoConfig
+
+        recorded = config if config is not None else AutoConfig.from_pretrained(str(directory))
+        dtype = getattr(recorded, "dtype", None) or getattr(recorded, "torch_dtype", None)
         if dtype is None:
             return None, "dtype 'auto' and the config records none"
-    model.to(parse_dtype(dtype, "dtype"))
+    model = build_on_meta(model_class, directory, parse_dtype(dtype, "dtype"), config=config)
     try:  # every weight there, in the shapes built: the same check prepare's load makes, before deferring
         check_pretrained(model, directory)
     except CheckpointError as error:

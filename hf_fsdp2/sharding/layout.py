@@ -149,8 +149,10 @@ class LayoutPlan:
             return ""
         step = self.chosen.estimate.step_freed_bytes
         return (f". On CPU glibc's heap may keep the {format_bytes(step)} of gathered parameters and gradient "
-                f"buffers each step frees, over the budget: freed blocks over 128 KiB are given back to the OS (slower: a page "
-                f"fault per fresh page; runtime/host_allocator.py)")
+                f"buffers each step frees, over the budget: freed blocks over 128 KiB are given back to the OS, for the rest "
+                f"of this process (glibc cannot turn its own threshold back on): every large allocation of the process, "
+                f"the training loop's and yours, then pays a page fault per fresh page (about 0.6x speed for these steps "
+                f"here; runtime/host_allocator.py)")
 
     def format_table(self) -> str:
         chosen = self.chosen
