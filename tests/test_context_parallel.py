@@ -93,6 +93,26 @@ def test_a_training_forward_outside_maybe_context_parallel_is_refused_by_name():
         model(input_ids=ids)
 
 
+def test_a_padded_batch_under_context_parallelism_is_refused_by_name(monkeypatch):
+    """Issue 48: under CP a left-padded batch trained as if it had no mask (Accelerate drops the mask, torch's
+    ring attention attends without one). A training forward whose attention_mask marks padding is refused by
+    name; a mask of ones (no padding) and no mask pass."""
+    from hf_fsdp2.sharding import context_parallel as cp
+
+    model = build_model()
+    cp.require_context_parallel(model, 2)
+    monkeypatch.setattr(cp, "context_parallel_active", lambda: True)
+    ids = torch.arange(8).view(1, 8)
+    model(input_ids=ids)
+    model(input_ids=ids, attention_mask=torch.ones(1, 8, dtype=torch.long))
+    padded = torch.ones(1, 8, dtype=torch.long)
+    padded[0, :3] = 0
+    with pytest.raises(ValueError, match=r"cp_size=2: the batch's attention_mask marks padding"):
+        model(input_ids=ids, attention_mask=padded)
+    with pytest.raises(ValueError, match=r"not a \[batch, seq\] mask"):
+        model(input_ids=ids, attention_mask=torch.zeros(1, 1, 8, 8))
+
+
 def test_a_sequence_length_cp_size_does_not_divide_is_refused_by_name():
     """torch would split it unevenly and its ring attention would fail inside; the accelerator's CP
     context (wrapped at prepare) refuses it first, naming the setting and the fix."""

@@ -21,7 +21,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
-from ..runtime import upstream
+from ..runtime import collectives, upstream
 
 _CP_HANDLERS = "torch.distributed.tensor.experimental._context_parallel._attention.custom_ops"
 _SEQ_DIM = 2  # SDPA's [batch, heads, sequence, head_dim]
@@ -110,11 +110,33 @@ def require_context_parallel(model: nn.Module, cp_size: int) -> None:
     silent data-parallel run with `cp_size` set. Refused by name at that forward (evaluation and
     generation without CP are correct, each CP rank computing the same thing, and pass)."""
     def check(module: nn.Module, args, kwargs) -> None:
-        if module.training and torch.is_grad_enabled() and not context_parallel_active():
+        if not (module.training and torch.is_grad_enabled()):
+            return
+        if not context_parallel_active():
             raise RuntimeError(
                 f"parallelism_config cp_size={cp_size}, but this training forward runs outside "
                 "`accelerator.maybe_context_parallel(buffers=[input_ids, labels, position_ids, ...], "
                 "buffer_seq_dims=[1, ...])`: every CP rank would compute whole sequences. Wrap the forward and "
                 "backward in it (the Trainer does), or set parallelism_config_cp_size to 1.")
+        refuse_padding(kwargs.get("attention_mask"), cp_size)
 
     model.register_forward_pre_hook(check, with_kwargs=True)
+
+
+def refuse_padding(mask, cp_size: int) -> None:
+    """Torch's ring attention runs causal attention with no mask, and Accelerate drops the attention mask
+    before SDPA under CP: a padded batch would train as if its padding were tokens, silently (issue 48).
+    A [batch, seq] mask with a 0 anywhere, on any rank (agreed over ranks: CP ranks see different slices),
+    or a mask of another shape (which cannot be read as padding), is refused by name. Collective: every
+    rank runs the training forward."""
+    if mask is None:
+        padded = 0
+    else:
+        local = mask.to_local() if isinstance(mask, DTensor) else mask
+        padded = int(local.dim() != 2 or not bool((local != 0).all()))
+    if collectives.all_reduce_int(padded, "max", purpose="cp-padding"):
+        raise ValueError(
+            f"parallelism_config cp_size={cp_size}: the batch's attention_mask marks padding (or is not a "
+            "[batch, seq] mask), and context parallelism attends without a mask (torch's ring attention; Accelerate "
+            "drops the mask), so padding would be trained as tokens. Pack sequences without padding (e.g. "
+            "DataCollatorWithFlattening, or padding with labels -100 and no attention_mask), or set cp_size to 1.")
