@@ -163,6 +163,10 @@ def test_lora_settings_tp_cannot_honour_are_refused_by_name():
 
     with pytest.raises(NotImplementedError, match="`lora_dropout`=0.1 .*set lora_dropout=0"):
         tensor_parallel.refuse_unsupported(lora(build_model(), lora_dropout=0.1), TP, on_meta=False)
+    for saved in (["lm_head"], ["embed_tokens"]):  # issue 48: "aten.mm.default got mixed torch.Tensor and DTensor"
+        with pytest.raises(NotImplementedError, match=r"`modules_to_save` / `trainable_token_indices` \(on .*"
+                                                      + saved[0]):
+            tensor_parallel.refuse_unsupported(lora(build_model(), modules_to_save=saved), TP, on_meta=False)
     model = lora(build_model(), target_modules=["embed_tokens", "q_proj"])
     with pytest.raises(NotImplementedError, match="LoRA on `model.embed_tokens`.*'embedding_rowwise'"):
         tensor_parallel.plan_with_lora(model.get_base_model(), {"model.embed_tokens": "embedding_rowwise"})

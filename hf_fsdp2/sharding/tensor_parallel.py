@@ -23,6 +23,7 @@ rank, as the norms do. transformers' own ColwiseParallel/RowwiseParallel do the 
 
 Not done, refused by name: LoRA on a layer whose style is not colwise/rowwise (e.g. the embedding),
 `lora_dropout` > 0 (each TP rank would drop different features of the same replicated input), DoRA,
+PEFT's `modules_to_save` / `trainable_token_indices` (a trainable whole copy next to a split module),
 merged-adapter export of a TP model (the rowwise layers' columns; save the adapter instead), 4-bit and
 FP8 layers, regional compilation, models on the meta device (load the weights, or let transformers
 load them split, first).
@@ -70,6 +71,12 @@ def _lora_layers(model: nn.Module) -> dict[str, nn.Module]:
 
 
 def _unsupported_lora(model: nn.Module) -> str | None:
+    for name, module in model.named_modules():
+        if type(module).__name__ in ("ModulesToSaveWrapper", "TrainableTokensWrapper"):
+            # PEFT's trainable copy of a whole module (`modules_to_save`, `trainable_token_indices`): the TP plan
+            # splits the original, the copy stays whole, and their matmul mixes a plain tensor with a DTensor.
+            return (f"PEFT's `modules_to_save` / `trainable_token_indices` (on {name}); train those modules "
+                    "without TP, or leave them out of the PEFT config")
     for name, layer in _lora_layers(model).items():
         for adapter, dropout in getattr(layer, "lora_dropout", {}).items():
             if isinstance(dropout, nn.Dropout) and dropout.p > 0:
