@@ -30,7 +30,10 @@ Transient, on the accelerator:
   forward, `backward_prefetch=1` in backward), so the peak is the largest sum over a window of
   1 + max(1, forward_prefetch, backward_prefetch) consecutive groups in execution order, plus
   the groups still unsharded from forward (`reshard_after_forward=False` keeps all; hf_fsdp2 never
-  reshards the last layer and the untied [norm, lm_head] group, which backward needs first).
+  reshards the last layer and the untied [norm, lm_head] group, which backward needs first), plus
+  one more copy of the window's largest group: FSDP2 gathers into one flat buffer and copies out into
+  per-parameter tensors allocated while that buffer is alive (`foreach_all_gather_copy_out`; at a 1B
+  LoRA the tied [embedding, norm, head] group alone is 501 MiB in bf16, found under the peak).
 * reduce-scatter: one group's unsharded gradients in the compute dtype plus the reduce-scatter
   input, padded, in `reduce_dtype` (the largest trainable group).
 * activations: measured, not guessed. One forward with `labels` runs on the meta device under
@@ -513,7 +516,10 @@ def _gathered_peak(groups: list[GroupMemory], plan: ShardPlan, config: FSDP2Conf
     best, best_names = root_bytes, [g.name for g in root]
     for start in range(max(1, len(order) - window + 1)):
         win = order[start:start + window]
-        total = root_bytes + sum(g.gathered_bytes for g in win) + sum(resident(i) for i in range(start))
+        # + the flat all-gather output of the group being copied out: FSDP2 allocates the per-parameter
+        # unsharded tensors while that buffer is alive (_fsdp_collectives.foreach_all_gather_copy_out).
+        flat = max((g.gathered_bytes for g in win), default=0)
+        total = root_bytes + sum(g.gathered_bytes for g in win) + flat + sum(resident(i) for i in range(start))
         if total > best:
             best, best_names = total, [g.name for g in win] + [g.name for g in root]
     return best, best_names
