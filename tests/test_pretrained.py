@@ -134,6 +134,29 @@ def test_from_pretrained_reads_transformers_own_save(tmp_path, max_shard_size):
     assert all(r["local"] <= total // 2 + 200 for r in out)
 
 
+def _replicated_tied_worker(rank, world, directory):
+    from hf_fsdp2.sharding.replication import is_replicated
+
+    model = hf_fsdp2.from_pretrained(LlamaForCausalLM, directory, hf_fsdp2.FSDP2Config(shard_size=1, replicate_size=2))
+    ids = torch.arange(16).view(1, 16)
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return {"replicated": is_replicated(model), "tied": model.lm_head.weight is model.model.embed_tokens.weight,
+            "loss": loss.item()}
+
+
+def test_from_pretrained_keeps_tied_weights_tied_on_the_reducer(tmp_path):
+    """A tied model built on meta and replicated (shard size 1: DDP's reducer) had its tie broken by
+    `to_empty`, so loading asked the checkpoint for `lm_head.weight`, which transformers does not save for a
+    tied head: "missing keys (1): lm_head.weight" (found by benchmarks/real_size.py). Sharing survives now."""
+    reference = build_model(tie_word_embeddings=True)
+    reference.save_pretrained(tmp_path / "hf")
+    ids = torch.arange(16).view(1, 16)
+    out = run_ranks(_replicated_tied_worker, 2, str(tmp_path / "hf"))
+    assert all(r["replicated"] and r["tied"] for r in out)
+    assert out[0]["loss"] == pytest.approx(reference(input_ids=ids, labels=ids).loss.item(), abs=1e-5)
+
+
 # ---------------------------------------------------------------------------------------------
 
 

@@ -169,7 +169,9 @@ def materialize(model: nn.Module, device: torch.device, *, init_weights: bool = 
     """
     real = {name: local_tensor(t).detach().clone() for name, t in [*model.named_parameters(), *model.named_buffers()]
             if not local_tensor(t).is_meta}
+    shared = _shared_parameter_names(model)
     model.to_empty(device=device)
+    _retie(model, shared)
     with torch.no_grad():
         if init_weights:
             base = unwrap_peft(model)
@@ -182,6 +184,27 @@ def materialize(model: nn.Module, device: torch.device, *, init_weights: bool = 
         for name, t in [*model.named_parameters(), *model.named_buffers()]:
             if name in real:
                 local_tensor(t).copy_(real[name])
+
+
+def _shared_parameter_names(model: nn.Module) -> list[list[str]]:
+    """Names of each parameter held by several modules (tied embeddings and any other sharing)."""
+    by_id: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(param), []).append(name)
+    return [names for names in by_id.values() if len(names) > 1]
+
+
+def _retie(model: nn.Module, shared: list[list[str]]) -> None:
+    """`to_empty` from meta gives every module its own new parameter (a meta tensor cannot be swapped in
+    place for a CPU one), so plain parameters that were shared stop being: each group is made one again.
+    (FSDP2's sharded parameters keep their sharing: it materialises them itself.)"""
+    for names in shared:
+        first = model.get_parameter(names[0])
+        for name in names[1:]:
+            owner, _, attr = name.rpartition(".")
+            module = model.get_submodule(owner) if owner else model
+            if module._parameters.get(attr) is not first:
+                module._parameters[attr] = first
 
 
 def _is_meta(model: nn.Module) -> bool:
