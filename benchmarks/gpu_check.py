@@ -575,15 +575,9 @@ def _evict(path: Path) -> bool:
 
 
 def _disk_baseline(path: Path, nbytes: int) -> tuple[float, float]:
-    chunk = os.urandom(1 << 20) * 64  # 64 MiB
-    t = time.perf_counter()
-    with open(path, "wb") as f:
-        left = nbytes
-        while left > 0:
-            left -= f.write(chunk[:min(left, len(chunk))])
-        f.flush()
-        os.fsync(f.fileno())
-    write_s = time.perf_counter() - t
+    import harness  # benchmarks/harness.py, beside this script
+
+    write_s = harness.write_fsync(path, nbytes)
     _evict(path)
     t = time.perf_counter()
     with open(path, "rb", buffering=0) as f:

@@ -15,6 +15,7 @@ import queue
 import socket
 import subprocess
 import threading
+import time
 import traceback
 from pathlib import Path
 from typing import Any, Callable
@@ -49,6 +50,22 @@ def write_results(prefix: str, argv: list[str] | None, **fields: Any) -> Path:
                                 "git": git_state(), "python": platform.python_version(),
                                 "machine": platform.machine(), "cpus": os.cpu_count(), **fields}, indent=1))
     return path
+
+def write_fsync(path: Path, nbytes: int) -> float:
+    """Seconds to write `nbytes` of random data to `path` in 16 MiB `os.write` blocks, then fsync: the disk's
+    own time for a durable write of that many bytes (what a save is compared with)."""
+    chunk = os.urandom(16 << 20)
+    t = time.perf_counter()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        left = nbytes
+        while left > 0:
+            left -= os.write(fd, memoryview(chunk)[:min(left, len(chunk))])
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return time.perf_counter() - t
+
 
 # ---------------------------------------------------------------------------------------------
 # Memory probes

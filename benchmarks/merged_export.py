@@ -55,7 +55,6 @@ def run_rank(rank: int, world: int, job: dict) -> dict:
     times: dict[str, list[float]] = {"disk": [], "merged": [], "full_model": [], "merged_not_durable": [],
                                      "adapter": []}
     merged_bytes = 0
-    chunk = os.urandom(16 << 20)
     for _ in range(job["repeats"]):
         for what in times:
             out = root / what
@@ -66,15 +65,8 @@ def run_rank(rank: int, world: int, job: dict) -> dict:
             t = time.perf_counter()
             if what == "disk":
                 out.mkdir(parents=True, exist_ok=True)
-                share = job["disk_bytes"] if rank == 0 else 0
-                fd = os.open(out / f"raw{rank}.bin", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-                try:
-                    left = share
-                    while left > 0:
-                        left -= os.write(fd, memoryview(chunk)[:min(left, len(chunk))])
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
+                if rank == 0:
+                    harness.write_fsync(out / "raw.bin", job["disk_bytes"])
             elif what == "full_model":
                 hf_fsdp2.save_pretrained(plain, out, progress=False)
             else:

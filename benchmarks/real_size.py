@@ -18,7 +18,6 @@ same estimator. Results: stdout and benchmarks/results/real_size-*.json.
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import time
 from pathlib import Path
@@ -136,18 +135,10 @@ def run_rank(rank: int, world: int, job: dict) -> dict:
 
 
 def disk_seconds(path: Path, nbytes: int) -> float:
-    chunk = os.urandom(16 << 20)
-    t = time.perf_counter()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        left = nbytes
-        while left > 0:
-            left -= os.write(fd, memoryview(chunk)[:min(left, len(chunk))])
-        os.fsync(fd)
+        return harness.write_fsync(path, nbytes)
     finally:
-        os.close(fd)
-    path.unlink()
-    return time.perf_counter() - t
+        path.unlink(missing_ok=True)
 
 
 def estimates(case: dict, config, seq: int, world: int, layout: dict) -> dict:
