@@ -114,7 +114,7 @@ def run_rank(rank: int, world: int, job: dict) -> dict:
 
     losses = _phase("train", phases, lambda: steps(data[:job["steps"]]))
     phases["train"]["step_s"] = phases["train"]["s"] / job["steps"]
-    saves = {"state": lambda: hf_fsdp2.save_state(work / "state", model, opt, step=job["steps"])}
+    saves = {"state": lambda: hf_fsdp2.save_state(work / "state", model, opt, step=job["steps"], progress=False)}
     if case["lora"]:
         saves["adapter"] = lambda: hf_fsdp2.save_pretrained(model, work / "adapter", progress=False)
         saves["merged"] = lambda: hf_fsdp2.save_pretrained(model, work / "merged", merge_adapters=True, progress=False)
@@ -129,7 +129,7 @@ def run_rank(rank: int, world: int, job: dict) -> dict:
     del model, opt
     model = load()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
-    _phase("resume", phases, lambda: hf_fsdp2.load_state(work / "state", model, opt))
+    _phase("resume", phases, lambda: hf_fsdp2.load_state(work / "state", model, opt, progress=False))
     resumed = steps(data[job["steps"]:])
     return {"phases": phases, "losses": losses, "continued": continued, "resumed": resumed, "layout": layout}
 
