@@ -128,6 +128,20 @@ def test_a_trained_adapter_loaded_before_prepare_under_deferred_loading_is_kept(
     assert out["losses"] == pytest.approx(trained, abs=1e-4)
 
 
+def test_a_deferred_model_used_before_prepare_fails_naming_the_deferral(tmp_path):
+    """Issue 48: a model built on meta for prepare and never prepared computed meta logits; its first forward
+    now raises, naming deferred loading and the fix."""
+    from transformers import AutoModelForCausalLM
+
+    from hf_fsdp2.integrations import deferred_load
+
+    build_model().save_pretrained(tmp_path)
+    model = deferred_load.load_on_meta(AutoModelForCausalLM, tmp_path, (), {})
+    assert model is not None and all(p.is_meta for p in model.parameters())
+    with pytest.raises(RuntimeError, match=r"not loaded yet: hf_fsdp2 deferred loading them to accelerator.prepare"):
+        model(input_ids=torch.arange(8).view(1, 8))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_a_deferred_model_has_the_dtypes_transformers_loads(tmp_path, dtype):
     """Issue 48: the deferred meta model cast everything to `dtype`, where transformers keeps RoPE's inv_freq

@@ -23,6 +23,7 @@ does not work before `prepare`.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from pathlib import Path
@@ -65,7 +66,22 @@ def load_on_meta(model_class, path, args: tuple, kwargs: dict) -> nn.Module | No
         return None
     record_of(model, create=True).deferred_checkpoint = Path(path)
     model.register_load_state_dict_pre_hook(_keep_adapter_values)
+    model.register_forward_pre_hook(functools.partial(_not_before_prepare, id(model)))
+    if collectives.rank() == 0:
+        _LOG.warning("hf_fsdp2: %s.from_pretrained(%r) is built on the meta device on every rank; accelerator.prepare "
+                     "reads each rank's rows after sharding (shard_size='auto' with fsdp_cpu_ram_efficient_loading). "
+                     "Prepare it before using its weights.", getattr(model_class, "__name__", model_class), str(path))
     return model
+
+
+def _not_before_prepare(model_id: int, module: nn.Module, args) -> None:
+    """A forward before prepare would compute on meta tensors and "succeed" with meta logits. (The layout
+    planner traces a meta copy of the model, which carries this hook: copies pass.)"""
+    if id(module) == model_id and record_of(module).deferred_checkpoint is not None:
+        raise RuntimeError(
+            f"{type(module).__name__}: its weights are not loaded yet: hf_fsdp2 deferred loading them to "
+            "accelerator.prepare (shard_size='auto' with fsdp_cpu_ram_efficient_loading builds the model on the meta "
+            "device). Pass it to accelerator.prepare first, or load it without ram-efficient loading.")
 
 
 def _keep_adapter_values(module: nn.Module, state_dict: dict, prefix: str, *args) -> None:
