@@ -196,7 +196,7 @@ def build_on_meta(model_class, directory: Path, torch_dtype: torch.dtype | None 
 
 
 def _cast_as_transformers_loads(model: nn.Module, dtype: torch.dtype) -> None:
-    keep = set(_dtype_plan(model, dtype))
+    keep = set(model._get_dtype_plan(dtype))  # transformers' own plan of what stays fp32 (5.6+)
     params = {id(p) for p in model.parameters()}
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
         if not tensor.dtype.is_floating_point:
@@ -207,20 +207,6 @@ def _cast_as_transformers_loads(model: nn.Module, dtype: torch.dtype) -> None:
             wanted = dtype if id(tensor) in params else tensor.dtype
         if tensor.dtype != wanted:
             tensor.data = tensor.data.to(wanted)
-
-
-def _dtype_plan(model: nn.Module, dtype: torch.dtype) -> dict:
-    """transformers' own plan of what stays fp32 at `dtype` (`PreTrainedModel._get_dtype_plan`, 5.x), or its
-    rule where a release lacks the method."""
-    plan = getattr(model, "_get_dtype_plan", None)
-    if plan is not None:
-        return plan(dtype)
-    out = {}
-    if dtype == torch.float16:
-        out.update(dict.fromkeys(getattr(model, "_keep_in_fp32_modules", None) or (), torch.float32))
-    if dtype in (torch.float16, torch.bfloat16):
-        out.update(dict.fromkeys(getattr(model, "_keep_in_fp32_modules_strict", None) or (), torch.float32))
-    return out
 
 
 def _with_adapters(model: nn.Module, peft_config, mesh) -> nn.Module:

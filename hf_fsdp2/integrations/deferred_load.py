@@ -117,8 +117,8 @@ def _try_meta(model_class, path, args: tuple, kwargs: dict) -> tuple[nn.Module |
     if dtype == "auto":  # transformers' default: the dtype the config records
         from transformers import AutoConfig
 
-        recorded = config if config is not None else AutoConfig.from_pretrained(str(directory))
-        dtype = getattr(recorded, "dtype", None) or getattr(recorded, "torch_dtype", None)
+        config = config if config is not None else AutoConfig.from_pretrained(str(directory))  # read once
+        dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
         if dtype is None:
             return None, "dtype 'auto' and the config records none"
     model = build_on_meta(model_class, directory, parse_dtype(dtype, "dtype"), config=config)
