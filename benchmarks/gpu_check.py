@@ -95,6 +95,7 @@ class Run:
         self.steps = 2 if self.dry else args.steps
         self.warmup = 1 if self.dry else 2
         self.deadline = time.monotonic() + args.budget_s
+        self.variants = {v.strip() for v in getattr(args, "variants", "").split(",") if v.strip()}
         self.tmp = Path(tempfile.mkdtemp(prefix="gpu_check_", dir=args.tmp))
         self.peak_flops = args.peak_tflops * 1e12 if args.peak_tflops else None
         if self.peak_flops is None and self.cuda:
@@ -340,8 +341,11 @@ def section_checkpoint(run: Run) -> dict:
     del model, opt
 
     # LoRA: adapter, merged, and from_pretrained with a LoRA config.
-    base_weights = llama(run.small, "cpu").state_dict()
-    peft_model = with_lora(llama(run.small, run.device), r=8)
+    # The base weights as built on the device: CUDA's generator is not the CPU's, so the same seed on
+    # another device is another model (the first GPU run compared a merge with the wrong base: 0.147).
+    base = llama(run.small, run.device)
+    base_weights = {k: v.detach().cpu().clone() for k, v in base.state_dict().items()}
+    peft_model = with_lora(base, r=8)
     peft_model = shard(peft_model, replication="fsdp2")
     opt = torch.optim.AdamW([p for p in peft_model.parameters() if p.requires_grad], lr=1e-2)
     train(peft_model, opt, data)
@@ -433,14 +437,18 @@ def _contestant(run: Run, name: str, mode: str, state: dict, **ours_fields):
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
         backward, autocast = (lambda loss: loss.backward()), False
 
-    def step(ids):
+    def forward(ids):
         with torch.autocast(run.device.type, dtype=torch.bfloat16) if autocast else contextlib.nullcontext():
-            loss = model(input_ids=ids, labels=ids).loss
+            return model(input_ids=ids, labels=ids).loss
+
+    def step(ids):
+        loss = forward(ids)
         backward(loss)
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss
 
+    step.forward, step.backward = forward, backward  # the phases, for section_memory_phases
     return model, opt, step, notes
 
 
@@ -622,14 +630,17 @@ def section_variants(run: Run, state: dict) -> dict:
         ("activation_offload", {"activation_offload": True}),
         ("regional_compile", {"compile": True}),
         ("fp8", {"fp8": True}),
+        ("fp8_regional_compile", {"fp8": True, "compile": True}),  # torchao: float8 training is fast under compile
         ("compile_model", {"compile": "model"}),
     ]
+    if run.variants:
+        variants = [v for v in variants if v[0] in run.variants]
     out = {}
     for name, fields in variants:
         if run.left() < (90 if "compile" in name and not run.dry else 20):
             out[name] = {"skipped": "out of time"}
             continue
-        if name == "fp8":
+        if name.startswith("fp8"):
             why = _fp8_unavailable(run)
             if why:
                 out[name] = {"skipped": why}
@@ -708,12 +719,127 @@ def section_two_process(run: Run) -> dict:
         losses = [next((json.loads(line[7:]) for line in t.splitlines() if line.startswith("LOSSES ")), None)
                   for t in logs]
         out[f"{backend}_{dev}"] = {"returncodes": codes, "losses": losses, "ran": all(c == 0 for c in codes),
+                                   # gloo with a CUDA model: shard_model refuses it (runtime/distributed.py)
+                                   "refused_by_name": any("hf_fsdp2 shards on the CPU" in t for t in logs),
                                    "log_tail": [t[-1500:] for t in logs]}
     del device
     return out
 
 
-SECTIONS = ["equality", "checkpoint", "throughput", "save_load", "generate", "variants", "two_process"]
+# Where a step's memory goes, by phase and by the code that allocated it: plain / ours / Accelerate, LoRA and
+# full. Why: the first GPU run's LoRA peak was 1.78x the estimate and 1.26x Accelerate's, full fine-tunes equal.
+SITE_PACKAGES = ("transformers/", "peft/", "hf_fsdp2/", "accelerate/", "torch/distributed/", "torch/nn/", "torchao/")
+
+
+def _site(frames: list) -> str:
+    """The innermost frame in a library we care about, as file:line:function."""
+    for f in frames:
+        name = f.get("filename", "")
+        for pkg in SITE_PACKAGES:
+            if pkg in name:
+                return f"{pkg}{name.split(pkg, 1)[1]}:{f.get('line')}:{f.get('name')}"
+    return "other" if not frames else f"{frames[0].get('filename', '?').rsplit('/', 1)[-1]}:{frames[0].get('line')}"
+
+
+def peak_sites(trace: list, top: int = 12) -> dict:
+    """Replays a CUDA allocator trace (`torch.cuda.memory._snapshot()["device_traces"][0]`): the highest point
+    of the bytes allocated during it, and what was live there, summed by allocation site."""
+    live, current, peak, at = {}, 0, 0, -1
+    for i, e in enumerate(trace):
+        if e["action"] == "alloc":
+            live[e["addr"]] = e["size"]
+            current += e["size"]
+        elif e["action"] in ("free_requested", "free_completed") and e["addr"] in live:
+            current -= live.pop(e["addr"])
+        if current > peak:
+            peak, at = current, i
+    live_at = {}
+    for e in trace[:at + 1]:
+        if e["action"] == "alloc":
+            live_at[e["addr"]] = e
+        elif e["action"] in ("free_requested", "free_completed"):
+            live_at.pop(e["addr"], None)
+    sites: dict[str, int] = {}
+    for e in live_at.values():
+        key = _site(e.get("frames", []))
+        sites[key] = sites.get(key, 0) + e["size"]
+    ranked = sorted(sites.items(), key=lambda kv: -kv[1])[:top]
+    return {"peak_during_step": peak, "at_event": at, "events": len(trace),
+            "sites": [{"site": k, "bytes": v} for k, v in ranked]}
+
+
+def _saved_by_forward(forward, ids) -> tuple[object, dict]:
+    """The forward's loss, and what autograd saved for backward: unique storages, bytes by dtype."""
+    storages: dict[int, tuple[int, str]] = {}
+
+    def pack(t):
+        try:
+            storage = t.untyped_storage()
+            storages[storage.data_ptr()] = (storage.nbytes(), str(t.dtype))
+        except Exception:  # a tensor subclass without one storage
+            pass
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = forward(ids)
+    by_dtype: dict[str, int] = {}
+    for size, dtype in storages.values():
+        by_dtype[dtype] = by_dtype.get(dtype, 0) + size
+    return loss, {"saved_bytes": sum(by_dtype.values()), "saved_by_dtype": by_dtype}
+
+
+def section_memory_phases(run: Run, state: dict) -> dict:
+    """One step after warm-up, phase by phase (forward, backward, optimizer): peak and live bytes, what
+    autograd saved, and on CUDA the allocation sites live at the step's peak."""
+    out = {}
+    for mode, names in (("lora", ("plain", "ours_fsdp2", "accelerate")), ("full", ("ours_fsdp2", "accelerate"))):
+        for name in names:
+            if run.left() < 20:
+                out[f"{mode}/{name}"] = {"skipped": "out of time"}
+                continue
+            try:
+                run.reset_memory()
+                model, opt, step, notes = _contestant(run, name, mode, state)
+                data = batches(run, run.big["vocab_size"], 2)
+                step(data[0])  # optimizer states exist from here on, as in training
+                run.sync()
+                row = {"live_before": torch.cuda.memory_allocated() if run.cuda else None, **notes}
+                recording = run.cuda and hasattr(torch.cuda.memory, "_record_memory_history")
+                if recording:
+                    torch.cuda.memory._record_memory_history(max_entries=500000, stacks="python")
+                phases = {}
+                for phase in ("forward", "backward", "optimizer"):
+                    if run.cuda:
+                        torch.cuda.reset_peak_memory_stats()
+                    if phase == "forward":
+                        loss, saved = _saved_by_forward(step.forward, data[1])
+                        row.update(saved)
+                    elif phase == "backward":
+                        step.backward(loss)
+                    else:
+                        opt.step()
+                        opt.zero_grad(set_to_none=True)
+                    run.sync()
+                    if run.cuda:
+                        phases[phase] = {"peak": torch.cuda.max_memory_allocated(), "live_after": torch.cuda.memory_allocated()}
+                row["phases"] = phases
+                if recording:
+                    snapshot = torch.cuda.memory._snapshot()
+                    torch.cuda.memory._record_memory_history(enabled=None)
+                    traces = snapshot.get("device_traces") or [[]]
+                    row["peak_sites"] = peak_sites(traces[torch.cuda.current_device()] if len(traces) > 1 else traces[0])
+                out[f"{mode}/{name}"] = row
+                del model, opt, step, loss
+            except Exception as e:
+                out[f"{mode}/{name}"] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
+                if run.cuda and hasattr(torch.cuda.memory, "_record_memory_history"):
+                    torch.cuda.memory._record_memory_history(enabled=None)
+            run.reset_memory()
+    return {"ok": None, **out}
+
+
+SECTIONS = ["equality", "checkpoint", "throughput", "save_load", "generate", "variants", "two_process",
+            "memory_phases"]
 
 
 def targets(result: dict) -> list[dict]:
@@ -745,7 +871,10 @@ def targets(result: dict) -> list[dict]:
                 higher=False)
     add("full: ours MFU", tp.get("full", {}).get("ours", {}).get("mfu"), TARGETS["mfu"])
     fp8, eager = var.get("fp8", {}).get("tokens_per_s"), var.get("eager", {}).get("tokens_per_s")
-    add("fp8 / bf16 tokens/s", fp8 / eager if fp8 and eager else None, TARGETS["fp8_speedup"])
+    add("fp8 / bf16 tokens/s (eager)", fp8 / eager if fp8 and eager else None, TARGETS["fp8_speedup"])
+    fp8c, compiled = (var.get(k, {}).get("tokens_per_s") for k in ("fp8_regional_compile", "regional_compile"))
+    add("fp8 / bf16 tokens/s (regional compile)", fp8c / compiled if fp8c and compiled else None, TARGETS["fp8_speedup"])
+    add("full: ours MFU (regional compile)", var.get("regional_compile", {}).get("mfu"), TARGETS["mfu"])
     return rows
 
 
@@ -776,10 +905,24 @@ def table(result: dict) -> str:
                 if isinstance(r, dict):
                     lines.append(f"    {k}: ours {r['ours_tokens_per_s']:.1f} vs plain {r['plain_tokens_per_s']:.1f} "
                                  f"tokens/s ({r['ours_vs_plain']:.2f}x), same tokens: {r['same_tokens']}")
+        if name == "memory_phases":
+            for who, r in sec.items():
+                if not isinstance(r, dict):
+                    continue
+                if "saved_bytes" not in r:
+                    lines.append(f"    {who}: {r.get('skipped') or r.get('error', '')[:120]}")
+                    continue
+                phases = ", ".join(f"{k} peak {v['peak'] / 2**30:.1f}" for k, v in r.get("phases", {}).items())
+                lines.append(f"    {who}: saved for backward {r['saved_bytes'] / 2**30:.2f} GiB "
+                             f"{ {k: round(v / 2**30, 2) for k, v in r['saved_by_dtype'].items()} }; {phases}")
+                for site in r.get("peak_sites", {}).get("sites", [])[:6]:
+                    lines.append(f"        {site['bytes'] / 2**30:6.2f} GiB  {site['site']}")
         if name == "two_process":
             for k, r in sec.items():
                 if isinstance(r, dict):
-                    lines.append(f"    {k}: {'ran, losses ' + str(r['losses'][0]) if r['ran'] else 'failed: ' + _last_error(r)}")
+                    what = ("ran, losses " + str(r["losses"][0]) if r["ran"] else
+                            "refused by name: " + _last_error(r) if r.get("refused_by_name") else "failed: " + _last_error(r))
+                    lines.append(f"    {k}: {what}")
     lines.append("targets:")
     for t in result["targets"]:
         mark = {True: "met ", False: "MISS", None: "n/a "}[t["met"]]
@@ -807,6 +950,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True, help="folder for gpu_check.json (and the table, gpu_check.txt)")
     p.add_argument("--dry-run", action="store_true", help="CPU, gloo, tiny shapes: every code path, no numbers")
     p.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {SECTIONS}")
+    p.add_argument("--variants", default="", help="comma-separated subset of the variants section's knobs (default: all)")
     p.add_argument("--budget-s", type=float, default=420.0, help="stop starting new work after this (default 420)")
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--batch-size", type=int, default=4)
@@ -834,7 +978,7 @@ def main(argv=None) -> int:
             continue
         try:
             fn = globals()[f"section_{name}"]
-            sec = fn(run, state) if name == "variants" else fn(run)
+            sec = fn(run, state) if name in ("variants", "memory_phases") else fn(run)
         except Exception as e:
             sec = {"ok": False, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-4000:]}
             run.reset_memory()

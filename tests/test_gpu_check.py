@@ -18,7 +18,7 @@ def test_gpu_check_dry_run_runs_every_section(tmp_path):
     result = json.loads((tmp_path / "gpu_check.json").read_text())
     sections = result["sections"]
     assert list(sections) == ["equality", "checkpoint", "throughput", "save_load", "generate", "variants",
-                              "two_process"]
+                              "two_process", "memory_phases"]
     assert not [n for n, s in sections.items() if "error" in s or s.get("skipped")], sections
     # Correctness sections decide for themselves: plain PyTorch vs hf_fsdp2, stock reloads.
     assert sections["equality"]["ok"] and len(sections["equality"]["cases"]) == 4
@@ -32,8 +32,30 @@ def test_gpu_check_dry_run_runs_every_section(tmp_path):
         assert sections["throughput"][mode]["ours"]["estimate_bytes"] > 0
     measured = {k for k, v in sections["variants"].items() if isinstance(v, dict) and "tokens_per_s" in v}
     assert measured == {"eager", "activation_checkpointing", "op_level_checkpointing", "activation_offload",
-                        "regional_compile", "fp8", "compile_model"}
+                        "regional_compile", "fp8", "fp8_regional_compile", "compile_model"}
     assert sections["two_process"]["gloo_cpu"]["ran"]
-    assert {t["target"] for t in result["targets"]} >= {"full: ours / plain tokens/s", "fp8 / bf16 tokens/s"}
+    phases = {k: v for k, v in sections["memory_phases"].items() if isinstance(v, dict)}
+    assert set(phases) == {"lora/plain", "lora/ours_fsdp2", "lora/accelerate", "full/ours_fsdp2", "full/accelerate"}
+    assert all(r["saved_bytes"] > 0 for r in phases.values()), phases
+    assert {t["target"] for t in result["targets"]} >= {"full: ours / plain tokens/s", "fp8 / bf16 tokens/s (eager)",
+                                                        "fp8 / bf16 tokens/s (regional compile)"}
     table = (tmp_path / "gpu_check.txt").read_text()
     assert "targets:" in table and table in out.stdout
+
+
+def test_peak_sites_replays_an_allocator_trace():
+    """The memory_phases section's reading of a CUDA allocator trace (CUDA-only, so checked here on a made-up one):
+    the peak is the highest point of the bytes allocated, and what was live there is summed by library frame."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from gpu_check import peak_sites
+
+    frame = lambda f, line: [{"filename": f"/x/site-packages/{f}", "line": line, "name": "fn"}]  # noqa: E731
+    trace = [{"action": "alloc", "addr": 1, "size": 100, "frames": frame("peft/tuners/lora/layer.py", 7)},
+             {"action": "alloc", "addr": 2, "size": 50, "frames": frame("transformers/loss/loss_utils.py", 3)},
+             {"action": "free_completed", "addr": 2, "size": 50},
+             {"action": "alloc", "addr": 3, "size": 30, "frames": frame("peft/tuners/lora/layer.py", 7)},
+             {"action": "alloc", "addr": 4, "size": 40, "frames": []},
+             {"action": "free_requested", "addr": 1, "size": 100}]
+    got = peak_sites(trace)
+    assert got["peak_during_step"] == 170 and got["at_event"] == 4
+    assert got["sites"] == [{"site": "peft/tuners/lora/layer.py:7:fn", "bytes": 130}, {"site": "other", "bytes": 40}]

@@ -374,3 +374,14 @@ def test_op_level_checkpointing_runs_without_the_kv_cache_in_training():
     model.eval()
     with torch.no_grad():
         assert model(input_ids=ids[:1], use_cache=True).past_key_values is not None
+
+
+def test_a_model_on_a_gpu_is_refused_where_the_default_group_carries_only_cpu_tensors():
+    """FSDP2 moves a module's states to its mesh's device: on gloo a CUDA model would land on the CPU and fail
+    at its first batch (the first GPU run's gloo_cuda case). Refused by name; CPU and meta models pass."""
+    from hf_fsdp2.runtime.distributed import refuse_accelerator_model_on_host_backend
+
+    with pytest.raises(ValueError, match=r"parameters are on cuda.*backend='nccl'"):
+        refuse_accelerator_model_on_host_backend({"cpu", "cuda"}, torch.device("cpu"))
+    refuse_accelerator_model_on_host_backend({"cpu", "meta"}, torch.device("cpu"))
+    refuse_accelerator_model_on_host_backend({"cuda", "cpu"}, torch.device("cuda", 0))

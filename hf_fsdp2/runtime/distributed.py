@@ -48,6 +48,20 @@ def device_type() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def refuse_accelerator_model_on_host_backend(device_types: set[str], target: torch.device) -> None:
+    """A model already on an accelerator, sharded where the default group carries only CPU tensors (gloo):
+    FSDP2 moves a module's states to its mesh's device, so the model would leave the GPU unannounced and
+    fail at the first batch (the first GPU run: "index is on cuda:0, different from other tensors on cpu").
+    Refused by name instead."""
+    stranded = sorted(t for t in device_types if t not in ("cpu", "meta"))
+    if target.type == "cpu" and stranded:
+        backend = dist.get_backend() if dist.is_initialized() else "no process group"
+        raise ValueError(
+            f"the model's parameters are on {stranded[0]}, but the default process group runs {backend!r}, "
+            f"which hf_fsdp2 shards on the CPU (gloo carries CPU tensors): initialise with backend='nccl' "
+            f"(one GPU per rank; Accelerate's 'cuda:nccl,cpu:gloo' works too), or build the model on the CPU.")
+
+
 def default_device() -> torch.device:
     if device_type() == "cuda":
         return torch.device("cuda", torch.cuda.current_device())

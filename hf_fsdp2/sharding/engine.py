@@ -25,7 +25,8 @@ from ..config import FSDP2Config
 from ..quantization import fp8
 from ..quantization.bnb_4bit import prepare_4bit_modules, refuse_8bit_modules
 from ..runtime import collectives, host_allocator
-from ..runtime.distributed import CP_DIM, TP_DIM, build_mesh, data_parallel_mesh, default_device, local_tensor
+from ..runtime.distributed import (CP_DIM, TP_DIM, build_mesh, data_parallel_mesh, default_device, local_tensor,
+                                   refuse_accelerator_model_on_host_backend)
 from .compile import compile_layers, disable_cache_in_training, is_compiled
 from .groups import ShardPlan, apply_frozen_dtype, plan_groups, replicated_frozen_parameters, unwrap_peft
 from .layout import resolve_auto_layout
@@ -238,6 +239,7 @@ def shard_model(
     refuse_8bit_modules(model)
     on_meta = _is_meta(model)
     device = default_device()
+    refuse_accelerator_model_on_host_backend({p.device.type for p in model.parameters()}, device)
     if not on_meta and device.type != "cpu":
         model.to(device)
     # 4-bit base weights get a row layout FSDP2 can shard (before the frozen-dtype cast, which
