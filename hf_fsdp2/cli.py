@@ -198,7 +198,8 @@ def _flag_names(e: ValueError) -> ValueError:
     message = str(e)
     for name, flag in (("model", "--model"), ("lora_targets", "--lora-targets"), ("lora_r", "--lora-r"),
                        ("tp_size", "--tp-size"), ("cp_size", "--cp-size"), ("seq_len", "--seq-len"),
-                       ("load_in_4bit", "--load-in-4bit"), ("bnb_4bit_use_double_quant", "--double-quant")):
+                       ("load_in_4bit", "--load-in-4bit"), ("bnb_4bit_use_double_quant", "--double-quant"),
+                       ("gradient_accumulation_steps", "--gradient-accumulation-steps")):
         message = message.replace(f"`{name}`", f"`{flag}`")
     return ValueError(message)
 
@@ -231,6 +232,9 @@ def _add_estimate_memory(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--cp-size", type=_positive_int, default=1, metavar="C",
                    help="context parallelism: C of the shard ranks split every sequence (each holds --seq-len / C "
                         "tokens)")
+    p.add_argument("--gradient-accumulation-steps", type=_positive_int, default=1, metavar="G",
+                   help="micro-batches per optimizer step; above 1 the gradients stay alive through forward "
+                        "(default 1)")
     p.set_defaults(handler=_run_estimate_memory)
 
 
@@ -250,7 +254,8 @@ def _run_estimate_memory(args: argparse.Namespace) -> int:
                                  tp_size=args.tp_size)
     try:
         estimate = estimate_memory(args.model, args.world_size, config, batch_size=args.batch_size,
-                                   seq_len=args.seq_len, cp_size=args.cp_size, **setup)
+                                   seq_len=args.seq_len, cp_size=args.cp_size,
+                                   gradient_accumulation_steps=args.gradient_accumulation_steps, **setup)
     except ValueError as e:
         raise _flag_names(e) from None
     print(estimate.to_json(indent=2) if args.json else estimate.format_table())

@@ -18,7 +18,7 @@ def test_gpu_check_dry_run_runs_every_section(tmp_path):
     result = json.loads((tmp_path / "gpu_check.json").read_text())
     sections = result["sections"]
     assert list(sections) == ["equality", "checkpoint", "throughput", "save_load", "generate", "variants",
-                              "two_process", "memory_phases"]
+                              "two_process", "memory_phases", "fp8_large"]
     assert not [n for n, s in sections.items() if "error" in s or s.get("skipped")], sections
     # Correctness sections decide for themselves: plain PyTorch vs hf_fsdp2, stock reloads.
     assert sections["equality"]["ok"] and len(sections["equality"]["cases"]) == 4
@@ -37,6 +37,7 @@ def test_gpu_check_dry_run_runs_every_section(tmp_path):
     phases = {k: v for k, v in sections["memory_phases"].items() if isinstance(v, dict)}
     assert set(phases) == {"lora/plain", "lora/ours_fsdp2", "lora/accelerate", "full/ours_fsdp2", "full/accelerate"}
     assert all(r["saved_bytes"] > 0 for r in phases.values()), phases
+    assert sections["fp8_large"]["fp8_speedup"] > 0
     assert {t["target"] for t in result["targets"]} >= {"full: ours / plain tokens/s", "fp8 / bf16 tokens/s (eager)",
                                                         "fp8 / bf16 tokens/s (regional compile)"}
     table = (tmp_path / "gpu_check.txt").read_text()

@@ -505,3 +505,25 @@ def test_activation_trace_without_kv_cache():
     with_cache = estimate_memory(tiny_config(), 2, batch_size=2, seq_len=16)
     assert without.activations_error is None and without.activations is not None
     assert without.activations.peak_bytes == with_cache.activations.peak_bytes
+
+
+def test_peak_is_the_larger_of_backward_start_and_end_with_the_logits_fp32_gradient():
+    """The two high points of a step (memory.py's docstring), as the H200 run measured them: as backward starts,
+    activations + the logits' fp32 gradient (tokens x vocab, made by transformers' upcasting loss); as it ends,
+    every gradient + the reduce-scatter buffers. Gradients count in the first point only when they outlive
+    the optimizer step (gradient accumulation; None = unknown, the planner's conservative cost)."""
+    config = _sevenb(num_hidden_layers=2)
+    fsdp = FSDP2Config(param_dtype="bf16")
+    one = estimate_memory(config, 4, fsdp, batch_size=4, seq_len=1024)
+    kept = estimate_memory(config, 4, fsdp, batch_size=4, seq_len=1024, gradient_accumulation_steps=4)
+    unknown = estimate_memory(config, 4, fsdp, batch_size=4, seq_len=1024, gradient_accumulation_steps=None)
+    assert one.loss_backward_bytes == 4 * 1024 * config.vocab_size * 4
+    resident = one.param_bytes + one.optimizer_bytes + one.buffer_bytes + one.gathered_peak_bytes
+    start = one.activation_bytes + one.loss_backward_bytes
+    end = one.grad_bytes + one.reduce_scatter_peak_bytes
+    assert start > end and one.device_bytes == resident + start and not one.grads_kept
+    assert kept.device_bytes == resident + max(start + one.grad_bytes, end) == unknown.device_bytes
+    assert kept.device_bytes > one.device_bytes
+    assert "loss backward" in one.format_table() and "+ gradients" in kept.format_table()
+    with pytest.raises(ValueError, match="`gradient_accumulation_steps`=0"):
+        estimate_memory(config, 4, fsdp, gradient_accumulation_steps=0)

@@ -59,9 +59,14 @@ transient: bitsandbytes dequantizes a weight before its matmul (and again for th
 so the largest quantized weight in its dequantized dtype (plus its fp32 absmax when double
 quantized) is added as its own row.
 
-The estimated peak adds the persistent state and all transient parts: an upper bound of what is
-alive at once (the all-gather, reduce-scatter and activation peaks need not coincide), not counting
-the CUDA caching allocator's fragmentation, the CUDA context or NCCL buffers.
+The estimated peak follows a step's two high points: as backward starts, the persistent state + the
+all-gather window + the activations + the fp32 gradient of the logits that the loss's backward makes
+first ([tokens, vocab], not a saved tensor); as backward ends, the persistent state + the all-gather window
++ every gradient + the reduce-scatter buffers, the activations freed. Gradients set to None after each
+optimizer step (`zero_grad()`'s default) are not alive in forward; with gradient accumulation (or when it
+is unknown, as for the layout planner) they are, and count in the first point too. Measured on an H200
+(benchmarks/gpu_check.py, 1B Llama, batch 4 x 2048): not counting the CUDA caching allocator's
+fragmentation, the CUDA context or NCCL buffers.
 """
 
 from __future__ import annotations
@@ -128,6 +133,7 @@ def estimate_memory(
     load_in_4bit: bool = False,
     bnb_4bit_use_double_quant: bool = False,
     cp_size: int = 1,
+    gradient_accumulation_steps: int | None = 1,
 ) -> MemoryEstimate:
     """Per-rank memory of training `model_or_config` with `shard_model(model, fsdp_config)` and AdamW
     on `world_size` ranks. Pure: no process group, no real tensor is allocated.
@@ -139,7 +145,9 @@ def estimate_memory(
     BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_use_double_quant=...))` shards them, quantized from
     `dtype`; needs `lora_r` and bitsandbytes. `fsdp_config.tp_size` > 1: tensor parallelism with the
     model's own TP plan, `cp_size` > 1: context parallelism over `cp_size` of the shard ranks
-    (sharding/parallel_shapes.py). See the module docstring for the accounting.
+    (sharding/parallel_shapes.py). `gradient_accumulation_steps` > 1 keeps the sharded gradients alive
+    through the next micro-batch's forward; None (unknown, as the layout planner costs) counts them so.
+    See the module docstring for the accounting.
     """
     config = fsdp_config if fsdp_config is not None else FSDP2Config()
     if not isinstance(config, FSDP2Config):
@@ -154,6 +162,10 @@ def estimate_memory(
                                  f"to skip the activation estimate).")
     if isinstance(lora_targets, str):
         lora_targets = [t for t in lora_targets.split(",")]
+    if gradient_accumulation_steps is not None and (isinstance(gradient_accumulation_steps, bool) or not isinstance(
+            gradient_accumulation_steps, int) or gradient_accumulation_steps < 1):
+        raise ValueError(f"`gradient_accumulation_steps`={gradient_accumulation_steps!r} must be a positive integer "
+                         "(or None: unknown).")
     if bnb_4bit_use_double_quant and not load_in_4bit:
         raise ValueError("`bnb_4bit_use_double_quant` is set without `load_in_4bit`; double quantization "
                          "applies to 4-bit weights only.")
@@ -169,7 +181,8 @@ def estimate_memory(
 
     prepared = prepare_meta_model(model_or_config, config, dtype=dtype, lora_r=lora_r, lora_targets=lora_targets,
                                   load_in_4bit=load_in_4bit, bnb_4bit_use_double_quant=bnb_4bit_use_double_quant)
-    return prepared.estimate(world_size, config, batch_size=batch_size, seq_len=seq_len, cp_size=cp_size)
+    return prepared.estimate(world_size, config, batch_size=batch_size, seq_len=seq_len, cp_size=cp_size,
+                             gradient_accumulation_steps=gradient_accumulation_steps)
 
 
 @dataclass
@@ -224,10 +237,12 @@ class MetaTrainingModel:
         return traced.with_checkpointing(checkpointing, every, save_matmuls), None
 
     def estimate(self, world_size: int, config: FSDP2Config, *, batch_size: int | None = 1,
-                 seq_len: int | None = 2048, cp_size: int = 1) -> MemoryEstimate:
+                 seq_len: int | None = 2048, cp_size: int = 1,
+                 gradient_accumulation_steps: int | None = None) -> MemoryEstimate:
         """Per-rank memory of this model sharded with `config` on `world_size` ranks (`cp_size` of
-        each shard group's ranks splitting the sequences)."""
-        return _estimate(self, world_size, config, batch_size, seq_len, cp_size)
+        each shard group's ranks splitting the sequences; `gradient_accumulation_steps` None: unknown,
+        gradients counted as kept through forward)."""
+        return _estimate(self, world_size, config, batch_size, seq_len, cp_size, gradient_accumulation_steps)
 
 
 def prepare_meta_model(model_or_config: Any, config: FSDP2Config, *, dtype: torch.dtype | str | None = None,
@@ -261,7 +276,7 @@ def prepare_meta_model(model_or_config: Any, config: FSDP2Config, *, dtype: torc
 
 
 def _estimate(prepared: MetaTrainingModel, world_size: int, config: FSDP2Config, batch_size: int | None,
-              seq_len: int | None, cp_size: int = 1) -> MemoryEstimate:
+              seq_len: int | None, cp_size: int = 1, accumulation: int | None = None) -> MemoryEstimate:
     model, plan, quantized, fp8_weights = prepared.model, prepared.plan, prepared.quantized, prepared.fp8_weights
     replicate, shard = config.mesh_shape(world_size)
     _check_cp(cp_size, shard, seq_len if batch_size is not None else None)
@@ -317,6 +332,8 @@ def _estimate(prepared: MetaTrainingModel, world_size: int, config: FSDP2Config,
                                                       config.activation_offload, config.tp_size, cp_size,
                                                       config.checkpoint_save_matmuls)
 
+    loss_backward = _loss_backward_bytes(model, batch_size, seq_len, cp_size) if activations is not None else 0
+
     trainable = [p for p in params if p.requires_grad]
     notes = [
         "parameters and gradients: every rank allocates the rank-0 (padded) shard; optimizer moments "
@@ -368,7 +385,20 @@ def _estimate(prepared: MetaTrainingModel, world_size: int, config: FSDP2Config,
         activations=activations, activations_error=act_error, notes=tuple(notes),
         load_in_4bit=prepared.load_in_4bit, double_quant=prepared.double_quant, dequantized_peak_bytes=dequantized,
         tp_size=config.tp_size, cp_size=cp_size, step_freed_bytes=step_freed,
+        loss_backward_bytes=loss_backward, grads_kept=accumulation is None or accumulation > 1,
     )
+
+
+def _loss_backward_bytes(model: nn.Module, batch_size: int, seq_len: int, cp_size: int) -> int:
+    """The fp32 gradient of the logits, [tokens, vocab], made as backward starts while the saved fp32
+    log-probabilities still live: transformers' causal-LM loss upcasts the logits (`ForCausalLMLoss`:
+    `logits = logits.float()`). Not a saved tensor, so the meta trace cannot see it; on the first GPU run it
+    was the 1B LoRA peak's missing 3.9 GiB (benchmarks/results/gpu_check-20261127T1830Z-H200.json)."""
+    head = unwrap_peft(model).get_output_embeddings() if hasattr(unwrap_peft(model), "get_output_embeddings") else None
+    weight = getattr(head, "weight", None)
+    if weight is None:
+        return 0
+    return batch_size * (seq_len // cp_size) * weight.shape[0] * 4
 
 
 def _check_cp(cp_size: int, shard: int, seq_len: int | None) -> None:

@@ -113,6 +113,10 @@ class MemoryEstimate:
     # gradients and reduce-scatter buffers): what glibc's heap may keep on CPU (runtime/host_allocator.py);
     # not part of the device peak.
     step_freed_bytes: int = 0
+    # The fp32 gradient of the logits as backward starts (memory.py `_loss_backward_bytes`).
+    loss_backward_bytes: int = 0
+    # Gradients alive through forward (gradient accumulation, or unknown): the conservative default.
+    grads_kept: bool = True
 
     # ---- max over ranks
     @property
@@ -141,11 +145,24 @@ class MemoryEstimate:
         return self.activations.peak_bytes if self.activations is not None else 0
 
     @property
+    def backward_start_bytes(self) -> int:
+        """What joins the resident state as backward starts: activations + the logits' gradient (+ gradients
+        kept from the previous micro-batch)."""
+        grads = self.grad_bytes if self.grads_kept and not self.cpu_offload else 0
+        return self.activation_bytes + self.loss_backward_bytes + grads
+
+    @property
+    def backward_end_bytes(self) -> int:
+        """What joins it as backward ends: every gradient + the reduce-scatter buffers."""
+        return (0 if self.cpu_offload else self.grad_bytes) + self.reduce_scatter_peak_bytes
+
+    @property
     def device_bytes(self) -> int:
-        """Estimated accelerator peak (an upper bound of the concurrent parts)."""
-        state = 0 if self.cpu_offload else self.state_bytes
-        return (state + self.gathered_peak_bytes + self.reduce_scatter_peak_bytes + self.activation_bytes
-                + self.dequantized_peak_bytes)
+        """Estimated accelerator peak: parameters, optimizer and buffers + the all-gather window (+ a
+        dequantized 4-bit weight) + the larger of the two high points of backward (memory.py's docstring)."""
+        resident = 0 if self.cpu_offload else self.param_bytes + self.optimizer_bytes + self.buffer_bytes
+        return (resident + self.gathered_peak_bytes + self.dequantized_peak_bytes
+                + max(self.backward_start_bytes, self.backward_end_bytes))
 
     @property
     def host_bytes(self) -> int:
@@ -194,6 +211,8 @@ class MemoryEstimate:
             split = (f", the heads and MLP features 1/{self.tp_size}" if self.tp_size > 1 else "")
             rows.append((f"activations: batch {a.batch_size} x seq {a.seq_len}{split}, {ac}", a.peak_bytes,
                          a.host_bytes))
+            if self.loss_backward_bytes:
+                rows.append(("loss backward: the logits' fp32 gradient (tokens x vocab)", self.loss_backward_bytes, 0))
         return rows
 
     def format_table(self) -> str:
@@ -220,7 +239,10 @@ class MemoryEstimate:
         lines.append(f"{'persistent state (params + grads + optimizer + buffers)':{width}}"
                      f"{_cell(0 if self.cpu_offload else self.state_bytes):>12}"
                      f"{_cell(self.host_bytes):>12}")
-        lines.append(f"{'estimated peak (sum of all rows above)':{width}}"
+        grads = " + gradients" if self.grads_kept else ""
+        lines.append(f"estimated peak = parameters + optimizer + buffers + all-gather + max(activations + loss "
+                     f"backward{grads}, gradients + reduce-scatter):")
+        lines.append(f"{'estimated peak':{width}}"
                      f"{_cell(self.device_bytes):>12}{_cell(self.host_bytes):>12}")
         if self.activations is None and self.activations_error:
             lines.append(f"activations not estimated: {self.activations_error}")
@@ -236,6 +258,8 @@ class MemoryEstimate:
             "gathered_peak_bytes": self.gathered_peak_bytes,
             "reduce_scatter_peak_bytes": self.reduce_scatter_peak_bytes,
             "activation_bytes": self.activation_bytes, "dequantized_peak_bytes": self.dequantized_peak_bytes,
+            "loss_backward_bytes": self.loss_backward_bytes, "backward_start_bytes": self.backward_start_bytes,
+            "backward_end_bytes": self.backward_end_bytes,
             "device_bytes": self.device_bytes,
             "host_bytes": self.host_bytes,
         }
