@@ -116,3 +116,30 @@ def test_generate_with_a_default_group_that_refuses_cpu_tensors():
         expected = reference.generate(input_ids=PROMPT, attention_mask=torch.ones_like(PROMPT), max_new_tokens=4,
                                       min_new_tokens=4, do_sample=False)
     assert torch.equal(out, expected) and gathers == 5
+
+
+def test_the_per_token_input_cast_is_skipped_only_when_fsdp2_would_change_nothing():
+    """generation._cast_inputs skips FSDP2's cast (a walk of every input, per group, per token: 0.78x -> 0.91x
+    plain's decode speed in /tmp A/B on CPU) only when nothing it would cast is there; unsure -> FSDP2 casts."""
+    from dataclasses import dataclass
+
+    from hf_fsdp2.sharding.generation import needs_cast
+
+    bf16, f32, ints = torch.zeros(2, dtype=torch.bfloat16), torch.zeros(2), torch.zeros(2, dtype=torch.long)
+
+    @dataclass
+    class Box:
+        x: torch.Tensor
+
+    class Cache:  # transformers' cache objects: FSDP2's cast does not look inside them either
+        def __init__(self):
+            self.keys = [f32]
+
+    assert needs_cast((bf16, ints, None, 3), torch.bfloat16) is False
+    assert needs_cast({"position_embeddings": (bf16, bf16), "past_key_values": Cache(), "mask": None},
+                      torch.bfloat16) is False
+    assert needs_cast({"position_embeddings": (bf16, f32)}, torch.bfloat16) is True
+    assert needs_cast((f32,), torch.bfloat16) is True
+    assert needs_cast({"nested": {"x": bf16}}, torch.bfloat16) is None  # FSDP2 walks nested dicts: it decides
+    assert needs_cast((Box(bf16),), torch.bfloat16) is None
+    assert needs_cast(((((bf16,),),),), torch.bfloat16) is None

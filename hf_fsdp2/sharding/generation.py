@@ -20,6 +20,7 @@ calls `generate` on the model under FSDP2) and the Trainer's `predict_with_gener
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import os
 from typing import Iterator
@@ -208,12 +209,53 @@ def _handles(state) -> list:
 
 
 def _cast_inputs(state):
+    """FSDP2's input cast, skipped when nothing in the inputs has another floating dtype: a decoder layer's
+    inputs are already in `param_dtype` at every token, and FSDP2's cast walks them all (with a profiler
+    range) to find that out (~0.6 ms a token over 18 groups on the CPU check)."""
+    policy = state._mp_policy
+    dtype = policy.param_dtype if policy.cast_forward_inputs else None
+    if dtype is None:
+        return lambda module, args, kwargs: None
+
     def hook(module, args, kwargs):
+        if needs_cast(args, dtype) is False and needs_cast(kwargs, dtype) is False:
+            return None  # the inputs as they are: what FSDP2's cast would return
         return fsdp_state.cast_forward_inputs(state, args, kwargs)
     return hook
 
 
+def needs_cast(value, dtype: torch.dtype, depth: int = 0):
+    """False when `value` holds no floating tensor of a dtype other than `dtype` where FSDP2's cast looks
+    (torch.distributed.utils._apply_to_tensors: tensors, lists, tuples, dicts, dataclasses); True when it
+    does; None when unsure (a dict below the top level, a dataclass, a deep nesting): let FSDP2 cast.
+    Called per group per token: the common cases (None, a tensor, a tuple of tensors) are checked first."""
+    if value is None or type(value) in _SCALARS:
+        return False
+    if isinstance(value, torch.Tensor):
+        return value.dtype != dtype and value.is_floating_point()
+    if isinstance(value, (tuple, list)) or (depth == 0 and isinstance(value, dict)):
+        if depth > 2:
+            return None
+        unsure = False
+        for item in (value.values() if isinstance(value, dict) else value):
+            verdict = needs_cast(item, dtype, depth + 1)
+            if verdict:
+                return True
+            unsure = unsure or verdict is None
+        return None if unsure else False
+    if isinstance(value, dict) or dataclasses.is_dataclass(value) or (
+            hasattr(value, "data") and hasattr(value, "batch_sizes")):  # dicts below the top, PackedSequence
+        return None
+    return False
+
+
+_SCALARS = frozenset({int, float, bool, str})
+
+
 def _cast_output(state):
+    if state._mp_policy.output_dtype is None:  # FSDP2's post-forward cast would return the output as it is
+        return lambda module, args, output: None
+
     def hook(module, args, output):
         return fsdp_state.cast_output(state, output)
     return hook
