@@ -95,6 +95,7 @@ class Run:
         self.steps = 2 if self.dry else args.steps
         self.warmup = 1 if self.dry else 2
         self.deadline = time.monotonic() + args.budget_s
+        self.rounds = getattr(args, "rounds", 1)
         self.variants = {v.strip() for v in getattr(args, "variants", "").split(",") if v.strip()}
         self.tmp = Path(tempfile.mkdtemp(prefix="gpu_check_", dir=args.tmp))
         self.peak_flops = args.peak_tflops * 1e12 if args.peak_tflops else None
@@ -516,17 +517,29 @@ def estimate(run: Run, mode: str, **fields) -> int | None:
 
 def section_throughput(run: Run) -> dict:
     state, out = {}, {}
+    names = ("plain", "ours", "ours_fsdp2", "accelerate")
     for mode in ("full", "lora"):
         results = {}
-        for name in ("plain", "ours", "ours_fsdp2", "accelerate"):
-            if run.left() < 20:
-                results[name] = {"skipped": "out of time"}
-                continue
-            try:
-                results[name] = measure_training(run, name, mode, state)
-            except Exception as e:  # one contestant failing leaves the others measured
-                results[name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
-                run.reset_memory()
+        # --rounds 2: the contestants again in reverse order, the faster of each one's runs kept (the first GPU
+        # runs saw the contestant right after plain PyTorch 4-5% slower whoever it was).
+        for round_ in range(run.rounds):
+            for name in (names if round_ % 2 == 0 else names[::-1]):
+                if run.left() < 20:
+                    results.setdefault(name, {"skipped": "out of time"})
+                    continue
+                try:
+                    r = measure_training(run, name, mode, state)
+                except Exception as e:  # one contestant failing leaves the others measured
+                    results[name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
+                    run.reset_memory()
+                    continue
+                previous = results.get(name, {})
+                runs = previous.get("tokens_per_s_runs", []) + [r["tokens_per_s"]]
+                if previous.get("tokens_per_s", 0) > r["tokens_per_s"]:
+                    r = {**previous, "max_allocated": max(previous.get("max_allocated") or 0, r.get("max_allocated") or 0)}
+                elif previous.get("max_allocated"):
+                    r["max_allocated"] = max(previous["max_allocated"], r.get("max_allocated") or 0)
+                results[name] = {**r, "tokens_per_s_runs": runs}
         for name, fields in (("ours", {}), ("ours_fsdp2", {"replication": "fsdp2"})):
             r = results.get(name, {})
             if "tokens_per_s" in r:
@@ -667,9 +680,9 @@ def section_variants(run: Run, state: dict) -> dict:
     return {"ok": None, **out}
 
 
-# Llama 3.1 8B's layer shape (4 of its 32 layers): torchao's float8 gains are documented for matmuls of this
+# Llama 3.1 8B's layer shape (6 of its 32 layers; at 4 its bf16 lm_head was 38% of the matmul work): torchao's float8 gains are documented for matmuls of this
 # size; at the 1B shape (hidden 2048) the scaling work outweighs them (second GPU run: 0.96x under compile).
-FP8_LARGE = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=4,
+FP8_LARGE = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=6,
                  num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False)
 
 
@@ -696,7 +709,7 @@ def section_fp8_large(run: Run, state: dict) -> dict:
     bf16, fp8 = (out.get(k, {}).get("tokens_per_s") for k in ("regional_compile", "fp8_regional_compile"))
     if bf16 and fp8:
         out["fp8_speedup"] = fp8 / bf16
-    return {"ok": None, "shape": "tiny" if run.dry else "Llama 3.1 8B layers x 4", **out}
+    return {"ok": None, "shape": "tiny" if run.dry else "Llama 3.1 8B layers x 6", **out}
 
 
 def _fp8_unavailable(run: Run) -> str | None:
@@ -993,6 +1006,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True, help="folder for gpu_check.json (and the table, gpu_check.txt)")
     p.add_argument("--dry-run", action="store_true", help="CPU, gloo, tiny shapes: every code path, no numbers")
     p.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {SECTIONS}")
+    p.add_argument("--rounds", type=int, default=2, help="throughput: contestants measured this many times, "
+                   "alternating order; the fastest run of each is kept (default 2)")
     p.add_argument("--variants", default="", help="comma-separated subset of the variants section's knobs (default: all)")
     p.add_argument("--budget-s", type=float, default=420.0, help="stop starting new work after this (default 420)")
     p.add_argument("--seq-len", type=int, default=2048)
