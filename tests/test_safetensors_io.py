@@ -210,6 +210,29 @@ def test_write_casts_to_the_planned_dtype(tmp_path, src, dst):
     assert_same(load_file(path)["w"], block.to(dst))
 
 
+def test_converted_chunks_go_through_one_reused_staging_buffer(tmp_path, monkeypatch):
+    """Rows that are not already host rows in the file dtype (a cast here; a GPU shard there) are copied into
+    one buffer per writer, reused chunk after chunk and tensor after tensor: fresh host tensors per chunk
+    made a 4.94 GB save on the H200 run at 0.51x the disk. Rows already right are written from themselves."""
+    monkeypatch.setattr(sio, "WRITE_CHUNK_BYTES", 64)  # 8 bf16 rows of 4 per chunk
+    g = torch.Generator().manual_seed(3)
+    a, b = torch.randn(20, 4, generator=g), torch.randn(9, 4, generator=g)
+    plain = torch.randn(5, 4, generator=g).to(torch.bfloat16)
+    path = tmp_path / "m.safetensors"
+    layout = plan_file(path.name, [TensorSpec("a", torch.bfloat16, (20, 4)), TensorSpec("b", torch.bfloat16, (9, 4)),
+                                   TensorSpec("c", torch.bfloat16, (5, 4))])
+    with FileWriter(path, layout, create=True) as w:
+        w.write_rows("a", 0, a)
+        staging = w._staging.data_ptr()
+        w.write_rows("b", 0, b.t().contiguous().t())  # non-contiguous rows too
+        w.write_block("c", 0, None, plain)
+        assert w._staging.data_ptr() == staging and w._staging.numel() == 64
+    out = load_file(path)
+    assert_same(out["a"], a.to(torch.bfloat16))
+    assert_same(out["b"], b.to(torch.bfloat16))
+    assert_same(out["c"], plain)
+
+
 def test_non_contiguous_block(tmp_path):
     full = torch.arange(21, dtype=torch.float32).reshape(3, 7).t()  # (7, 3), not contiguous
     assert not full.is_contiguous()
