@@ -1,6 +1,6 @@
 """The GPU check: one command on a GPU machine, one JSON and one table of what hf_fsdp2 does there.
 
-    python3 benchmarks/gpu_check.py --out $OUT                  # one H100/H200, about 6-8 minutes
+    python3 benchmarks/gpu_check.py --out $OUT                  # one H100/H200, about 5 minutes (H200)
     python benchmarks/gpu_check.py --dry-run --out /tmp/gpu     # CPU, gloo, tiny shapes (tests/test_gpu_check.py)
 
 World size 1 on NCCL (every training step still goes through the real hooks, collectives and I/O paths
@@ -19,10 +19,17 @@ traceback and the rest go on) and each skipped once the time budget (--budget-s)
   save_load    that model saved with save_pretrained and read back with load_pretrained: GB/s vs the disk's
                own write+fsync (and read) of the same bytes.
   generate     generate() of the sharded model vs the unsharded one, 16 and 128 new tokens: tokens/s.
-  variants     regional compile, compile="model", FP8 (torchao, where installed and supported), activation
-               checkpointing (whole layer and op-level), activation offload vs eager: tokens/s, peak memory.
+  variants     regional compile, compile="model", FP8 (torchao, where installed and supported; eager and under
+               regional compile), activation checkpointing (whole layer and op-level), activation offload vs
+               eager: tokens/s, peak memory.
   two_process  2 processes on the one GPU: NCCL (which refuses two ranks on one device), then gloo with
-               CUDA tensors; what happened is reported either way.
+               a CUDA model (which shard_model refuses by name); what happened is reported either way.
+  memory_phases  one step after warm-up, plain / ours / Accelerate, LoRA and full: peak and live bytes per
+               phase (forward, backward, optimizer), what autograd saved, the allocation sites live at the peak.
+  fp8_large    FP8 vs bf16 under regional compile on 6 of Llama 3.1 8B's layers (where float8 matmuls pay).
+
+The throughput contestants run twice, in alternating order (--rounds), the faster run of each kept.
+Results so far: benchmarks/results/gpu_check-*-H200.json, summed up in the README's "What has run where".
 
 Targets (issue 53), as ratios from this one run: hf_fsdp2 >= 0.97x plain PyTorch's tokens/s at world size 1;
 >= Accelerate's FSDP2; peak CUDA memory within 5% of the estimate; >= 40% MFU for the 1B model; FP8 >= 1.2x
