@@ -33,6 +33,20 @@ def register(**overrides) -> None:
     _trainer_backend.register()
 
 
+def accelerator_config(accelerator) -> FSDP2Config:
+    """The `FSDP2Config` that `accelerator.prepare` shards a model with in this launch: the Accelerate
+    config's FSDP and parallelism settings, `register()`'s overrides and `HF_FSDP2_*` variables. Pass it
+    to `from_pretrained` so the model arrives at `prepare` sharded as `prepare` would shard it (prepare
+    keeps it and refuses, by name, a setting that differs)."""
+    if getattr(getattr(accelerator, "state", None), "fsdp_plugin", None) is None:
+        raise ValueError("`accelerator` has no FSDP plugin: launch with an FSDP Accelerate config "
+                         "(accelerate launch --config_file accelerate_configs/fsdp2.yaml ...).")
+    config = _accelerate_backend.config_from_accelerator(accelerator)
+    # prepare applies the config file's activation checkpointing itself (Accelerate's fsdp2_apply_ac) and
+    # checks a sharded model for it; a model sharded before prepare takes it here.
+    return config.replace(activation_checkpointing=bool(accelerator.state.fsdp_plugin.activation_checkpointing))
+
+
 def unregister() -> None:
     """Restore Accelerate's, the Trainer's and torch's own functions (every PATCHED entry of
     hf_fsdp2/runtime/upstream.py), after waiting for a background save."""
@@ -43,6 +57,7 @@ def unregister() -> None:
 
 __all__ = [
     "CheckpointError",
+    "accelerator_config",
     "FSDP2Config",
     "SaveHandle",
     "build_mesh",

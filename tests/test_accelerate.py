@@ -235,7 +235,7 @@ def test_hf_fsdp2_from_pretrained_then_prepare_as_the_yaml_recommends(tmp_path):
 
     build_model().save_pretrained(tmp_path / "base")
     out = launch("fsdp2.yaml", 2, tmp_path / "a.json", "--steps", "3", "--hf-fsdp2-from-pretrained",
-                 str(tmp_path / "base"), "--save-model", str(tmp_path / "model"))
+                 str(tmp_path / "base"), "--fsdp2-config", "accelerator", "--save-model", str(tmp_path / "model"))
     assert out["all_dtensor"] and out["opt_params_are_model_params"] and out["mesh"] == [2]
     assert out["losses"] == pytest.approx(reference_losses(3), abs=1e-4)
     lora_out = launch("fsdp2_lora.yaml", 2, tmp_path / "b.json", "--steps", "2", "--hf-fsdp2-from-pretrained",
@@ -244,6 +244,41 @@ def test_hf_fsdp2_from_pretrained_then_prepare_as_the_yaml_recommends(tmp_path):
     trained_b = [p for n, p in PeftModel.from_pretrained(build_model(), tmp_path / "adapter").named_parameters()
                  if "lora_B" in n]
     assert trained_b and all(p.abs().sum() > 0 for p in trained_b)
+
+
+@pytest.mark.parametrize("yaml,args", [("fsdp2_tp.yaml", ("--lora", "--lora-zero-b")), ("fsdp2_cp.yaml", ()),
+                                       ("hsdp.yaml", ())])
+def test_from_pretrained_on_accelerates_config_and_mesh_under_the_parallel_yamls(yaml, args, tmp_path):
+    """The README's route under the TP, CP and HSDP yamls: hf_fsdp2.from_pretrained(..., accelerator_config(accelerator),
+    mesh=accelerator.torch_device_mesh) then prepare (TP loads onto its split from the meta model: the loader
+    fills the weights); losses as one process's (TP with a fresh adapter, B = 0: the base's first loss)."""
+    build_model().save_pretrained(tmp_path / "base")
+    hsdp = yaml == "hsdp.yaml"  # 4 data-parallel ranks; TP and CP pairs share their batch (2 x 4 = the global 8)
+    out = launch(yaml, 4, tmp_path / "a.json", "--steps", "2", *(() if hsdp else ("--per-device-batch", "4")),
+                 "--hf-fsdp2-from-pretrained", str(tmp_path / "base"), "--fsdp2-config", "accelerator", *args,
+                 launch_args=("--num_machines", "1") if hsdp else ())
+    assert out["all_dtensor"] and out["mesh"] == [2, 2] and out["world"] == 4
+    if args:
+        assert out["losses"][0] == pytest.approx(reference_losses(1)[0], abs=1e-4)
+    else:
+        assert out["losses"] == pytest.approx(reference_losses(2), abs=1e-4)
+
+
+def test_a_presharded_model_on_a_mesh_without_accelerates_cp_is_refused_by_name():
+    """CP runs on Accelerate's mesh ("cp" dimension): a model sharded before prepare on another mesh would run
+    every CP rank on whole sequences under torch's ring attention dispatcher, so prepare refuses it by name."""
+    from types import SimpleNamespace
+
+    from hf_fsdp2.integrations import presharded
+    from hf_fsdp2.sharding.record import record_of
+
+    model = build_model()
+    record = record_of(model, create=True)
+    record.config = FSDP2Config()
+    record.mesh = SimpleNamespace(mesh_dim_names=("dp_shard",))
+    with pytest.raises(ValueError, match=r"context parallelism over 2 ranks.*mesh=accelerator.torch_device_mesh"):
+        presharded.keep_presharded(model, FSDP2Config(), cp_size=2)
+    assert presharded.keep_presharded(model, FSDP2Config(), cp_size=1) is model
 
 
 def test_a_presharded_model_refuses_settings_it_cannot_take_by_name():

@@ -298,15 +298,14 @@ def test_accelerate_qlora_yaml_shards_the_4bit_base(bf16_dir, tmp_path):
 
 def test_qlora_yaml_with_hf_fsdp2_from_pretrained_as_it_recommends(bf16_dir, tmp_path):
     """fsdp2_qlora.yaml, as shipped (bf16 compute, activation checkpointing), with the loading its comment
-    recommends: hf_fsdp2.from_pretrained(..., FSDP2Config(<the file's settings>), quantization_config=...,
+    recommends: hf_fsdp2.from_pretrained(..., hf_fsdp2.accelerator_config(accelerator), quantization_config=...,
     peft_config=...), then prepare keeps the sharded model. The 4-bit rows are each rank's, the adapters train,
     and PEFT loads what save_model wrote."""
     from tests.launched_runs import launch
 
     out = launch("fsdp2_qlora.yaml", 2, tmp_path / "a.json", "--steps", "3", "--lora", "--lora-zero-b",
                  "--hf-fsdp2-from-pretrained", str(bf16_dir), "--load-in-4bit", "--save-model",
-                 str(tmp_path / "adapter"), "--fsdp2-config",
-                 json.dumps({"param_dtype": "bf16", "activation_checkpointing": True}))
+                 str(tmp_path / "adapter"), "--fsdp2-config", "accelerator")
     assert out["all_dtensor"] and out["packed_4bit_rows"]
     assert all(local == rows // 2 for local, rows in out["packed_4bit_rows"])
     assert all(math.isfinite(x) for x in out["losses"]) and out["losses"][-1] != out["losses"][0]

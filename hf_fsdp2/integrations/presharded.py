@@ -48,7 +48,7 @@ def differing_settings(have: FSDP2Config, wanted: FSDP2Config, *, on_reducer: bo
 
 
 @contextlib.contextmanager
-def prepared_as_it_is(model: nn.Module, wanted: FSDP2Config, plugin) -> Iterator[None]:
+def prepared_as_it_is(model: nn.Module, wanted: FSDP2Config, plugin, cp_size: int = 1) -> Iterator[None]:
     """Around Accelerate's `_prepare_fsdp2` for a model hf_fsdp2 sharded before: its settings checked against
     `wanted` (what config_from_accelerator derives) and the plugin's activation checkpointing, which
     Accelerate applies itself before sharding (`fsdp2_apply_ac`) and which a sharded model has or lacks
@@ -58,7 +58,7 @@ def prepared_as_it_is(model: nn.Module, wanted: FSDP2Config, plugin) -> Iterator
         raise ValueError("prepare: `fsdp_activation_checkpointing_offload` cannot apply to a model sharded before "
                          "prepare (hf_fsdp2.from_pretrained); use FSDP2Config(activation_offload=True) when loading it, "
                          "or let prepare shard the model.")
-    keep_presharded(model, wanted.replace(activation_checkpointing=ac))
+    keep_presharded(model, wanted.replace(activation_checkpointing=ac), cp_size)
     plugin.activation_checkpointing = False
     try:
         yield
@@ -66,10 +66,19 @@ def prepared_as_it_is(model: nn.Module, wanted: FSDP2Config, plugin) -> Iterator
         plugin.activation_checkpointing = ac
 
 
-def keep_presharded(model: nn.Module, wanted: FSDP2Config) -> nn.Module:
-    """`model` as it is, once Accelerate's settings agree with its own (else a ValueError naming each)."""
+def keep_presharded(model: nn.Module, wanted: FSDP2Config, cp_size: int = 1) -> nn.Module:
+    """`model` as it is, once Accelerate's settings agree with its own (else a ValueError naming each),
+    context parallelism included: its `cp_size` must be the model mesh's "cp" dimension."""
     record = record_of(model)
     have = record.config
+    names = record.mesh.mesh_dim_names or () if record.mesh is not None else ()
+    model_cp = record.mesh["cp"].size() if "cp" in names else 1
+    if model_cp != cp_size:
+        raise ValueError(
+            f"prepare: the Accelerate settings ask for context parallelism over {cp_size} ranks (parallelism_config "
+            f"cp_size) but the model was sharded before prepare on a mesh with {model_cp}; load it on Accelerate's "
+            "mesh: hf_fsdp2.from_pretrained(..., hf_fsdp2.accelerator_config(accelerator), "
+            "mesh=accelerator.torch_device_mesh).")
     differing = differing_settings(have, wanted, on_reducer=replication.is_replicated(model))
     if differing:
         given = ", ".join(f"{k}={v[1]!r}" for k, v in differing.items())

@@ -250,7 +250,7 @@ def shard_model(
     if TP_DIM in (mesh.mesh_dim_names or ()):
         # Before TP splits them: a TP DTensor parameter keeps its dtype through `param.data = ...to()`.
         apply_frozen_dtype(model, config.frozen_dtype)
-    config = _tensor_parallel(model, config, mesh, on_meta)
+    config = _tensor_parallel(model, config, mesh, on_meta and init_weights)  # a loader fills meta weights (from_pretrained)
     plan = plan_groups(model, config)
     if config.fp8:
         apply_fp8(model, plan)

@@ -58,8 +58,8 @@ def refuse_unsupported(model: nn.Module, config, on_meta: bool) -> None:
     elif config.compile:
         reason = "`compile` (regional compilation)"
     elif on_meta:
-        reason = ("a model on the meta device (load its weights first, or load it split with transformers' "
-                  "from_pretrained(..., tp_plan='auto', device_mesh=mesh))")
+        reason = ("a model on the meta device to initialise (hf_fsdp2.from_pretrained loads one onto its split; or "
+                  "load it split with transformers' from_pretrained(..., tp_plan='auto', device_mesh=mesh))")
     if reason:
         raise NotImplementedError(f"`tp_size`={config.tp_size} with {reason} is not done in hf_fsdp2; use tp_size=1.")
 

@@ -32,7 +32,8 @@ parser.add_argument("--seed", type=int, default=0)
 parser.add_argument("--from-pretrained", help="load the base model with transformers' from_pretrained")
 parser.add_argument("--hf-fsdp2-from-pretrained", help="load (and shard) the base model with hf_fsdp2.from_pretrained "
                     "before prepare, as accelerate_configs/fsdp2.yaml recommends (with --lora: its peft_config)")
-parser.add_argument("--fsdp2-config", default="{}", help="with --hf-fsdp2-from-pretrained: FSDP2Config fields (JSON)")
+parser.add_argument("--fsdp2-config", default="{}", help="with --hf-fsdp2-from-pretrained: FSDP2Config fields (JSON), "
+                    "or 'accelerator': hf_fsdp2.accelerator_config(accelerator), the launch's own settings")
 parser.add_argument("--load-in-4bit", action="store_true", help="with --from-pretrained: stock bitsandbytes 4-bit load")
 parser.add_argument("--fsdp-size", type=int, help="with --from-pretrained: transformers shards it at load "
                     "(DistributedConfig(fsdp_size=N))")
@@ -100,7 +101,10 @@ elif args.hf_fsdp2_from_pretrained:
             load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
             bnb_4bit_quant_storage=torch.bfloat16, bnb_4bit_compute_dtype=torch.bfloat16))
     model = hf_fsdp2.from_pretrained(AutoModelForCausalLM, args.hf_fsdp2_from_pretrained,
-                                     hf_fsdp2.FSDP2Config(**json.loads(args.fsdp2_config)), peft_config=peft_config,
+                                     hf_fsdp2.accelerator_config(accelerator) if args.fsdp2_config == "accelerator"
+                                     else hf_fsdp2.FSDP2Config(**json.loads(args.fsdp2_config)), peft_config=peft_config,
+                                     # Accelerate's mesh when it has one (parallelism_config: TP, CP, HSDP), as prepare
+                                     mesh=accelerator.torch_device_mesh if args.fsdp2_config == "accelerator" else None,
                                      **quantized)
 else:
     model = build_model(seed=args.seed)
