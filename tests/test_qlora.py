@@ -8,7 +8,6 @@ QLoRA on the same quantized weights, and the 2-rank launch resumes the 4-rank la
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 
