@@ -13,6 +13,7 @@ from .checkpoint.pretrained import from_pretrained, load_pretrained, save_pretra
 from .checkpoint.errors import CheckpointError  # noqa: E402
 from .checkpoint.state import latest_state, load_state, save_state  # noqa: E402
 from .checkpoint import async_save as _async_save  # noqa: E402
+from .runtime import host_allocator as _host_allocator  # noqa: E402
 from .checkpoint.async_save import SaveHandle, wait_pending as wait_for_saves  # noqa: E402
 from .sharding import no_sync, shard_model  # noqa: E402
 from .quantization.bnb_optimizers import prepare as prepare_optimizer  # noqa: E402
@@ -53,6 +54,7 @@ def unregister() -> None:
     _trainer_backend.unregister()
     _accelerate_backend.unregister()
     _async_save.unregister()
+    _host_allocator.release()  # the planner's glibc lever, if it pulled it (runtime/host_allocator.py)
 
 
 __all__ = [

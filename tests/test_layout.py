@@ -410,3 +410,53 @@ def test_auto_layout_and_regional_compile_on_two_ranks(tmp_path):
     # both made in the first step; none after it (3 layers, one graph reused).
     assert r["graphs_after_first_step"] <= 2 and r["graphs_at_end"] == r["graphs_after_first_step"]
     assert r["names_unchanged"] and r["eval_cache"]
+
+
+_LEVER_SCOPE_PROBE = r"""
+import gc, resource, sys, torch
+from hf_fsdp2.runtime import host_allocator
+
+def faults():  # a user's own loop of 4 MiB buffers: minor page faults it costs
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(100):
+        torch.empty(1 << 20).fill_(1.0)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+class Model:
+    pass
+
+faults()  # glibc's own dynamic threshold settles
+out = {"default": faults()}
+model = Model()
+host_allocator.return_freed_blocks(model)
+out["held"], out["holding"] = faults(), host_allocator.returns_freed_blocks()
+del model
+gc.collect()
+out["released"], out["holding_after"] = faults(), host_allocator.returns_freed_blocks()
+host_allocator.return_freed_blocks()
+import hf_fsdp2
+hf_fsdp2.unregister()
+out["after_unregister"], out["holding_after_unregister"] = faults(), host_allocator.returns_freed_blocks()
+print(out)
+"""
+
+
+def test_the_glibc_lever_is_let_go_with_its_model_and_at_unregister():
+    """Issue 48: once pulled, the lever made a user's own 4 MiB buffers fault every page for the rest of the
+    process. It is held for the model that needed it and let go when that model is gone, or at unregister():
+    the user's loop is back to (about) no page faults."""
+    import ast
+    import subprocess
+    import sys
+
+    from hf_fsdp2.runtime import host_allocator
+
+    if not host_allocator.is_glibc():
+        pytest.skip("not glibc")
+    out = ast.literal_eval(subprocess.run([sys.executable, "-c", _LEVER_SCOPE_PROBE], check=True, text=True,
+                                          capture_output=True).stdout.strip().splitlines()[-1])
+    page_faults_per_loop = 100 * (4 << 20) // 4096  # every page of every buffer
+    assert out["default"] < page_faults_per_loop // 20, out
+    assert out["held"] > page_faults_per_loop // 2 and out["holding"], out
+    assert out["released"] < page_faults_per_loop // 20 and not out["holding_after"], out
+    assert out["after_unregister"] < page_faults_per_loop // 20 and not out["holding_after_unregister"], out

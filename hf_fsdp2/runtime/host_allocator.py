@@ -11,7 +11,11 @@ fault per page of every fresh buffer each step (0.59-0.73x tokens/s at 58M param
 CI machine), so the planner turns it on only when glibc's default would break the budget
 (layout.LayoutPlan.returns_freed_memory). On GPUs the caching allocator reuses blocks and none of this applies.
 
-Process-wide and one-way: glibc has no call that turns the dynamic threshold back on.
+Process-wide, so scoped: the lever is held for the models that needed it (`return_freed_blocks(owner)`) and
+let go when the last of them is garbage-collected, or at `hf_fsdp2.unregister()`. glibc has no call that
+turns its dynamic threshold back on, so letting go fixes the thresholds where that adjustment ends up
+after large frees (32 MiB mmap threshold, twice that for trimming: glibc's DEFAULT_MMAP_THRESHOLD_MAX):
+buffers up to 32 MiB come from the heap again and are reused without page faults.
 """
 
 from __future__ import annotations
@@ -19,13 +23,19 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import weakref
 
 # glibc's malloc.h
 M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
 RETURN_THRESHOLD_BYTES = 128 * 1024  # glibc's own initial mmap threshold
+# Where glibc's dynamic adjustment takes the thresholds after large frees (malloc.c: DEFAULT_MMAP_THRESHOLD_MAX,
+# 4 * 1024 * 1024 * sizeof(long) on 64-bit; the trim threshold follows at twice the mmap threshold).
+RELEASED_MMAP_THRESHOLD_BYTES = 32 * 1024 * 1024
+RELEASED_TRIM_THRESHOLD_BYTES = 2 * RELEASED_MMAP_THRESHOLD_BYTES
 
 _returning = False
+_owners: set[int] = set()  # id() of the models the lever is held for (each with a finalizer)
 
 
 @functools.cache
@@ -49,20 +59,46 @@ def returns_freed_blocks() -> bool:
     return _returning
 
 
-def return_freed_blocks() -> bool:
-    """Make glibc give freed blocks over 128 KiB back to the OS from now on, and trim what is free now.
+def return_freed_blocks(owner: object | None = None) -> bool:
+    """Make glibc give freed blocks over 128 KiB back to the OS, and trim what is free now, until `owner`
+    (the model that needs it; None: until `release`) is garbage-collected along with every other owner.
     False (nothing changed) when the C library is not glibc."""
     global _returning
     libc = _glibc()
     if libc is None:
         return False
     if not _returning:
-        if not (libc.mallopt(M_MMAP_THRESHOLD, RETURN_THRESHOLD_BYTES)
-                and libc.mallopt(M_TRIM_THRESHOLD, RETURN_THRESHOLD_BYTES)):
-            raise OSError("glibc's mallopt refused M_MMAP_THRESHOLD / M_TRIM_THRESHOLD = 128 KiB")
+        _set_thresholds(libc, RETURN_THRESHOLD_BYTES, RETURN_THRESHOLD_BYTES)
         _returning = True
+    if owner is not None and id(owner) not in _owners:
+        _owners.add(id(owner))
+        weakref.finalize(owner, _owner_gone, id(owner))
     trim()
     return True
+
+
+def release() -> None:
+    """Let the lever go now, whatever holds it (`hf_fsdp2.unregister()`): the thresholds where glibc's own
+    adjustment would have taken them (module docstring)."""
+    global _returning
+    libc = _glibc()
+    _owners.clear()
+    if libc is None or not _returning:
+        return
+    _set_thresholds(libc, RELEASED_MMAP_THRESHOLD_BYTES, RELEASED_TRIM_THRESHOLD_BYTES)
+    _returning = False
+
+
+def _owner_gone(owner_id: int) -> None:
+    if owner_id in _owners:  # else let go already (release)
+        _owners.discard(owner_id)
+        if not _owners:
+            release()
+
+
+def _set_thresholds(libc, mmap_threshold: int, trim_threshold: int) -> None:
+    if not (libc.mallopt(M_MMAP_THRESHOLD, mmap_threshold) and libc.mallopt(M_TRIM_THRESHOLD, trim_threshold)):
+        raise OSError(f"glibc's mallopt refused M_MMAP_THRESHOLD={mmap_threshold} / M_TRIM_THRESHOLD={trim_threshold}")
 
 
 def trim() -> None:
@@ -79,4 +115,4 @@ def trim_if_returning() -> None:
         trim()
 
 
-__all__ = ["is_glibc", "return_freed_blocks", "returns_freed_blocks", "trim", "trim_if_returning"]
+__all__ = ["is_glibc", "release", "return_freed_blocks", "returns_freed_blocks", "trim", "trim_if_returning"]

@@ -149,8 +149,8 @@ class LayoutPlan:
             return ""
         step = self.chosen.estimate.step_freed_bytes
         return (f". On CPU glibc's heap may keep the {format_bytes(step)} of gathered parameters and gradient "
-                f"buffers each step frees, over the budget: freed blocks over 128 KiB are given back to the OS, for the rest "
-                f"of this process (glibc cannot turn its own threshold back on): every large allocation of the process, "
+                f"buffers each step frees, over the budget: freed blocks over 128 KiB are given back to the OS, process-wide, "
+                f"until this model is garbage-collected or hf_fsdp2.unregister(): every large allocation of the process, "
                 f"the training loop's and yours, then pays a page fault per fresh page (about 0.6x speed for these steps "
                 f"here; runtime/host_allocator.py)")
 
@@ -343,7 +343,7 @@ def resolve_auto_layout(model: nn.Module, config: FSDP2Config, *, cp_size: int =
                        seq_len=plan_seq_len(model, config),
                        checkpointing_fixed=any(isinstance(m, CheckpointWrapper) for m in model.modules()),
                        tp_sizes=(config.tp_size,), cp_sizes=(cp_size,), mesh_shape=mesh_shape)
-    if plan.returns_freed_memory and not host_allocator.return_freed_blocks() and collectives.rank() == 0:
+    if plan.returns_freed_memory and not host_allocator.return_freed_blocks(model) and collectives.rank() == 0:
         logger.warning("hf_fsdp2: the C library is not glibc; its freed memory may keep RSS over the budget.")
     if collectives.rank() == 0:
         logger.warning(plan.summary())
