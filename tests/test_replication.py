@@ -98,6 +98,15 @@ def _replicated_surface(rank: int, world: int, root: str) -> dict:
     reference = full_params(build_model(seed=0))
     out["rank0"] = _is_ddp(mine) and all(torch.equal(a, reference[n]) for n, a in full_params(mine).items())
 
+    # A step where a trainable parameter gets no gradient: DDP's error at the next forward names our setting.
+    skipping = shard_model(build_model(), FSDP2Config(**REPLICATED))
+    out["unused_named"] = ""
+    try:
+        for _ in range(2):  # a loss on the first layer's output: the later layers, norm and lm_head get no gradient
+            skipping(input_ids=data[0], output_hidden_states=True).hidden_states[1].sum().backward()
+    except RuntimeError as error:
+        out["unused_named"] = str(error)
+
     # generate(): a different number of new tokens per rank must not wait on the other rank.
     model.eval()
     with torch.no_grad():
@@ -177,6 +186,7 @@ def test_shard_size_one_trains_with_ddp_reducer_behind_the_same_api(tmp_path):
     assert [res["generated"] for res in results] == [6, 9]
     assert all("ran under autograd outside the forward of the replicated" in res["outside_refused"]
                for res in results)
+    assert all("FSDP2Config(find_unused_parameters=True)" in res["unused_named"] for res in results)
     assert all(res["lora_ddp"] and res["frozen_plain"] and res["reduce_cast_on_fsdp2"] for res in results)
     for res in results:
         ddp, fsdp2 = res["cast_ddp"], res["cast_fsdp2"]

@@ -82,6 +82,7 @@ def apply_replication(model: nn.Module, plan: ShardPlan, config: FSDP2Config, me
         find_unused_parameters=config.find_unused_parameters,
         bucket_cap_mb=config.bucket_cap_mb,
     )
+    _name_our_setting_in_ddp_errors(model)
     # `synchronize` builds the reducer before the first forward, after which torch's `register_comm_hook`
     # on the model would only queue the hook (it is applied at that lazy init): apply a queued one here.
     model.register_forward_pre_hook(_apply_queued_comm_hooks, prepend=True)
@@ -89,6 +90,34 @@ def apply_replication(model: nn.Module, plan: ShardPlan, config: FSDP2Config, me
     for layer in plan.layers:
         layer.register_forward_pre_hook(_refuse_layer_outside_model(model))
     return True
+
+
+def _name_our_setting_in_ddp_errors(model: nn.Module) -> None:
+    """DDP's "Expected to have finished reduction in the prior iteration" (a trainable parameter got no gradient
+    in the last step) tells the user to pass `find_unused_parameters=True` to DistributedDataParallel, which
+    they never built: `replicate`'s forward pre-hook (torch/distributed/_composable/replicate.py, registered
+    with kwargs) is wrapped, in place in the model's hook dict, to raise the same error naming our settings."""
+    state = _state(model)
+    hooks = model._forward_pre_hooks
+    for key, hook in list(hooks.items()):
+        if hook == state.forward_pre_hook:
+            hooks[key] = _naming_find_unused(hook)
+
+
+def _naming_find_unused(hook):
+    def pre_forward(module, args, kwargs):
+        try:
+            return hook(module, args, kwargs)
+        except RuntimeError as error:
+            if "find_unused_parameters" not in str(error):
+                raise
+            raise RuntimeError(
+                "a trainable parameter got no gradient in the previous step, and with shard size 1 hf_fsdp2 trains on "
+                "DDP's reducer, which must be told: set FSDP2Config(find_unused_parameters=True) (Accelerate: "
+                "DistributedDataParallelKwargs(find_unused_parameters=True); Trainer: --ddp_find_unused_parameters "
+                "true; or HF_FSDP2_FIND_UNUSED_PARAMETERS=1), freeze the parameters that do not train, or set "
+                "shard_size > 1 (FSDP2 groups need neither). DDP's message follows.\n" + str(error)) from error
+    return pre_forward
 
 
 def synchronize(model: nn.Module, broadcast: bool) -> None:
