@@ -140,6 +140,18 @@ def test_a_deferred_model_used_before_prepare_fails_naming_the_deferral(tmp_path
     assert model is not None and all(p.is_meta for p in model.parameters())
     with pytest.raises(RuntimeError, match=r"not loaded yet: hf_fsdp2 deferred loading them to accelerator.prepare"):
         model(input_ids=torch.arange(8).view(1, 8))
+    # Resizing reads the embeddings' values: refused by name (it failed on meta tensors or at prepare), through
+    # a PeftModel too; once the weights are loaded it is transformers' own again.
+    from peft import LoraConfig, get_peft_model
+
+    for target in (model, get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj"]))):
+        with pytest.raises(RuntimeError, match=r"resize_token_embeddings: its weights are not loaded yet"):
+            target.resize_token_embeddings(300)
+    from hf_fsdp2.sharding import record_of
+
+    record_of(model).deferred_checkpoint = None  # as prepare leaves it
+    model.to_empty(device="cpu")
+    assert model.resize_token_embeddings(300).weight.shape[0] == 300
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

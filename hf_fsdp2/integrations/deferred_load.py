@@ -34,10 +34,11 @@ import torch.nn as nn
 from ..checkpoint.errors import CheckpointError
 from ..checkpoint.pretrained import build_on_meta, check_pretrained, init_meta_adapters, load_pretrained
 from ..config import parse_dtype
-from ..runtime import collectives
+from ..runtime import collectives, upstream
 from ..sharding import record_of, shard_model, unwrap_peft
 
 SEAM = "transformers.modeling_utils.PreTrainedModel.from_pretrained"
+_RESIZE_SEAM = "transformers.modeling_utils.PreTrainedModel.resize_token_embeddings"
 _DTYPE_KWARGS = ("dtype", "torch_dtype")
 # What the Auto classes pass along that only locates files on the hub: nothing to do for a local directory.
 _HUB_ONLY = ("revision", "trust_remote_code", "cache_dir", "force_download", "local_files_only", "token", "proxies",
@@ -67,6 +68,8 @@ def load_on_meta(model_class, path, args: tuple, kwargs: dict) -> nn.Module | No
     record_of(model, create=True).deferred_checkpoint = Path(path)
     model.register_load_state_dict_pre_hook(_keep_adapter_values)
     model.register_forward_pre_hook(functools.partial(_not_before_prepare, id(model)))
+    upstream.wrap_instance_method(model, "resize_token_embeddings", _RESIZE_SEAM,
+                                  lambda original: _refuse_while_deferred(model, original))
     if collectives.rank() == 0:
         _LOG.warning("hf_fsdp2: %s.from_pretrained(%r) is built on the meta device on every rank; accelerator.prepare "
                      "reads each rank's rows after sharding (shard_size='auto' with fsdp_cpu_ram_efficient_loading). "
@@ -82,6 +85,22 @@ def _not_before_prepare(model_id: int, module: nn.Module, args) -> None:
             f"{type(module).__name__}: its weights are not loaded yet: hf_fsdp2 deferred loading them to "
             "accelerator.prepare (shard_size='auto' with fsdp_cpu_ram_efficient_loading builds the model on the meta "
             "device). Pass it to accelerator.prepare first, or load it without ram-efficient loading.")
+
+
+def _refuse_while_deferred(model: nn.Module, original):
+    """`resize_token_embeddings` before prepare: the embeddings' values are on meta (transformers' resize reads
+    them: "Tensor.item() cannot be called on meta tensors", or a shape mismatch at prepare). Refused by name;
+    after prepare (weights loaded) it is transformers' own."""
+    @functools.wraps(original)
+    def resize(*args, **kwargs):
+        if record_of(model).deferred_checkpoint is not None:
+            raise RuntimeError(
+                f"{type(model).__name__}.resize_token_embeddings: its weights are not loaded yet: hf_fsdp2 deferred "
+                "loading them to accelerator.prepare (shard_size='auto' with fsdp_cpu_ram_efficient_loading builds "
+                "the model on the meta device), and resizing needs the embeddings' values. Save the resized model "
+                "once (without hf_fsdp2.register()) and load that, or load without ram-efficient loading.")
+        return original(*args, **kwargs)
+    return resize
 
 
 def _keep_adapter_values(module: nn.Module, state_dict: dict, prefix: str, *args) -> None:
