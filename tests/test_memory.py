@@ -527,3 +527,22 @@ def test_peak_is_the_larger_of_backward_start_and_end_with_the_logits_fp32_gradi
     assert "loss backward" in one.format_table() and "+ gradients" in kept.format_table()
     with pytest.raises(ValueError, match="`gradient_accumulation_steps`=0"):
         estimate_memory(config, 4, fsdp, gradient_accumulation_steps=0)
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(num_attention_heads=5), "not a config transformers accepts.*not a multiple of the number of attention heads"),
+    (dict(hidden_size="big"), "not a config transformers accepts.*hidden_size"),
+    (dict(hidden_size=-4), "config `hidden_size`=-4 must be a positive integer"),
+    (dict(num_hidden_layers=100000), "`num_hidden_layers`=100000: more than 1024 decoder layers"),
+])
+def test_a_hostile_config_json_gets_one_line_from_the_clis(tmp_path, capsys, change, message):
+    """Issue 48: a bad head count, a wrong type, a negative size gave tracebacks; 100,000 layers ran past 120 s."""
+    import re
+
+    values = json.loads(build_model().config.to_json_string())
+    values.update(change)
+    (tmp_path / "config.json").write_text(json.dumps(values))
+    for command in (["estimate-memory", "--world-size", "2"], ["plan", "--world-size", "2", "--memory", "8GB"]):
+        assert main([command[0], "--model", str(tmp_path / "config.json"), *command[1:]]) == 1
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and re.search(message, err), err

@@ -37,8 +37,41 @@ def load_hf_config(path: str | Path):
         return AutoConfig.for_model(values.pop("model_type"), **values)
     except user_files.UserFileError as e:
         raise ValueError(f"`model`={str(path)!r}: {e}") from None
-    except (KeyError, OSError, TypeError) as e:  # unknown model_type, unreadable file, bad field
-        raise ValueError(f"`model`={str(path)!r}: could not read a Hugging Face config: {e}") from None
+    except (KeyError, OSError, TypeError, ValueError, *_strict_dataclass_errors()) as e:
+        # unknown model_type, unreadable file, a field of the wrong type, transformers' own validation
+        # (huggingface_hub's strict dataclasses: "hidden size is not a multiple of the number of heads")
+        message = " ".join(str(e).split())
+        raise ValueError(f"`model`={str(path)!r}: not a config transformers accepts: {message}") from None
+
+
+def _strict_dataclass_errors() -> tuple[type, ...]:
+    try:  # transformers >= 5 validates configs with huggingface_hub's strict dataclasses (not ValueErrors)
+        from huggingface_hub.errors import StrictDataclassError
+    except ImportError:
+        return ()
+    return (StrictDataclassError,)
+
+
+# Sizes a config must give as positive integers before a model is built from it (on meta, nothing is allocated,
+# but a negative size fails deep in torch), and a bound on the layers built: one module per layer, and real models
+# have at most a few hundred (a 100,000-layer config.json ran past two minutes).
+_POSITIVE_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                   "num_key_value_heads", "head_dim")
+MAX_LAYERS = 1024
+
+
+def check_sizes(config) -> None:
+    """A clear error, naming the field, for a config the meta model cannot be built from."""
+    for name in _POSITIVE_SIZES:
+        value = getattr(config, name, None)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"config `{name}`={value!r} must be a positive integer.")
+    layers = getattr(config, "num_hidden_layers", None)
+    if isinstance(layers, int) and layers > MAX_LAYERS:
+        raise ValueError(f"config `num_hidden_layers`={layers}: more than {MAX_LAYERS} decoder layers is not estimated "
+                         "here (the meta model builds one module per layer).")
 
 
 def meta_copy(module: nn.Module) -> nn.Module:
@@ -75,11 +108,16 @@ def build_meta_model(source: Any, *, dtype: torch.dtype | str | None = None) -> 
 
     if not isinstance(source, PretrainedConfig):
         raise TypeError(f"`model` must be a transformers config, a path or an nn.Module, got {type(source).__name__}.")
+    check_sizes(source)
     try:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(source, dtype=dtype or torch.float32)
     except ValueError as e:  # a config with no causal-LM class
         raise ValueError(f"`model`: {type(source).__name__} has no causal LM class in transformers: {e}") from None
+    except (RuntimeError, TypeError, *_strict_dataclass_errors()) as e:  # sizes transformers' modules cannot take
+        message = " ".join(str(e).split())
+        raise ValueError(f"`model`: transformers cannot build {type(source).__name__}'s model from this config: "
+                         f"{message}") from None
     return model
 
 
