@@ -328,3 +328,30 @@ def test_trainer_seams_wait_for_the_trainer_import():
     lines = out.stdout.strip().splitlines()
     assert lines == ["[] []", "['transformers.TrainingArguments.__post_init__']", "8 SourceFileLoader []",
                      "[] [] transformers.trainer"]
+
+
+def test_reloading_the_trainer_modules_keeps_the_seams_until_unregister():
+    """Issue 48: `importlib.reload(transformers.trainer)` defined a new Trainer class without our methods, silently
+    (checkpoints would gather again). The reloaded classes get the same replacements; unregister() takes them off
+    both the old and the new classes, and a reload after it is transformers' own (a fresh interpreter)."""
+    import subprocess
+
+    code = (
+        "import importlib\n"
+        "import hf_fsdp2\n"
+        "hf_fsdp2.register()\n"
+        "import transformers.trainer as t, transformers.training_args as ta\n"
+        "from hf_fsdp2.runtime import upstream\n"
+        "ours = upstream.installed_replacement('transformers.Trainer.save_model')\n"
+        "ours_args = upstream.installed_replacement('transformers.TrainingArguments.__post_init__')\n"
+        "first = t.Trainer\n"
+        "importlib.reload(t); importlib.reload(ta)\n"
+        "print(t.Trainer is not first, t.Trainer.save_model is ours, ta.TrainingArguments.__post_init__ is ours_args)\n"
+        "hf_fsdp2.unregister()\n"
+        "print(t.Trainer.save_model is ours, first.save_model is ours, ta.TrainingArguments.__post_init__ is ours_args)\n"
+        "importlib.reload(t)\n"
+        "print(t.Trainer.save_model is ours)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180, cwd=PACKAGE.parent)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-3:] == ["True True True", "False False False", "False"]

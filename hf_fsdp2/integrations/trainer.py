@@ -37,6 +37,24 @@ def register() -> None:
     """Idempotent. The replaced names are declared in runtime/upstream.py."""
     import_hooks.when_imported(TRAINING_ARGS_MODULE, _install_training_arguments)
     import_hooks.when_imported(TRAINER_MODULE, _install_trainer)
+    for module in (TRAINING_ARGS_MODULE, TRAINER_MODULE):
+        import_hooks.after_every_execution(module, functools.partial(_reinstall_after_reload, module))
+
+
+def _reinstall_after_reload(module_name: str) -> None:
+    """`importlib.reload(transformers.trainer)` defines a new Trainer class in the module, without our methods
+    (`transformers.Trainer` keeps naming the patched one: the lazy package caches it): the same replacements
+    go on the new class too, taken off at unregister (upstream.reinstall_on). On the first import this finds
+    them there already."""
+    import sys
+
+    cls_name = "Trainer" if module_name == TRAINER_MODULE else "TrainingArguments"
+    cls = getattr(sys.modules.get(module_name), cls_name, None)
+    if cls is None:
+        return
+    for target in upstream.installed(GROUP):
+        if target.startswith(f"transformers.{cls_name}."):
+            upstream.reinstall_on(target, cls)
 
 
 def _install_training_arguments() -> None:
@@ -66,6 +84,8 @@ def _install_trainer() -> None:
 def unregister() -> None:
     import_hooks.cancel(TRAINING_ARGS_MODULE)
     import_hooks.cancel(TRAINER_MODULE)
+    for module in (TRAINING_ARGS_MODULE, TRAINER_MODULE):
+        import_hooks.stop_watching(module)
     upstream.restore(GROUP)
 
 

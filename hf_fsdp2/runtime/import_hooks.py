@@ -16,6 +16,7 @@ import threading
 from typing import Callable
 
 _pending: dict[str, list[Callable[[], None]]] = {}
+_watched: dict[str, Callable[[], None]] = {}  # run after every execution of the module: `importlib.reload` too
 _lock = threading.RLock()
 
 
@@ -34,7 +35,24 @@ def cancel(module: str) -> None:
     """Forget the callbacks still waiting for `module`."""
     with _lock:
         _pending.pop(module, None)
-        if not _pending and _FINDER in sys.meta_path:
+        if not _pending and not _watched and _FINDER in sys.meta_path:
+            sys.meta_path.remove(_FINDER)
+
+
+def after_every_execution(module: str, callback: Callable[[], None]) -> None:
+    """`callback()` after each later execution of `module`'s code (its import, `importlib.reload`), until
+    `stop_watching(module)`. Reload finds a module's spec through `sys.meta_path` again, so the finder
+    stays there while anything is watched."""
+    with _lock:
+        _watched[module] = callback
+        if _FINDER not in sys.meta_path:
+            sys.meta_path.insert(0, _FINDER)
+
+
+def stop_watching(module: str) -> None:
+    with _lock:
+        _watched.pop(module, None)
+        if not _pending and not _watched and _FINDER in sys.meta_path:
             sys.meta_path.remove(_FINDER)
 
 
@@ -46,9 +64,10 @@ def pending() -> list[str]:
 def _run(module: str) -> None:
     with _lock:
         callbacks = _pending.pop(module, [])
-        if not _pending and _FINDER in sys.meta_path:
+        watcher = _watched.get(module)
+        if not _pending and not _watched and _FINDER in sys.meta_path:
             sys.meta_path.remove(_FINDER)
-    for callback in callbacks:
+    for callback in callbacks + ([watcher] if watcher is not None else []):
         callback()
 
 
@@ -69,7 +88,7 @@ class _Loader(importlib.abc.Loader):
 
 class _Finder(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname, path, target=None):
-        if fullname not in _pending:
+        if fullname not in _pending and fullname not in _watched:
             return None
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):
@@ -86,4 +105,4 @@ class _Finder(importlib.abc.MetaPathFinder):
 
 _FINDER = _Finder()
 
-__all__ = ["cancel", "pending", "when_imported"]
+__all__ = ["after_every_execution", "cancel", "pending", "stop_watching", "when_imported"]

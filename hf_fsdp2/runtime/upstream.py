@@ -224,6 +224,27 @@ def installed(group: str | None = None) -> list[str]:
     return [t for t, entry in _installed.items() if group is None or entry[4] == group]
 
 
+def installed_replacement(target: str) -> Any:
+    """What we put at an installed PATCHED `target`."""
+    return _installed[target][3]
+
+
+# Our replacements also put on a reloaded module's new class of a patched name (`importlib.reload` of
+# transformers.trainer): (group, class, name, the class's own attribute before, or None).
+_reinstalled: list[tuple[str, type, str, Any]] = []
+
+
+def reinstall_on(target: str, cls: type) -> bool:
+    """Our replacement at the installed PATCHED `target` also on `cls`, a reloaded module's new class that
+    `target`'s owner was; taken off with its group at `restore`. False when `cls` has it already."""
+    _, name, _, ours, group = _installed[target]
+    if vars(cls).get(name) is ours:
+        return False
+    _reinstalled.append((group, cls, name, vars(cls).get(name)))
+    setattr(cls, name, ours)
+    return True
+
+
 def original(target: str, cls: type | None = None) -> Any:
     """The upstream function a PATCHED `target` held before we replaced it (a classmethod bound to `cls`,
     by default to the class that holds it)."""
@@ -234,7 +255,14 @@ def original(target: str, cls: type | None = None) -> Any:
 
 
 def restore(group: str) -> None:
-    """Put back every attribute of `group`, last installed first."""
+    """Put back every attribute of `group`, last installed first (reloaded classes' too)."""
+    for entry in [e for e in reversed(_reinstalled) if e[0] == group]:
+        _, cls, name, previous = entry
+        if previous is None:
+            delattr(cls, name)
+        else:
+            setattr(cls, name, previous)
+        _reinstalled.remove(entry)
     for target in reversed(installed(group)):
         owner, name, previous, ours, _ = _installed.pop(target)
         setattr(owner, name, previous)
