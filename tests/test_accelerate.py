@@ -144,9 +144,15 @@ def test_a_deferred_model_used_before_prepare_fails_naming_the_deferral(tmp_path
     # a PeftModel too; once the weights are loaded it is transformers' own again.
     from peft import LoraConfig, get_peft_model
 
-    for target in (model, get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj"]))):
+    peft_model = get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj"]))
+    with pytest.raises(RuntimeError, match=r"not loaded yet: hf_fsdp2 deferred loading"):
+        peft_model(input_ids=torch.arange(8).view(1, 8))  # PEFT calls model.forward itself: the embedding's hook
+    for target in (model, peft_model):
         with pytest.raises(RuntimeError, match=r"resize_token_embeddings: its weights are not loaded yet"):
             target.resize_token_embeddings(300)
+    with pytest.raises(RuntimeError, match=r"save_pretrained: its weights are not loaded yet.*without weights"):
+        model.save_pretrained(tmp_path / "saved")
+    assert not (tmp_path / "saved").exists()
     from hf_fsdp2.sharding import record_of
 
     record_of(model).deferred_checkpoint = None  # as prepare leaves it

@@ -13,7 +13,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def test_gpu_check_dry_run_runs_every_section(tmp_path):
     out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_check.py"), "--dry-run", "--out", str(tmp_path),
-                          "--tmp", str(tmp_path)], capture_output=True, text=True, timeout=600, cwd=REPO)
+                          "--tmp", str(tmp_path), "--rounds", "1"], capture_output=True, text=True, timeout=600, cwd=REPO)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     result = json.loads((tmp_path / "gpu_check.json").read_text())
     sections = result["sections"]

@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import weakref
 from pathlib import Path
 
 import torch
@@ -39,6 +40,7 @@ from ..sharding import record_of, shard_model, unwrap_peft
 
 SEAM = "transformers.modeling_utils.PreTrainedModel.from_pretrained"
 _RESIZE_SEAM = "transformers.modeling_utils.PreTrainedModel.resize_token_embeddings"
+_SAVE_SEAM = "transformers.modeling_utils.PreTrainedModel.save_pretrained"
 _DTYPE_KWARGS = ("dtype", "torch_dtype")
 # What the Auto classes pass along that only locates files on the hub: nothing to do for a local directory.
 _HUB_ONLY = ("revision", "trust_remote_code", "cache_dir", "force_download", "local_files_only", "token", "proxies",
@@ -68,8 +70,18 @@ def load_on_meta(model_class, path, args: tuple, kwargs: dict) -> nn.Module | No
     record_of(model, create=True).deferred_checkpoint = Path(path)
     model.register_load_state_dict_pre_hook(_keep_adapter_values)
     model.register_forward_pre_hook(functools.partial(_not_before_prepare, id(model)))
+    # PEFT's LoraModel calls `model.forward(...)` itself (its hooks never run): the input embedding's own
+    # call is where every forward of the model passes.
+    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if isinstance(embedding, nn.Module):
+        embedding.register_forward_pre_hook(functools.partial(_inner_not_before_prepare, id(embedding),
+                                                              weakref.ref(model)))
     upstream.wrap_instance_method(model, "resize_token_embeddings", _RESIZE_SEAM,
-                                  lambda original: _refuse_while_deferred(model, original))
+                                  lambda original: _refuse_while_deferred(model, original, "resizing needs the "
+                                                                          "embeddings' values"))
+    upstream.wrap_instance_method(model, "save_pretrained", _SAVE_SEAM,
+                                  lambda original: _refuse_while_deferred(model, original, "a save would write its "
+                                                                          "config without weights"))
     if collectives.rank() == 0:
         _LOG.warning("hf_fsdp2: %s.from_pretrained(%r) is built on the meta device on every rank; accelerator.prepare "
                      "reads each rank's rows after sharding (shard_size='auto' with fsdp_cpu_ram_efficient_loading). "
@@ -87,20 +99,27 @@ def _not_before_prepare(model_id: int, module: nn.Module, args) -> None:
             "device). Pass it to accelerator.prepare first, or load it without ram-efficient loading.")
 
 
-def _refuse_while_deferred(model: nn.Module, original):
-    """`resize_token_embeddings` before prepare: the embeddings' values are on meta (transformers' resize reads
-    them: "Tensor.item() cannot be called on meta tensors", or a shape mismatch at prepare). Refused by name;
+def _refuse_while_deferred(model: nn.Module, original, why: str):
+    """A call that needs the weights' values before prepare loaded them: `resize_token_embeddings` (transformers'
+    resize reads them: "Tensor.item() cannot be called on meta tensors", or a shape mismatch at prepare),
+    `save_pretrained` (a config.json and no weights on the ranks whose tensors are meta). Refused by name;
     after prepare (weights loaded) it is transformers' own."""
     @functools.wraps(original)
-    def resize(*args, **kwargs):
+    def refused(*args, **kwargs):
         if record_of(model).deferred_checkpoint is not None:
             raise RuntimeError(
-                f"{type(model).__name__}.resize_token_embeddings: its weights are not loaded yet: hf_fsdp2 deferred "
+                f"{type(model).__name__}.{original.__name__}: its weights are not loaded yet: hf_fsdp2 deferred "
                 "loading them to accelerator.prepare (shard_size='auto' with fsdp_cpu_ram_efficient_loading builds "
-                "the model on the meta device), and resizing needs the embeddings' values. Save the resized model "
-                "once (without hf_fsdp2.register()) and load that, or load without ram-efficient loading.")
+                f"the model on the meta device), and {why}. Pass it to accelerator.prepare first, or load it "
+                "without ram-efficient loading.")
         return original(*args, **kwargs)
-    return resize
+    return refused
+
+
+def _inner_not_before_prepare(embedding_id: int, model_ref, module: nn.Module, args) -> None:
+    model = model_ref()
+    if id(module) == embedding_id and model is not None:
+        _not_before_prepare(id(model), model, args)
 
 
 def _keep_adapter_values(module: nn.Module, state_dict: dict, prefix: str, *args) -> None:
