@@ -84,6 +84,10 @@ def _unsupported_lora(model: nn.Module) -> str | None:
                         "different features of the same replicated input; set lora_dropout=0)")
         if any(getattr(layer, "use_dora", {}).values()):
             return f"DoRA (on {name})"
+        if any(getattr(layer, "lora_bias", {}).values()):
+            # lora_B's bias would need its base layer's split (colwise: the rows; rowwise: added once, after the
+            # partial sums are reduced): "aten.addmm.default got mixed torch.Tensor and DTensor" otherwise.
+            return f"`lora_bias` (on {name}; set lora_bias=False)"
     return None
 
 
