@@ -1,12 +1,13 @@
 """Real model sizes from nothing, phase by phase (issue 51): load, train steps, every save, resume.
 
-    python benchmarks/real_size.py                    # both cases at their real shapes (tens of minutes, 2 ranks)
+    python benchmarks/real_size.py                    # every case at its real shape (tens of minutes, 2 ranks)
     python benchmarks/real_size.py --cases lora_1b    # one of them
     python benchmarks/real_size.py --tiny             # the same phases on tiny shapes (tests/test_real_size.py)
 
 Cases (random init, saved like the hub: transformers' save_pretrained in 1 GB safetensors shards):
   lora_1b       Llama-3.2-1B's shape (1.24B), bf16 base, LoRA r 16 on all seven projections, bf16 compute,
                 seq 512: hf_fsdp2.from_pretrained(..., peft_config=...) on 2 ranks.
+  lora_3b       the same at Llama-3.2-3B's shape (3.21B).
   full_qwen05b  Qwen2-0.5B's shape, fp32 + AdamW, shard_size="auto" under a budget only sharding fits.
 Per phase and rank: wall time and peak RSS (VmHWM reset before the phase) over the RSS before it; the train
 phase's peak against `estimate-memory`'s for the same setup (and the process's base RSS, interpreter and
@@ -28,6 +29,9 @@ LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 CASES = {
     "lora_1b": dict(arch="llama", lora=True, dtype="bfloat16", seq=512, shape=dict(
         vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+        num_key_value_heads=8, tie_word_embeddings=True)),
+    "lora_3b": dict(arch="llama", lora=True, dtype="bfloat16", seq=512, shape=dict(  # Llama-3.2-3B's shape
+        vocab_size=128256, hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24,
         num_key_value_heads=8, tie_word_embeddings=True)),
     "full_qwen05b": dict(arch="qwen2", lora=False, dtype="float32", seq=512, shape=dict(
         vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
