@@ -673,11 +673,7 @@ def section_variants(run: Run, state: dict) -> dict:
             if why:
                 out[name] = {"skipped": why}
                 continue
-        try:
-            out[name] = measure_training(run, "ours_fsdp2", "full", state, **fields)
-        except Exception as e:
-            out[name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
-            run.reset_memory()
+        out[name] = measure_variant(run, state, fields)
     eager = out.get("eager", {}).get("tokens_per_s")
     for name, r in out.items():
         if eager and "tokens_per_s" in r:
@@ -687,8 +683,18 @@ def section_variants(run: Run, state: dict) -> dict:
     return {"ok": None, **out}
 
 
-# Llama 3.1 8B's layer shape (6 of its 32 layers; at 4 its bf16 lm_head was 38% of the matmul work): torchao's float8 gains are documented for matmuls of this
-# size; at the 1B shape (hidden 2048) the scaling work outweighs them (second GPU run: 0.96x under compile).
+def measure_variant(run: Run, state: dict, fields: dict) -> dict:
+    """The full fine-tune on FSDP2 groups with `fields` set; an error is recorded, the others go on."""
+    try:
+        return measure_training(run, "ours_fsdp2", "full", state, **fields)
+    except Exception as e:
+        run.reset_memory()
+        return {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
+
+
+# Llama 3.1 8B's layer shape (6 of its 32 layers; at 4 its bf16 lm_head was 38% of the matmul work): torchao's
+# float8 gains are documented for matmuls of this size; at the 1B shape (hidden 2048) the scaling work outweighs
+# them (second GPU run: 0.96x under compile).
 FP8_LARGE = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=6,
                  num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False)
 
@@ -706,11 +712,7 @@ def section_fp8_large(run: Run, state: dict) -> dict:
             if run.left() < (20 if run.dry else 60):
                 out[name] = {"skipped": "out of time"}
                 continue
-            try:
-                out[name] = measure_training(run, "ours_fsdp2", "full", state, **fields)
-            except Exception as e:
-                out[name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
-                run.reset_memory()
+            out[name] = measure_variant(run, state, fields)
     finally:
         run.big = saved
     bf16, fp8 = (out.get(k, {}).get("tokens_per_s") for k in ("regional_compile", "fp8_regional_compile"))
