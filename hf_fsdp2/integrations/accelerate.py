@@ -3,7 +3,9 @@
 Accelerate has no plugin registry; its FSDP2 entry points are module-level names imported into
 `accelerate/accelerator.py` (`fsdp2_prepare_model`) and `Accelerator` methods (`_prepare_fsdp2`,
 `save_model`, `save_state`, `load_state`). `register()` replaces exactly those (declared, with why,
-in runtime/upstream.py, which remembers the originals), and `unregister()` puts them back.
+in runtime/upstream.py, which remembers the originals), and `unregister()` puts them back. This module
+holds the prepare path; the checkpoint methods are accelerator_checkpoint.py's, the settings mapping
+accelerate_settings.py's.
 
 Settings come from Accelerate's own config (the yaml's `fsdp_config`, `mixed_precision`,
 `parallelism_config`); what the yaml cannot carry (Accelerate drops unknown `fsdp_config` keys)
@@ -15,11 +17,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import logging
 import os
 import re
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -27,18 +27,15 @@ import torch.nn as nn
 
 from ..config import FSDP2Config
 from ..runtime.distributed import build_mesh
-from ..checkpoint.pretrained import save_pretrained
 from ..checkpoint.rank0_loading import shard_from_rank0
-from . import deferred_load, fsdp1_configs, presharded
+from . import accelerator_checkpoint, deferred_load, fsdp1_configs, presharded
 from . import trl as trl_backend
 from .accelerate_settings import AccelerateSettings, fsdp2_values, layer_names
 from ..quantization import bnb_optimizers, fp8
-from ..sharding import is_sharded, record_of, shard_model, unwrap_peft
+from ..sharding import is_sharded, shard_model, unwrap_peft
 from ..sharding.adopt import sharded_by_transformers
 from ..sharding.layout import resolve_auto_layout
-from ..checkpoint.errors import CheckpointError
 from ..runtime import upstream, versions
-from ..checkpoint.state import MANIFEST, latest_state, load_state, read_manifest, save_state
 
 ENV_PREFIX = "HF_FSDP2_"
 _USER_POLICY = "_hf_fsdp2_user_policy"  # set on a plugin whose mixed_precision_policy the user gave
@@ -84,8 +81,9 @@ def register(**overrides: Any) -> None:
 
     upstream.replace("accelerate.accelerator.fsdp2_prepare_model", _fsdp2_prepare_model, GROUP)
     for name, wrapper in (("__init__", _init), ("_prepare_fsdp2", _prepare_fsdp2), ("_prepare_ao", _prepare_ao),
-                          ("save_model", _save_model), ("prepare_model", _prepare_model),
-                          ("save_state", _save_state), ("load_state", _load_state), ("_prepare_tp", _prepare_tp)):
+                          ("save_model", accelerator_checkpoint.save_model), ("prepare_model", _prepare_model),
+                          ("save_state", accelerator_checkpoint.save_state),
+                          ("load_state", accelerator_checkpoint.load_state), ("_prepare_tp", _prepare_tp)):
         upstream.replace(f"accelerate.accelerator.Accelerator.{name}",
                          functools.wraps(getattr(Accelerator, name))(wrapper), GROUP)
     upstream.replace(deferred_load.SEAM, classmethod(_from_pretrained), GROUP)
@@ -138,11 +136,6 @@ def take_back_foreign_patches() -> list[str]:
 
 def _original(owner_name: str, name: str):
     return upstream.original(f"accelerate.accelerator.{owner_name}.{name}")
-
-
-def _is_ours(accelerator) -> bool:
-    return getattr(accelerator, "is_fsdp2", False) and any(
-        is_sharded(m) for m in getattr(accelerator, "_models", []))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -521,84 +514,3 @@ def _data_parallel_shape(mesh) -> tuple[int, int]:
 def _cp_size(accelerator) -> int:
     pc = getattr(accelerator, "parallelism_config", None)
     return (getattr(pc, "cp_size", 1) or 1) if pc is not None else 1
-
-
-def _save_model(self, model, save_directory, max_shard_size="10GB", safe_serialization=True):
-    if not _is_ours(self):
-        return _original("Accelerator", "save_model")(self, model, save_directory, max_shard_size,
-                                                      safe_serialization)
-    if not safe_serialization:
-        raise ValueError("hf_fsdp2 writes safetensors only; `safe_serialization=False` is not supported.")
-    save_pretrained(model, save_directory, max_shard_size=max_shard_size)
-
-
-def _accelerate_extra(accelerator) -> dict:
-    """What Accelerate's own save_state adds: schedulers, registered objects, dataloader epochs, step."""
-    def as_json(obj, what):
-        state = obj.state_dict()
-        try:
-            return json.loads(json.dumps(state))
-        except TypeError as e:
-            raise TypeError(f"{what} ({type(obj).__name__}).state_dict() is not JSON-serialisable ({e}); "
-                            "hf_fsdp2 stores no pickles.") from None
-
-    return {
-        "accelerate": {
-            "step": accelerator.step,
-            "schedulers": [as_json(s, f"scheduler {i}") for i, s in enumerate(accelerator._schedulers)],
-            "custom_objects": [as_json(o, f"registered object {i}") for i, o in enumerate(accelerator._custom_objects)],
-            "dataloaders": [{"iteration": getattr(dl, "iteration", 0)} for dl in accelerator._dataloaders],
-        }
-    }
-
-
-def _save_state(self, output_dir=None, safe_serialization=True, **kwargs):
-    if not _is_ours(self):
-        return _original("Accelerator", "save_state")(self, output_dir, safe_serialization, **kwargs)
-    config = self.project_configuration
-    if config.automatic_checkpoint_naming:
-        output_dir = os.path.join(self.project_dir, "checkpoints", f"checkpoint_{self.save_iteration}")
-    if output_dir is None:
-        raise ValueError("`output_dir` is required unless the ProjectConfiguration names checkpoints automatically.")
-    model, optimizer = self._models[0], self._optimizers[0] if self._optimizers else None
-    if optimizer is None:
-        raise ValueError("hf_fsdp2's save_state needs the optimizer prepared with the model.")
-    keep = config.total_limit if config.automatic_checkpoint_naming else None
-    save_state(output_dir, model, optimizer, step=self.save_iteration, extra=_accelerate_extra(self),
-               keep_last=keep, blocking=not record_of(model).config.async_save)
-    config.iteration += 1
-    return output_dir
-
-
-def _load_state(self, input_dir=None, load_kwargs=None, **kwargs):
-    if not _is_ours(self):
-        return _original("Accelerator", "load_state")(self, input_dir, load_kwargs, **kwargs)
-    if input_dir is None:
-        if not self.project_configuration.automatic_checkpoint_naming:
-            raise ValueError("`input_dir` is required unless the ProjectConfiguration names checkpoints "
-                             "automatically.")
-        input_dir = latest_state(Path(self.project_dir) / "checkpoints")
-        if input_dir is None:
-            raise FileNotFoundError(f"no complete checkpoint under {Path(self.project_dir) / 'checkpoints'}.")
-    model, optimizer = self._models[0], self._optimizers[0]
-    # Check what Accelerate adds before load_state changes anything.
-    saved = read_manifest(input_dir)["extra"].get("accelerate", {})
-    pairs = []
-    for what, objs, states in (("schedulers", self._schedulers, saved.get("schedulers", [])),
-                               ("registered objects", self._custom_objects, saved.get("custom_objects", []))):
-        if not isinstance(states, list) or len(objs) != len(states) or not all(isinstance(s, dict) for s in states):
-            count = len(states) if isinstance(states, list) else "malformed"
-            raise CheckpointError(f"{Path(input_dir) / MANIFEST}: {count} {what} saved, {len(objs)} "
-                                  "prepared/registered now.")
-        pairs += zip(objs, states)
-    step, _ = load_state(input_dir, model, optimizer)
-    for obj, state in pairs:
-        obj.load_state_dict(state)
-    for dl, dl_state in zip(self._dataloaders, saved.get("dataloaders", [])):
-        if hasattr(dl, "set_epoch"):
-            dl.set_epoch(dl_state["iteration"])
-        if hasattr(dl, "iteration"):
-            dl.iteration = dl_state["iteration"]
-    self.step = saved.get("step", 0)
-    self.project_configuration.iteration = step + 1
-    return None

@@ -72,11 +72,11 @@ SEAMS: tuple[Seam, ...] = (
     Seam("accelerate.accelerator.Accelerator.prepare_model", PATCHED, _ACC,
          "evaluation_mode=True (reward, eval-only models): stock FSDP2 keeps a full replica per rank; "
          "hf_fsdp2 shards it for inference"),
-    Seam("accelerate.accelerator.Accelerator.save_model", PATCHED, _ACC,
+    Seam("accelerate.accelerator.Accelerator.save_model", PATCHED, "integrations/accelerator_checkpoint.py",
          "gather-free safetensors in Hugging Face format"),
-    Seam("accelerate.accelerator.Accelerator.save_state", PATCHED, _ACC,
+    Seam("accelerate.accelerator.Accelerator.save_state", PATCHED, "integrations/accelerator_checkpoint.py",
          "gather-free, atomic training state (optionally in the background)"),
-    Seam("accelerate.accelerator.Accelerator.load_state", PATCHED, _ACC,
+    Seam("accelerate.accelerator.Accelerator.load_state", PATCHED, "integrations/accelerator_checkpoint.py",
          "each rank reads only its own rows, whatever the saving mesh"),
     Seam("accelerate.accelerator.compile_regions", SCOPED, _ACC,
          "Accelerate < 1.14 compiles regions by wrapping blocks (`._orig_mod.` in every saved name); during "
