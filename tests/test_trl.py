@@ -148,7 +148,9 @@ def _vllm_sync_walk(rank, world, use_lora):
 
     model = lora(build_model()) if use_lora else build_model()
     hf_fsdp2.shard_model(model)
-    trl_backend.install_if_imported()  # as register()'s Accelerator does once TRL is imported
+    from hf_fsdp2.integrations.accelerate import prepare_for_inference
+
+    trl_backend.install_if_imported(prepare_for_inference)  # as register()'s Accelerator does once TRL is imported
     try:
         generation = vllm_generation.VLLMGeneration.__new__(vllm_generation.VLLMGeneration)
         generation.model = model  # what VLLMGeneration.__init__ keeps: the prepared policy

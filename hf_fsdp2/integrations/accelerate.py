@@ -87,7 +87,7 @@ def register(**overrides: Any) -> None:
         upstream.replace(f"accelerate.accelerator.Accelerator.{name}",
                          functools.wraps(getattr(Accelerator, name))(wrapper), GROUP)
     upstream.replace(deferred_load.SEAM, classmethod(_from_pretrained), GROUP)
-    trl_backend.install_if_imported()
+    trl_backend.install_if_imported(prepare_for_inference)
 
 
 def _from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
@@ -301,7 +301,7 @@ def _init(self, *args, **kwargs):
     from accelerate.state import PartialState
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 
-    trl_backend.install_if_imported()  # a TRL trainer builds its Accelerator before preparing its other models
+    trl_backend.install_if_imported(prepare_for_inference)  # a TRL trainer builds its Accelerator before preparing its other models
     given = kwargs.get("fsdp_plugin")
     if given is None:  # Accelerate builds its plugin from the FSDP_* variables: an FSDP1 config runs as FSDP2
         converted = fsdp1_configs.convert_environment()

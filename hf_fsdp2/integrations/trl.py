@@ -24,6 +24,7 @@ Installed by the Accelerate backend when a trainer builds its Accelerator and TR
 from __future__ import annotations
 
 import sys
+from typing import Any, Callable
 
 import torch.nn as nn
 
@@ -34,8 +35,15 @@ TARGET = "trl.models.utils.prepare_fsdp"
 VLLM_TARGET = "trl.generation.vllm_generation.VLLMGeneration._iter_named_params"
 
 
-def install_if_imported() -> None:
-    """Idempotent; each seam once its TRL module is loaded (TRL's trainers import them)."""
+# What the Accelerate backend gives at install (no import of it from here: it imports this module).
+_prepare_for_inference: Callable[[Any, nn.Module], nn.Module] | None = None
+
+
+def install_if_imported(prepare_for_inference: Callable[[Any, nn.Module], nn.Module]) -> None:
+    """Idempotent; each seam once its TRL module is loaded (TRL's trainers import them).
+    `prepare_for_inference(accelerator, model)`: how the backend shards a model that only runs forwards."""
+    global _prepare_for_inference
+    _prepare_for_inference = prepare_for_inference
     if "trl.models.utils" in sys.modules:
         upstream.replace(TARGET, _prepare_fsdp, GROUP)
     vllm_generation = sys.modules.get("trl.generation.vllm_generation")
@@ -44,15 +52,15 @@ def install_if_imported() -> None:
 
 
 def uninstall() -> None:
+    global _prepare_for_inference
     upstream.restore(GROUP)
+    _prepare_for_inference = None
 
 
 def _prepare_fsdp(model: nn.Module, accelerator):
-    from . import accelerate as backend
-
-    if not getattr(accelerator, "is_fsdp2", False) or not backend.is_registered():
+    if not getattr(accelerator, "is_fsdp2", False) or _prepare_for_inference is None:
         return upstream.original(TARGET)(model, accelerator)
-    return backend.prepare_for_inference(accelerator, model)
+    return _prepare_for_inference(accelerator, model)
 
 
 def _iter_named_params(self):
