@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import Sequence
 
 
@@ -17,6 +18,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_check_config(commands)
     _add_estimate_memory(commands)
     _add_plan(commands)
+    _add_config_file(commands)
     return parser
 
 
@@ -28,6 +30,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, OSError) as e:  # bad input or I/O: the message names the path; no traceback
         print(f"hf-fsdp2 {args.command}: error: {e}", file=sys.stderr)
         return 1
+
+
+# ---------------------------------------------------------------------------------------------
+# config-file
+
+
+SHIPPED_CONFIGS = Path(__file__).resolve().parent / "configs"  # accelerate_configs/ in a checkout links here
+
+
+def _add_config_file(commands: argparse._SubParsersAction) -> None:
+    names = sorted(p.name for p in SHIPPED_CONFIGS.iterdir() if p.suffix in (".yaml", ".json"))
+    p = commands.add_parser(
+        "config-file",
+        help="Print the path of an Accelerate config shipped with hf_fsdp2 (for accelerate launch --config_file).",
+        description="The Accelerate configs in the package (the checkout's accelerate_configs/): "
+                    "accelerate launch --config_file \"$(hf-fsdp2 config-file fsdp2.yaml)\" train.py. Copy one to "
+                    "edit it (e.g. fsdp_transformer_layer_cls_to_wrap for a model other than Llama).",
+    )
+    p.add_argument("name", choices=names, help="one of the shipped files")
+    p.set_defaults(handler=_run_config_file)
+
+
+def _run_config_file(args: argparse.Namespace) -> int:
+    print(SHIPPED_CONFIGS / args.name)
+    return 0
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,24 @@
+"""The built wheel (not the checkout) carries what the README tells users to launch with (issue 52)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_the_wheel_carries_the_accelerate_configs_and_the_cli_finds_them(tmp_path):
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path),
+                    str(ROOT)], check=True, capture_output=True, text=True, timeout=300)
+    wheel = next(tmp_path.glob("hf_fsdp2-*.whl"))
+    shipped = sorted(p.name for p in (ROOT / "accelerate_configs").iterdir())
+    assert "fsdp2.yaml" in shipped and (ROOT / "accelerate_configs").resolve() == ROOT / "hf_fsdp2" / "configs"
+    with zipfile.ZipFile(wheel) as z:
+        for name in shipped:
+            assert z.read(f"hf_fsdp2/configs/{name}") == (ROOT / "accelerate_configs" / name).read_bytes(), name
+    out = subprocess.run([sys.executable, "-m", "hf_fsdp2.cli", "config-file", "fsdp2.yaml"], check=True,
+                         capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert Path(out.stdout.strip().splitlines()[-1]).read_bytes() == (ROOT / "accelerate_configs" / "fsdp2.yaml").read_bytes()
