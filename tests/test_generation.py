@@ -123,7 +123,7 @@ def test_the_per_token_input_cast_is_skipped_only_when_fsdp2_would_change_nothin
     plain's decode speed in /tmp A/B on CPU) only when nothing it would cast is there; unsure -> FSDP2 casts."""
     from dataclasses import dataclass
 
-    from hf_fsdp2.sharding.generation import needs_cast
+    from hf_fsdp2.sharding.generation import inputs_need_cast
 
     bf16, f32, ints = torch.zeros(2, dtype=torch.bfloat16), torch.zeros(2), torch.zeros(2, dtype=torch.long)
 
@@ -135,11 +135,11 @@ def test_the_per_token_input_cast_is_skipped_only_when_fsdp2_would_change_nothin
         def __init__(self):
             self.keys = [f32]
 
-    assert needs_cast((bf16, ints, None, 3), torch.bfloat16) is False
-    assert needs_cast({"position_embeddings": (bf16, bf16), "past_key_values": Cache(), "mask": None},
+    assert inputs_need_cast((bf16, ints, None, 3), torch.bfloat16) is False
+    assert inputs_need_cast({"position_embeddings": (bf16, bf16), "past_key_values": Cache(), "mask": None},
                       torch.bfloat16) is False
-    assert needs_cast({"position_embeddings": (bf16, f32)}, torch.bfloat16) is True
-    assert needs_cast((f32,), torch.bfloat16) is True
-    assert needs_cast({"nested": {"x": bf16}}, torch.bfloat16) is None  # FSDP2 walks nested dicts: it decides
-    assert needs_cast((Box(bf16),), torch.bfloat16) is None
-    assert needs_cast(((((bf16,),),),), torch.bfloat16) is None
+    assert inputs_need_cast({"position_embeddings": (bf16, f32)}, torch.bfloat16) is True
+    assert inputs_need_cast((f32,), torch.bfloat16) is True
+    assert inputs_need_cast({"nested": {"x": bf16}}, torch.bfloat16) is None  # FSDP2 walks nested dicts: it decides
+    assert inputs_need_cast((Box(bf16),), torch.bfloat16) is None
+    assert inputs_need_cast(((((bf16,),),),), torch.bfloat16) is None

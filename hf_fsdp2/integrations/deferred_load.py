@@ -93,10 +93,15 @@ def _not_before_prepare(model_id: int, module: nn.Module, args) -> None:
     """A forward before prepare would compute on meta tensors and "succeed" with meta logits. (The layout
     planner traces a meta copy of the model, which carries this hook: copies pass.)"""
     if id(module) == model_id and record_of(module).deferred_checkpoint is not None:
-        raise RuntimeError(
-            f"{type(module).__name__}: its weights are not loaded yet: hf_fsdp2 deferred loading them to "
-            "accelerator.prepare (shard_size='auto' with fsdp_cpu_ram_efficient_loading builds the model on the meta "
-            "device). Pass it to accelerator.prepare first, or load it without ram-efficient loading.")
+        raise RuntimeError(_not_loaded_yet(type(module).__name__))
+
+
+def _not_loaded_yet(what: str, why: str | None = None) -> str:
+    """The one message for a use of a deferred model's weights before prepare loaded them."""
+    return (f"{what}: its weights are not loaded yet: hf_fsdp2 deferred loading them to accelerator.prepare "
+            "(shard_size='auto' with fsdp_cpu_ram_efficient_loading builds the model on the meta device)"
+            + (f", and {why}" if why else "") + ". Pass it to accelerator.prepare first, or load it without "
+            "ram-efficient loading.")
 
 
 def _refuse_while_deferred(model: nn.Module, original, why: str):
@@ -107,11 +112,7 @@ def _refuse_while_deferred(model: nn.Module, original, why: str):
     @functools.wraps(original)
     def refused(*args, **kwargs):
         if record_of(model).deferred_checkpoint is not None:
-            raise RuntimeError(
-                f"{type(model).__name__}.{original.__name__}: its weights are not loaded yet: hf_fsdp2 deferred "
-                "loading them to accelerator.prepare (shard_size='auto' with fsdp_cpu_ram_efficient_loading builds "
-                f"the model on the meta device), and {why}. Pass it to accelerator.prepare first, or load it "
-                "without ram-efficient loading.")
+            raise RuntimeError(_not_loaded_yet(f"{type(model).__name__}.{original.__name__}", why))
         return original(*args, **kwargs)
     return refused
 

@@ -35,8 +35,7 @@ def cancel(module: str) -> None:
     """Forget the callbacks still waiting for `module`."""
     with _lock:
         _pending.pop(module, None)
-        if not _pending and not _watched and _FINDER in sys.meta_path:
-            sys.meta_path.remove(_FINDER)
+        _drop_finder_if_idle()
 
 
 def after_every_execution(module: str, callback: Callable[[], None]) -> None:
@@ -52,8 +51,13 @@ def after_every_execution(module: str, callback: Callable[[], None]) -> None:
 def stop_watching(module: str) -> None:
     with _lock:
         _watched.pop(module, None)
-        if not _pending and not _watched and _FINDER in sys.meta_path:
-            sys.meta_path.remove(_FINDER)
+        _drop_finder_if_idle()
+
+
+def _drop_finder_if_idle() -> None:
+    """With nothing pending or watched, the finder leaves `sys.meta_path` (call under `_lock`)."""
+    if not _pending and not _watched and _FINDER in sys.meta_path:
+        sys.meta_path.remove(_FINDER)
 
 
 def pending() -> list[str]:
@@ -65,8 +69,7 @@ def _run(module: str) -> None:
     with _lock:
         callbacks = _pending.pop(module, [])
         watcher = _watched.get(module)
-        if not _pending and not _watched and _FINDER in sys.meta_path:
-            sys.meta_path.remove(_FINDER)
+        _drop_finder_if_idle()
     for callback in callbacks + ([watcher] if watcher is not None else []):
         callback()
 

@@ -218,13 +218,13 @@ def _cast_inputs(state):
         return lambda module, args, kwargs: None
 
     def hook(module, args, kwargs):
-        if needs_cast(args, dtype) is False and needs_cast(kwargs, dtype) is False:
+        if inputs_need_cast(args, dtype) is False and inputs_need_cast(kwargs, dtype) is False:
             return None  # the inputs as they are: what FSDP2's cast would return
         return fsdp_state.cast_forward_inputs(state, args, kwargs)
     return hook
 
 
-def needs_cast(value, dtype: torch.dtype, depth: int = 0):
+def inputs_need_cast(value, dtype: torch.dtype, depth: int = 0):
     """False when `value` holds no floating tensor of a dtype other than `dtype` where FSDP2's cast looks
     (torch.distributed.utils._apply_to_tensors: tensors, lists, tuples, dicts, dataclasses); True when it
     does; None when unsure (a dict below the top level, a dataclass, a deep nesting): let FSDP2 cast.
@@ -238,7 +238,7 @@ def needs_cast(value, dtype: torch.dtype, depth: int = 0):
             return None
         unsure = False
         for item in (value.values() if isinstance(value, dict) else value):
-            verdict = needs_cast(item, dtype, depth + 1)
+            verdict = inputs_need_cast(item, dtype, depth + 1)
             if verdict:
                 return True
             unsure = unsure or verdict is None

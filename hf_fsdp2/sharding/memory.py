@@ -394,7 +394,8 @@ def _loss_backward_bytes(model: nn.Module, batch_size: int, seq_len: int, cp_siz
     log-probabilities still live: transformers' causal-LM loss upcasts the logits (`ForCausalLMLoss`:
     `logits = logits.float()`). Not a saved tensor, so the meta trace cannot see it; on the first GPU run it
     was the 1B LoRA peak's missing 3.9 GiB (benchmarks/results/gpu_check-20261127T1830Z-H200.json)."""
-    head = unwrap_peft(model).get_output_embeddings() if hasattr(unwrap_peft(model), "get_output_embeddings") else None
+    base = unwrap_peft(model)
+    head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
     weight = getattr(head, "weight", None)
     if weight is None:
         return 0

@@ -145,16 +145,20 @@ class MemoryEstimate:
         return self.activations.peak_bytes if self.activations is not None else 0
 
     @property
+    def _device_grad_bytes(self) -> int:
+        return 0 if self.cpu_offload else self.grad_bytes  # offloaded gradients live on the host
+
+    @property
     def backward_start_bytes(self) -> int:
         """What joins the resident state as backward starts: activations + the logits' gradient (+ gradients
         kept from the previous micro-batch)."""
-        grads = self.grad_bytes if self.grads_kept and not self.cpu_offload else 0
+        grads = self._device_grad_bytes if self.grads_kept else 0
         return self.activation_bytes + self.loss_backward_bytes + grads
 
     @property
     def backward_end_bytes(self) -> int:
         """What joins it as backward ends: every gradient + the reduce-scatter buffers."""
-        return (0 if self.cpu_offload else self.grad_bytes) + self.reduce_scatter_peak_bytes
+        return self._device_grad_bytes + self.reduce_scatter_peak_bytes
 
     @property
     def device_bytes(self) -> int:
