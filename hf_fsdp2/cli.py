@@ -40,7 +40,6 @@ SHIPPED_CONFIGS = Path(__file__).resolve().parent / "configs"  # accelerate_conf
 
 
 def _add_config_file(commands: argparse._SubParsersAction) -> None:
-    names = sorted(p.name for p in SHIPPED_CONFIGS.iterdir() if p.suffix in (".yaml", ".json"))
     p = commands.add_parser(
         "config-file",
         help="Print the path of an Accelerate config shipped with hf_fsdp2 (for accelerate launch --config_file).",
@@ -48,11 +47,15 @@ def _add_config_file(commands: argparse._SubParsersAction) -> None:
                     "accelerate launch --config_file \"$(hf-fsdp2 config-file fsdp2.yaml)\" train.py. Copy one to "
                     "edit it (e.g. fsdp_transformer_layer_cls_to_wrap for a model other than Llama).",
     )
-    p.add_argument("name", choices=names, help="one of the shipped files")
+    p.add_argument("name", help="one of the shipped files, e.g. fsdp2.yaml")
     p.set_defaults(handler=_run_config_file)
 
 
 def _run_config_file(args: argparse.Namespace) -> int:
+    # Listed here, not when the parser is built: every other command would pay for it.
+    names = sorted(p.name for p in SHIPPED_CONFIGS.iterdir() if p.suffix in (".yaml", ".json"))
+    if args.name not in names:
+        raise ValueError(f"`name`={args.name!r} is not a shipped config; choose from {', '.join(names)}.")
     print(SHIPPED_CONFIGS / args.name)
     return 0
 

@@ -22,3 +22,6 @@ def test_the_wheel_carries_the_accelerate_configs_and_the_cli_finds_them(tmp_pat
     out = subprocess.run([sys.executable, "-m", "hf_fsdp2.cli", "config-file", "fsdp2.yaml"], check=True,
                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert Path(out.stdout.strip().splitlines()[-1]).read_bytes() == (ROOT / "accelerate_configs" / "fsdp2.yaml").read_bytes()
+    refused = subprocess.run([sys.executable, "-m", "hf_fsdp2.cli", "config-file", "nope.yaml"], capture_output=True,
+                             text=True, timeout=120, cwd=tmp_path)
+    assert refused.returncode == 1 and "not a shipped config; choose from" in refused.stderr and "fsdp2.yaml" in refused.stderr
