@@ -8,7 +8,8 @@ stored as one chunk per rank in `__<rank>_0.distcp` files, described by a pickle
 Unlike `accelerate merge-weights` (which loads the whole checkpoint into RAM and calls `save_file`), the
 conversion streams: one tensor is loaded through DCP's public `dcp.load(..., no_dist=True)` and written
 into a planned safetensors file (`plan_checkpoint` + `FileWriter`), then freed. Peak extra memory is about
-one tensor plus one of its saved chunks, whatever the size of the model.
+one tensor plus one of its saved chunks (and, when casting, one write chunk of at most 16 MiB), whatever
+the size of the model.
 
 On pickle: torch's `FileSystemReader.read_metadata` reads `.metadata` with a bare `pickle.load`, which runs
 any code a crafted file asks for. DCP has no other format for its global metadata, so a pickle load cannot
