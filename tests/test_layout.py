@@ -51,7 +51,9 @@ def test_candidates_in_cost_order_and_the_first_that_fits_wins():
 
 def test_cpu_plans_without_offload_and_gpu_offload_needs_host_room():
     cpu = _plan(budget=1 << 40, device="cpu")
-    assert not any(c.cpu_offload for c in cpu.candidates) and len(cpu.candidates) == 24
+    layouts = [c for c in cpu.candidates if not c.returns_freed_memory]  # 4 activations x 2 reshard x S in {1, 2, 4}
+    assert not any(c.cpu_offload for c in cpu.candidates) and len(layouts) == 24
+    assert len(cpu.candidates) - len(layouts) == 16  # with freed memory given back: the sharded ones (S=1 frees none)
     kept = _plan(budget=1 << 40, activation_checkpointing=True)  # a True you set is kept, every layer
     assert all(c.activation_checkpointing and c.checkpoint_every == 1 for c in kept.candidates)
 
@@ -183,7 +185,7 @@ def test_tp_and_cp_divide_what_they_split_and_are_proposed_when_fsdp_alone_does_
                            seq_len=64, tp_sizes=tp_sizes, cp_sizes=cp_sizes)
 
     candidates = plan(1 << 40).candidates
-    order = [(c.tp_size > 1, c.tp_size, c.cp_size) for c in candidates]
+    order = [(c.returns_freed_memory, c.tp_size > 1, c.tp_size, c.cp_size) for c in candidates]  # the lever last
     assert order == sorted(order) and {(c.tp_size, c.cp_size) for c in candidates} == {
         (1, 1), (1, 2), (1, 4), (2, 1), (2, 2)}
     assert all(c.shard_size % c.cp_size == 0 and c.shard_size * c.replicate_size * c.tp_size == 4 for c in candidates)
@@ -214,25 +216,44 @@ def test_nothing_fits_names_the_smallest_budget():
 
 
 def test_cpu_budget_that_glibc_heap_would_break_returns_freed_blocks():
-    """On CPU the plan adds what the step allocates and frees for gathered parameters (what glibc's heap may
-    keep) to the chosen layout's peak; over the budget, the plan says freed blocks go back to the OS."""
+    """On CPU each layout needs its peak plus what the step allocates and frees for gathered parameters (what
+    glibc's heap may keep); giving freed blocks back to the OS (about 0.6x speed) is costed as one more
+    candidate per layout, after every layout: a checkpointed layout that fits with the heap wins over an
+    unchecked one that would need it (issue 51), and the lever is pulled only when no layout fits without it."""
     generous = _plan(budget=1 << 40, world=2, device="cpu")
     est = generous.chosen.estimate
     assert generous.chosen.shard_size == 1 and not generous.returns_freed_memory
     assert est.step_freed_bytes == 0  # replication on DDP's reducer, fp32: nothing gathered or cast
-    sharded = [c for c in generous.candidates if c.shard_size == 2 and not c.activation_checkpointing]
+    kept = [c for c in generous.candidates if not c.returns_freed_memory]
+    returned = [c for c in generous.candidates if c.returns_freed_memory]
+    assert generous.candidates == tuple(kept + returned) and returned  # every lever candidate after every layout
+    assert [c.describe().removesuffix(", freed memory returned to the OS") for c in returned] == [
+        c.describe() for c in kept if c.estimate.step_freed_bytes]
+    sharded = [c for c in kept if c.shard_size == 2 and not c.activation_checkpointing]
     for c in sharded:  # each group gathered in forward, again in backward when resharded (the root once),
-        groups = c.estimate.groups  # and its gradients reduce-scattered once
+        groups = c.estimate.groups  # and its gradients reduce-scattered once; the heap's share counted
         twice = 2 if c.reshard_after_forward else 1
-        assert c.estimate.step_freed_bytes == sum(g.gathered_bytes * (1 if g.name == "<root>" else twice)
-                                                  + g.reduce_scatter_bytes for g in groups) > 0
-    lean = sharded[-1]  # S=2, resharded: the first candidate a budget between the replicas' peak and it picks
-    tight = _plan(budget=lean.needed_bytes, world=2, device="cpu")
-    assert tight.chosen.describe() == lean.describe() and tight.returns_freed_memory
-    assert "given back to the OS" in tight.summary() and "given back to the OS" in tight.format_table()
-    roomy = _plan(budget=lean.needed_bytes + lean.estimate.step_freed_bytes, world=2, device="cpu")
-    assert not roomy.returns_freed_memory or roomy.chosen.describe() != lean.describe()
+        freed = sum(g.gathered_bytes * (1 if g.name == "<root>" else twice) + g.reduce_scatter_bytes for g in groups)
+        assert c.estimate.step_freed_bytes == freed > 0
+        lever = next(r for r in returned if r.describe().startswith(c.describe()))
+        assert c.needed_bytes == lever.needed_bytes + freed
+    # The lean unchecked layout with the lever, against a checkpointed one that fits with the heap at its budget
+    # (activations of batch 2 x 64: checkpointing saves more than the heap keeps).
+    prepared = prepare_meta_model(tiny_config(), FSDP2Config())
+    longer = plan_layout(prepared, 2, FSDP2Config(), budget_bytes=1 << 40, device_type="cpu", batch_size=2, seq_len=64)
+    lean = next(r for r in longer.candidates
+                if r.returns_freed_memory and r.shard_size == 2 and r.reshard_after_forward and not r.activation_checkpointing)
+    costed = plan_layout(prepared, 2, FSDP2Config(), budget_bytes=lean.needed_bytes, device_type="cpu", batch_size=2,
+                         seq_len=64)
+    rival = costed.chosen
+    assert not rival.returns_freed_memory and rival.activation_checkpointing  # the situation issue 51 met
+    assert "given back to the OS" not in costed.summary()
+    tightest = _plan(budget=min(c.needed_bytes for c in returned), world=2, device="cpu")
+    assert tightest.returns_freed_memory and tightest.chosen.returns_freed_memory
+    assert "given back to the OS" in tightest.summary() and "given back to the OS" in tightest.format_table()
+    assert "to OS" in tightest.format_table() and "to OS" not in costed.format_table().split("chosen:")[1]
     assert not _plan(budget=lean.needed_bytes, world=2, device="cuda").returns_freed_memory  # caching allocator
+    assert not any(c.returns_freed_memory for c in _plan(budget=1 << 40, world=2, device="cuda").candidates)
 
 
 _HEAP_PROBE = """
@@ -335,12 +356,12 @@ def _auto_and_compile(rank: int, world: int, root: str) -> dict:
     out["losses"] = sharded_train(model, data, rank, world)
     save_pretrained(model, Path(root) / "auto")
     trained = full_params(model)
-    # A budget only full sharding fits (the need of that candidate, from the plan itself).
-    need = next(c for c in record_of(model).layout.candidates
-                if c.shard_size == world and not (c.reshard_after_forward or c.activation_checkpointing)).needed_bytes
+    # The smallest budget that works (from the plan itself): only full sharding fits it.
+    need = record_of(model).layout.smallest_workable_budget
     other = shard_model(build_model(seed=3), FSDP2Config(shard_size="auto", memory_budget=need, **plan_for))
     out["tight"] = record_of(other).config.to_dict()
-    # On CPU that budget has no room for what glibc's heap would keep: the plan made it return freed blocks.
+    # On CPU that budget has no room for what glibc's heap would keep, under any layout: the plan made it return
+    # freed blocks.
     out["heap_tight"] = (record_of(other).layout.returns_freed_memory, host_allocator.returns_freed_blocks())
     load_pretrained(other, Path(root) / "auto")  # written by the replicated layout, read by the sharded one
     out["resumed_equal"] = all(torch.equal(a, b) for a, b in zip(full_params(other).values(), trained.values()))

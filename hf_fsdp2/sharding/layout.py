@@ -31,6 +31,7 @@ pipeline, which live in the same RAM).
 from __future__ import annotations
 
 import logging
+import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -60,12 +61,15 @@ class Candidate:
     activation_offload: bool
     cpu_offload: bool
     estimate: MemoryEstimate
-    needed_bytes: int  # what must fit the budget: the device peak (on CPU: device + host, one RAM)
+    needed_bytes: int  # what must fit the budget: the device peak (on CPU: device + host, one RAM, + glibc's heap)
     host_bytes: int  # offloaded state in host memory (CUDA only)
     fits: bool
     tp_size: int = 1
     cp_size: int = 1
     checkpoint_save_matmuls: bool = False
+    # On CPU: glibc gives freed blocks back to the OS (runtime/host_allocator.py), so what a step frees is not
+    # counted in `needed_bytes`; about 0.6x speed, dearer than any layout (README "shard_size='auto'").
+    returns_freed_memory: bool = False
 
     def describe(self) -> str:
         layout = (f"shard_size={self.shard_size}" if self.replicate_size == 1
@@ -77,7 +81,8 @@ class Candidate:
                 + (f" (checkpoint_every={self.checkpoint_every})" if self.checkpoint_every > 1 else "")
                 + (" (checkpoint_save_matmuls=True)" if self.checkpoint_save_matmuls else "")
                 + (", activation_offload=True" if self.activation_offload else "")
-                + f", cpu_offload={self.cpu_offload}")
+                + f", cpu_offload={self.cpu_offload}"
+                + (", freed memory returned to the OS" if self.returns_freed_memory else ""))
 
 
 @dataclass(frozen=True)
@@ -102,12 +107,9 @@ class LayoutPlan:
 
     @property
     def returns_freed_memory(self) -> bool:
-        """On CPU: whether the chosen layout needs glibc to give freed blocks back to the OS to keep the
-        budget, i.e. its peak plus the buffers a step frees (what glibc's default may keep in the heap:
-        runtime/host_allocator.py) exceeds the budget. A speed lever of last resort, decided after the layout."""
-        chosen = self.chosen
-        return (self.device_type == "cpu" and chosen is not None
-                and chosen.needed_bytes + chosen.estimate.step_freed_bytes > self.budget_bytes)
+        """On CPU: whether the chosen candidate needs glibc to give freed blocks back to the OS to keep the
+        budget (runtime/host_allocator.py): costed as a candidate after every layout that fits without it."""
+        return self.chosen is not None and self.chosen.returns_freed_memory
 
     def config(self, base: FSDP2Config) -> FSDP2Config:
         """`base` with the chosen layout; raises naming the smallest budget that would work."""
@@ -149,7 +151,7 @@ class LayoutPlan:
             return ""
         step = self.chosen.estimate.step_freed_bytes
         return (f". On CPU glibc's heap may keep the {format_bytes(step)} of gathered parameters and gradient "
-                f"buffers each step frees, over the budget: freed blocks over 128 KiB are given back to the OS, process-wide, "
+                f"buffers each step frees, and no layout fits the budget with them: freed blocks over 128 KiB are given back to the OS, process-wide, "
                 f"until this model is garbage-collected or hf_fsdp2.unregister(): every large allocation of the process, "
                 f"the training loop's and yours, then pays a page fault per fresh page (about 0.6x speed for these steps "
                 f"here; runtime/host_allocator.py)")
@@ -159,14 +161,16 @@ class LayoutPlan:
         lines = [f"budget {format_bytes(self.budget_bytes)} per rank ({self.budget_source}); {self.world_size} "
                  f"ranks on {self.device_type}; micro-batch {self.batch_size} x {self.seq_len} per rank",
                  f"{'#':>3}  {'shard x repl':>12}  {'tp x cp':>7}  {'reshard':>7}  {'AC':>5}  {'offload':>7}  "
-                 f"{'peak/rank':>12}  {'host/rank':>10}  fits"]
+                 f"{'peak/rank':>12}  {'host/rank':>10}  fits" + (f"  {'freed':>5}" if self.device_type == "cpu" else "")]
         for i, c in enumerate(self.candidates, 1):
             mark = "  <- chosen" if c is chosen else ""
             lines.append(f"{i:>3}  {f'{c.shard_size} x {c.replicate_size}':>12}  {f'{c.tp_size} x {c.cp_size}':>7}  "
                          f"{str(c.reshard_after_forward):>7}  "
                          f"{_ac_label(c):>5}  {str(c.cpu_offload):>7}  "
                          f"{format_bytes(c.needed_bytes):>12}  {format_bytes(c.host_bytes) if c.host_bytes else '-':>10}  "
-                         f"{'yes' if c.fits else 'no'}{mark}")
+                         f"{'yes' if c.fits else 'no':>4}"
+                         + (f"  {'to OS' if c.returns_freed_memory else 'heap':>5}" if self.device_type == "cpu" else "")
+                         + mark)
         lines.append(f"chosen: {chosen.describe()}{self._heap_note()}" if chosen else self.failure())
         return "\n".join(lines)
 
@@ -295,12 +299,27 @@ def plan_layout(prepared: MetaTrainingModel, world_size: int, config: FSDP2Confi
         fits = needed <= budget_bytes and (host_budget_bytes is None or host <= host_budget_bytes)
         candidates.append(Candidate(shard, replicate, reshard, ac, every, act_offload, offload, estimate, needed, host,
                                     fits, tp, cp, save_matmuls))
+    if device_type == "cpu":
+        candidates = _costed_heap(candidates, budget_bytes)
     if not candidates:
         raise ValueError(f"no layout to plan: the mesh shape {mesh_shape} (replicate, shard) does not fit "
                          f"{world_size} ranks with tp_size={tuple(tp_sizes)} and cp_size={tuple(cp_sizes)}.")
     return LayoutPlan(world_size=world_size, device_type=device_type, budget_bytes=budget_bytes,
                       budget_source=budget_source, host_budget_bytes=host_budget_bytes, batch_size=batch_size,
                       seq_len=seq_len, candidates=tuple(candidates))
+
+
+def _costed_heap(candidates: list[Candidate], budget_bytes: int) -> list[Candidate]:
+    """On CPU, glibc's heap may keep what a step frees (gathered parameters, gradient and reduce-scatter
+    buffers: `step_freed_bytes`) on top of the peak, so each layout needs its peak plus that; or, as a
+    dearer candidate after every layout, its peak alone with freed blocks given back to the OS
+    (runtime/host_allocator.py: about 0.6x speed, measured at 58M on 2 ranks, where whole-layer checkpointing
+    costs 0.78x). So a checkpointed layout that fits with glibc's heap wins over an unchecked one that would
+    need the lever (issue 51: the lever used to be chosen after the layout)."""
+    kept = [dataclasses.replace(c, needed_bytes=c.needed_bytes + c.estimate.step_freed_bytes,
+                                fits=c.needed_bytes + c.estimate.step_freed_bytes <= budget_bytes) for c in candidates]
+    returned = [dataclasses.replace(c, returns_freed_memory=True) for c in candidates if c.estimate.step_freed_bytes]
+    return kept + returned
 
 
 def _shard_sizes(dp: int, cp: int, mesh_shape: tuple[int, int] | None) -> list[int]:
