@@ -102,18 +102,32 @@ MERGE_CHUNK_BYTES = 8 << 20  # fp32 delta per piece of a merge: small buffers th
 
 def _merged_pieces(weight: torch.Tensor, delta: RowsDelta) -> Callable[[], Iterator[tuple[int, torch.Tensor]]]:
     """This rank's merged rows piece by piece, for the writer to overlap with (weights_io.py): each piece
-    computed into one of two buffers used in turn, so a merged save allocates no block-sized tensor (fresh
-    block-sized buffers are page-faulted in on every save: at 1B parameters most of a merged save's time)."""
+    computed into one of two buffers used in turn, through one fp32 scratch, so a merged save allocates no
+    block-sized tensor (fresh block-sized buffers are page-faulted in on every save: at 1B parameters most of
+    a merged save's time; a fresh fp32 copy per piece cost 1.5 ns per element against 1.2 reused, one core)."""
     def pieces() -> Iterator[tuple[int, torch.Tensor]]:
         start, _ = row_range(weight)
         rows = local_tensor(weight)
         buffers: list[torch.Tensor] = []
+        scratch = _Scratch()
         for i, (lo, hi) in enumerate(_row_chunks(rows)):
             if len(buffers) < 2:
                 buffers.append(torch.empty_like(rows[lo:hi]))
             out = buffers[i % 2][:hi - lo]
-            yield lo, _add_delta_into(out, rows[lo:hi], delta, start + lo, start + hi)
+            yield lo, _add_delta_into(out, rows[lo:hi], delta, start + lo, start + hi, scratch)
     return pieces
+
+
+class _Scratch:
+    """One fp32 buffer reused for every piece of a merge (grown to the largest piece)."""
+
+    def __init__(self):
+        self._buffer: torch.Tensor | None = None
+
+    def fp32_copy(self, rows: torch.Tensor) -> torch.Tensor:
+        if self._buffer is None or self._buffer.numel() < rows.numel() or self._buffer.device != rows.device:
+            self._buffer = torch.empty(rows.numel(), dtype=torch.float32, device=rows.device)
+        return self._buffer[:rows.numel()].view(rows.shape).copy_(rows)
 
 
 def _row_chunks(rows: torch.Tensor) -> list[tuple[int, int]]:
@@ -122,12 +136,14 @@ def _row_chunks(rows: torch.Tensor) -> list[tuple[int, int]]:
     return [(lo, min(n, lo + step)) for lo in range(0, n, step)]
 
 
-def _add_delta_into(out: torch.Tensor, rows: torch.Tensor, delta: RowsDelta, start: int, stop: int) -> torch.Tensor:
-    """out = rows + delta(start, stop), added in fp32, cast to out's dtype: into an fp32 copy of the rows in
-    one BLAS call where the delta can (`LinearRowsDelta.add_into`), else in place on the fresh fp32 delta."""
+def _add_delta_into(out: torch.Tensor, rows: torch.Tensor, delta: RowsDelta, start: int, stop: int,
+                    scratch: _Scratch) -> torch.Tensor:
+    """out = rows + delta(start, stop), added in fp32, cast to out's dtype: into an fp32 copy of the rows (in
+    `scratch`, never the model's own fp32 rows) in one BLAS call where the delta can
+    (`LinearRowsDelta.add_into`), else in place on the fresh fp32 delta."""
     add_into = getattr(delta, "add_into", None)
-    if add_into is not None:  # copy=True: fp32 rows would otherwise be the model's own, changed in place
-        return out.copy_(add_into(rows.to(torch.float32, copy=True), start, stop))
+    if add_into is not None:
+        return out.copy_(add_into(scratch.fp32_copy(rows), start, stop))
     return out.copy_(delta(start, stop).to(rows.device).add_(rows))
 
 
@@ -135,8 +151,9 @@ def _plus_delta(rows: torch.Tensor, delta: RowsDelta, start: int, stop: int) -> 
     """Base rows [start, stop) + the adapter's delta of those rows, added in fp32, in the rows' dtype: by
     chunks of rows into one output (no block-sized fp32 tensor)."""
     out = torch.empty_like(rows)
+    scratch = _Scratch()
     for lo, hi in _row_chunks(rows):
-        _add_delta_into(out[lo:hi], rows[lo:hi], delta, start + lo, start + hi)
+        _add_delta_into(out[lo:hi], rows[lo:hi], delta, start + lo, start + hi, scratch)
     return out
 
 
