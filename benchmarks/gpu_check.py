@@ -513,7 +513,7 @@ def estimate(run: Run, mode: str, **fields) -> int | None:
     from transformers import LlamaConfig
 
     from hf_fsdp2 import FSDP2Config
-    from hf_fsdp2.sharding.memory import estimate_memory
+    from hf_fsdp2.planner.memory import estimate_memory
 
     config = LlamaConfig(**run.big, max_position_embeddings=4096)
     est = estimate_memory(config, 1, FSDP2Config(param_dtype=torch.bfloat16, **fields), dtype=torch.float32,

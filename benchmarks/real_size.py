@@ -148,7 +148,7 @@ def disk_seconds(path: Path, nbytes: int) -> float:
 def estimates(case: dict, config, seq: int, world: int, layout: dict) -> dict:
     """estimate-memory's per-rank peak for the run's layout, and for one replica per rank (DDP's need)."""
     from hf_fsdp2 import FSDP2Config
-    from hf_fsdp2.sharding.memory import estimate_memory
+    from hf_fsdp2.planner.memory import estimate_memory
 
     kw = dict(dtype=case["dtype"], lora_r=16 if case["lora"] else None, lora_targets=LORA_TARGETS,
               batch_size=1, seq_len=seq)
@@ -180,8 +180,8 @@ def main(argv=None) -> int:
         budget = None
         if not case["lora"]:  # a budget only sharding fits: 1.05x the cheapest sharded layout the planner costs
             from hf_fsdp2 import FSDP2Config
-            from hf_fsdp2.sharding.layout import plan_layout
-            from hf_fsdp2.sharding.memory import prepare_meta_model
+            from hf_fsdp2.planner.layout import plan_layout
+            from hf_fsdp2.planner.memory import prepare_meta_model
 
             candidates = plan_layout(prepare_meta_model(config, FSDP2Config(), dtype=case["dtype"]), args.world_size,
                                      FSDP2Config(), budget_bytes=1 << 50, device_type="cpu", batch_size=1,

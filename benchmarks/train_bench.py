@@ -451,8 +451,8 @@ def _tight_budget(model, ctx) -> int:
     """A budget the replicated layouts (without checkpointing or offload) miss: the planner has to shard."""
     import torch.distributed as dist
 
-    from hf_fsdp2.sharding.layout import plan_layout
-    from hf_fsdp2.sharding.memory import prepare_meta_model
+    from hf_fsdp2.planner.layout import plan_layout
+    from hf_fsdp2.planner.memory import prepare_meta_model
 
     config = _auto_config(ctx)
     plan = plan_layout(prepare_meta_model(model, config), dist.get_world_size(), config, budget_bytes=1 << 50,

@@ -15,7 +15,8 @@ from .checkpoint.state import latest_state, load_state, save_state  # noqa: E402
 from .checkpoint import async_save as _async_save  # noqa: E402
 from .runtime import host_allocator as _host_allocator  # noqa: E402
 from .checkpoint.async_save import SaveHandle, wait_pending as wait_for_saves  # noqa: E402
-from .sharding import no_sync, shard_model  # noqa: E402
+from .sharding import no_sync  # noqa: E402
+from .shard import shard_model  # noqa: E402
 from .quantization.bnb_optimizers import prepare as prepare_optimizer  # noqa: E402
 
 __version__ = "0.1.0"

@@ -243,7 +243,7 @@ def _add_estimate_memory(commands: argparse._SubParsersAction) -> None:
                     "states, the all-gather and reduce-scatter transients and activations. Sharded parameters, "
                     "gradients and AdamW moments are in the storage dtype (--dtype, fp32 master weights by "
                     "default); --param-dtype is the dtype groups are all-gathered and computed in. The accounting "
-                    "is described in hf_fsdp2/sharding/memory.py.",
+                    "is described in hf_fsdp2/planner/memory.py.",
     )
     _add_model_setup(p)
     p.add_argument("--hsdp", type=_hsdp_shape, default=None, metavar="RxS",
@@ -269,7 +269,7 @@ def _add_estimate_memory(commands: argparse._SubParsersAction) -> None:
 
 
 def _run_estimate_memory(args: argparse.Namespace) -> int:
-    from .sharding.memory import estimate_memory
+    from .planner.memory import estimate_memory
 
     replicate, shard = args.hsdp or (1, None)
     if args.world_size % args.tp_size:
@@ -305,7 +305,7 @@ def _add_plan(commands: argparse._SubParsersAction) -> None:
                     "and pick the first that fits --memory per rank, in cost order: wider sharding first, then "
                     "resharding, then checkpointing, then context parallelism, then tensor parallelism, then "
                     "offload. The same decision FSDP2Config(shard_size='auto', memory_budget=...) makes with the "
-                    "run's own tp/cp sizes (hf_fsdp2/sharding/layout.py). Exits with 1 when nothing fits, naming "
+                    "run's own tp/cp sizes (hf_fsdp2/planner/layout.py). Exits with 1 when nothing fits, naming "
                     "the smallest budget that would.",
     )
     _add_model_setup(p)
@@ -338,8 +338,8 @@ def _run_plan(args: argparse.Namespace) -> int:
     import json
 
     from .config import parse_bytes
-    from .sharding.layout import parallel_sizes, plan_layout
-    from .sharding.memory import prepare_meta_model
+    from .planner.layout import parallel_sizes, plan_layout
+    from .planner.memory import prepare_meta_model
 
     try:
         budget = parse_bytes(args.memory, "--memory")

@@ -178,7 +178,7 @@ class FSDP2Config:
             `base_model_tp_plan`) applied on a "tp" mesh dimension of this many ranks, FSDP2 over the
             data-parallel ranks on top; world size = replicate_size x shard_size x tp_size.
         shard_size: ranks each replica shards over; None: world_size // replicate_size. "auto": the layout
-            planner (sharding/layout.py) picks, before anything is allocated, the cheapest layout whose
+            planner (planner/layout.py) picks, before anything is allocated, the cheapest layout whose
             estimated peak fits `memory_budget` per rank: the smallest shard group S (HSDP with world/S
             replicas; S=1 is replication, trained with DDP's reducer: `replication`), then `reshard_after_forward`, then
             `activation_checkpointing` (every other layer, then every layer), then `cpu_offload`. With "auto" those four are the planner's
@@ -356,7 +356,7 @@ class FSDP2Config:
         """(replicate, shard) for `world_size` ranks (the data-parallel ones: world_size / tp_size);
         raises if the shape does not fit."""
         if self.is_auto_layout:
-            raise ValueError("`shard_size`='auto' is resolved by the layout planner (hf_fsdp2.sharding.layout."
+            raise ValueError("`shard_size`='auto' is resolved by the layout planner (hf_fsdp2.planner.layout."
                              "resolve_auto_layout, which shard_model calls) before a mesh is built.")
         if world_size % self.tp_size:
             raise ValueError(f"`tp_size`={self.tp_size} does not divide the world size {world_size}.")

@@ -53,8 +53,8 @@ def test_cpu_ram_efficient_loading_broadcasts_rank0_weights(tmp_path):
     on meta make rank 0's plan; a budget only sharding fits makes it shard over both ranks."""
     from safetensors.torch import save_file
 
-    from hf_fsdp2.sharding.layout import plan_layout
-    from hf_fsdp2.sharding.memory import prepare_meta_model
+    from hf_fsdp2.planner.layout import plan_layout
+    from hf_fsdp2.planner.memory import prepare_meta_model
 
     model = build_model()
     model.save_pretrained(tmp_path / "base")

@@ -137,7 +137,7 @@ def test_fp8_all_gather_trains_like_bf16_with_ordinary_checkpoints(tmp_path):
     assert bf16_bytes - fp8_bytes == attention_values  # 2 bytes -> 1 byte for exactly those
     # estimate-memory --fp8 predicts those bytes: each group's all-gather output is S x the input.
     from hf_fsdp2 import FSDP2Config
-    from hf_fsdp2.sharding.memory import estimate_memory
+    from hf_fsdp2.planner.memory import estimate_memory
 
     for fp8_on, measured in ((False, bf16_bytes), (True, fp8_bytes)):
         estimate = estimate_memory(build_model(**MODEL), 2, FSDP2Config(param_dtype="bf16", fp8=fp8_on), batch_size=None)

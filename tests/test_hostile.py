@@ -25,7 +25,7 @@ def test_memory_budget_out_of_range_is_a_clear_error(budget):
 
 @pytest.mark.parametrize("value", ["0", "-1", "two", "5"])
 def test_local_world_size_out_of_range_is_a_clear_error(monkeypatch, value):
-    from hf_fsdp2.sharding.layout import local_world_size
+    from hf_fsdp2.runtime.distributed import local_world_size
 
     monkeypatch.setenv("LOCAL_WORLD_SIZE", value)
     with pytest.raises(ValueError, match=f"LOCAL_WORLD_SIZE='{value}' must be an integer from 1 to the world size 4"):
@@ -35,7 +35,7 @@ def test_local_world_size_out_of_range_is_a_clear_error(monkeypatch, value):
 
 
 def test_divisors_in_closed_form():
-    from hf_fsdp2.sharding.layout import divisors
+    from hf_fsdp2.planner.layout import divisors
 
     assert divisors(12) == [1, 2, 3, 4, 6, 12] and divisors(1) == [1] and divisors(49) == [1, 7, 49]
     start = time.monotonic()

@@ -10,8 +10,8 @@ import torch
 from hf_fsdp2 import FSDP2Config
 from hf_fsdp2.sharding import record_of
 from hf_fsdp2.cli import main as cli_main
-from hf_fsdp2.sharding.layout import plan_layout
-from hf_fsdp2.sharding.memory import prepare_meta_model
+from hf_fsdp2.planner.layout import plan_layout
+from hf_fsdp2.planner.memory import prepare_meta_model
 from tests.common import (GLOBAL_BATCH, SEQ, batches, build_model, full_params, lora,
                           optimizer, reference_train, saved_tensors, sharded_train, tiny_config)
 from tests.dist_harness import run_ranks
@@ -61,7 +61,7 @@ def test_cpu_plans_without_offload_and_gpu_offload_needs_host_room():
 def test_checkpointing_every_other_layer_is_costed_between_none_and_every_layer():
     """Selective layer checkpointing (checkpoint_every=2): the estimate keeps the other layers'
     activations and recomputes one checkpointed layer; the planner tries it before every layer."""
-    from hf_fsdp2.sharding.memory import estimate_memory
+    from hf_fsdp2.planner.memory import estimate_memory
 
     def activations(**kwargs):
         return estimate_memory(tiny_config(), 2, FSDP2Config(**kwargs), batch_size=4, seq_len=256).activations
@@ -84,7 +84,7 @@ def test_op_level_checkpointing_keeps_matmul_outputs_and_is_costed_between_none_
     """checkpoint_save_matmuls (sharding/selective_checkpoint.py): a checkpointed layer keeps what its
     matmuls and attention output (measured by the trace) and recomputes the rest; the planner tries it
     first among the checkpointing options (the least recomputation). Losses: tests/test_sharding.py."""
-    from hf_fsdp2.sharding.memory import estimate_memory
+    from hf_fsdp2.planner.memory import estimate_memory
 
     def activations(**kwargs):
         return estimate_memory(tiny_config(), 2, FSDP2Config(**kwargs), batch_size=4, seq_len=256).activations
@@ -112,7 +112,7 @@ def test_activation_offload_moves_the_layers_activations_to_the_host():
     """Activation offload (sharding/activation_offload.py): the device keeps what the embedding, head and
     loss save plus one layer brought back; the host holds the layers' activations. A planner
     candidate on accelerators only (on a CPU host and device are one memory)."""
-    from hf_fsdp2.sharding.memory import estimate_memory
+    from hf_fsdp2.planner.memory import estimate_memory
 
     def estimate(**kwargs):
         return estimate_memory(tiny_config(), 2, FSDP2Config(**kwargs), batch_size=4, seq_len=256)
@@ -140,12 +140,12 @@ def test_activation_offload_moves_the_layers_activations_to_the_host():
 
 
 def test_tp_and_cp_divide_what_they_split_and_are_proposed_when_fsdp_alone_does_not_fit():
-    """Tensor and context parallelism in the estimate and the planner (sharding/parallel_shapes.py; the
+    """Tensor and context parallelism in the estimate and the planner (planner/parallel_shapes.py; the
     per-rank parameter bytes of TP x FSDP are checked on real ranks in tests/test_memory.py)."""
-    from hf_fsdp2.sharding.activation_trace import trace_activations
-    from hf_fsdp2.sharding.layout import parallel_sizes
-    from hf_fsdp2.sharding.memory import estimate_memory
-    from hf_fsdp2.sharding.meta_model import build_meta_model
+    from hf_fsdp2.planner.activation_trace import trace_activations
+    from hf_fsdp2.planner.layout import parallel_sizes
+    from hf_fsdp2.planner.memory import estimate_memory
+    from hf_fsdp2.planner.meta_model import build_meta_model
 
     def estimate(cp=1, **kwargs):
         return estimate_memory(tiny_config(), 4, FSDP2Config(**kwargs), batch_size=2, seq_len=64, cp_size=cp)
@@ -327,7 +327,7 @@ def test_plan_command(tmp_path, capsys):
     assert "--tp-sizes: must be auto or positive integers" in capsys.readouterr().err
     assert cli_main(["estimate-memory", "--model", str(config_json), "--world-size", "4", "--tp-size", "2",
                      "--cp-size", "2", "--seq-len", "64", "--json"]) == 0
-    from hf_fsdp2.sharding.memory import estimate_memory
+    from hf_fsdp2.planner.memory import estimate_memory
 
     got = json.loads(capsys.readouterr().out)
     want = estimate_memory(str(config_json), 4, FSDP2Config(tp_size=2), seq_len=64, cp_size=2)

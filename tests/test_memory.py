@@ -13,9 +13,9 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from hf_fsdp2 import FSDP2Config, from_pretrained, shard_model
 from hf_fsdp2.cli import main
-from hf_fsdp2.sharding.activation_trace import trace_activations
-from hf_fsdp2.sharding.memory import estimate_memory, shard_rows
-from hf_fsdp2.sharding.meta_model import build_meta_model
+from hf_fsdp2.planner.activation_trace import trace_activations
+from hf_fsdp2.planner.memory import estimate_memory, shard_rows
+from hf_fsdp2.planner.meta_model import build_meta_model
 from hf_fsdp2.sharding import apply_activation_checkpointing, find_layers, plan_groups, record_of
 
 from .common import batches, build_model, local_rows, lora, optimizer, tiny_config
@@ -498,7 +498,7 @@ def test_activation_trace_without_kv_cache():
     """With use_cache off (as under the Trainer) and no attention mask, transformers checks the position ids
     for packed sequences with `.all()`, a data-dependent question on the meta trace: answered as a plain batch,
     the activations are those of the model with its cache on."""
-    from hf_fsdp2.sharding.memory import estimate_memory
+    from hf_fsdp2.planner.memory import estimate_memory
     from tests.common import tiny_config
 
     without = estimate_memory(tiny_config(use_cache=False), 2, batch_size=2, seq_len=16)

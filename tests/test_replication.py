@@ -214,7 +214,7 @@ def test_replication_settings_are_checked(bad):
 
 
 def test_estimate_counts_no_gather_or_reduce_buffers_under_ddp_replication():
-    from hf_fsdp2.sharding.memory import estimate_memory
+    from hf_fsdp2.planner.memory import estimate_memory
     from tests.common import tiny_config
 
     ddp = estimate_memory(tiny_config(), 2, FSDP2Config(**REPLICATED))

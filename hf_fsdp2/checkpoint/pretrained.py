@@ -23,8 +23,8 @@ from .atomic_dir import committed_directory
 from ..config import FSDP2Config, parse_dtype
 from ..runtime import collectives, upstream
 from ..runtime.distributed import build_mesh
-from ..sharding import shard_model
-from ..sharding.layout import resolve_auto_layout
+from ..shard import shard_model
+from ..planner.layout import resolve_auto_layout
 from ..quantization import bnb_4bit
 from .export_plan import export_items
 from .weights_io import (

@@ -17,7 +17,7 @@ from ..config import FSDP2Config
 from ..quantization import bnb_4bit
 from ..runtime import collectives
 from ..runtime.distributed import local_tensor
-from ..sharding import shard_model
+from ..shard import shard_model
 from .tensor_export import model_tensors, row_range
 
 # What a 4-bit layer dequantizes to, as one number rank 0 broadcasts (meta layers have no QuantState).

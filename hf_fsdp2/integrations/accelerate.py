@@ -32,9 +32,10 @@ from . import accelerator_checkpoint, deferred_load, fsdp1_configs, presharded
 from . import trl as trl_backend
 from .accelerate_settings import AccelerateSettings, fsdp2_values, layer_names
 from ..quantization import bnb_optimizers, fp8
-from ..sharding import is_sharded, shard_model, unwrap_peft
+from ..shard import shard_model
+from ..sharding import is_sharded, unwrap_peft
 from ..sharding.adopt import sharded_by_transformers
-from ..sharding.layout import resolve_auto_layout
+from ..planner.layout import resolve_auto_layout
 from ..runtime import upstream, versions
 
 ENV_PREFIX = "HF_FSDP2_"

@@ -36,7 +36,8 @@ from ..checkpoint.errors import CheckpointError
 from ..checkpoint.pretrained import build_on_meta, check_pretrained, init_meta_adapters, load_pretrained
 from ..config import parse_dtype
 from ..runtime import collectives, upstream
-from ..sharding import record_of, shard_model, unwrap_peft
+from ..shard import shard_model
+from ..sharding import record_of, unwrap_peft
 
 SEAM = "transformers.modeling_utils.PreTrainedModel.from_pretrained"
 _RESIZE_SEAM = "transformers.modeling_utils.PreTrainedModel.resize_token_embeddings"

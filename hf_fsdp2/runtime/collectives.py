@@ -19,7 +19,7 @@ tensors, as NCCL does):
 |-------------------------------------------------|------------------|------------------------|--------|
 | checkpoint/atomic_dir.py `agree` (every save)   | all-reduce MAX   | host_group()           | CPU    |
 | checkpoint/async_save.py (background commit)    | all-reduce MAX   | host_group("background-saves") | CPU |
-| sharding/layout.py `resolve_auto_layout`        | all-reduce MIN   | host_group()           | CPU    |
+| planner/layout.py `resolve_auto_layout`        | all-reduce MIN   | host_group()           | CPU    |
 | sharding/generation.py memory budget           | all-reduce MIN   | host_group()           | CPU    |
 | checkpoint/pretrained.py `from_pretrained` LoRA | broadcast        | the mesh, dim by dim   | mesh   |
 | checkpoint/rank0_loading.py (rows, 4-bit codes) | broadcast        | the mesh, dim by dim   | mesh   |

@@ -62,6 +62,21 @@ def refuse_accelerator_model_on_host_backend(device_types: set[str], target: tor
             f"(one GPU per rank; Accelerate's 'cuda:nccl,cpu:gloo' works too), or build the model on the CPU.")
 
 
+def local_world_size(world: int) -> int:
+    """Ranks on this machine, as launchers export it (`LOCAL_WORLD_SIZE`); the RAM budget is split by it."""
+    raw = os.environ.get("LOCAL_WORLD_SIZE")
+    if raw is None:
+        return world
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if not 1 <= value <= max(world, 1):
+        raise ValueError(f"environment variable LOCAL_WORLD_SIZE={raw!r} must be an integer from 1 to the world "
+                         f"size {world}; unset it or launch with torchrun / accelerate launch, which set it.")
+    return value
+
+
 def default_device() -> torch.device:
     if device_type() == "cuda":
         return torch.device("cuda", torch.cuda.current_device())

@@ -1,9 +1,10 @@
-"""Sharding: groups.py decides which modules become which `fully_shard` group, memory.py computes what
-a layout costs per rank, layout.py picks the cheapest layout that fits (`shard_size="auto"`),
-compile.py compiles each decoder layer, engine.py applies it all (`shard_model`), and record.py holds
-what hf_fsdp2 knows about a model it sharded (`record_of`).
+"""Sharding: groups.py decides which modules become which `fully_shard` group, compile.py compiles each
+decoder layer, engine.py applies it all to a layout already chosen (`shard_planned`), and record.py holds
+what hf_fsdp2 knows about a model it sharded (`record_of`). What a layout costs and which one to take
+(`shard_size="auto"`) is the planner's (hf_fsdp2/planner/); hf_fsdp2/shard.py joins the two.
 
-Dependencies point one way: groups <- memory <- layout <- engine; compile <- engine; record <- all.
+Dependencies point one way: groups <- engine; compile <- engine; record <- all; the planner reads groups
+and record, never the engine, and the engine never imports the planner.
 """
 
 from .engine import (  
@@ -12,7 +13,8 @@ from .engine import (
     apply_fp8,
     materialize,
     no_sync,
-    shard_model,
+    prepare_for_planning,
+    shard_planned,
 )
 from .record import ShardedModel, is_sharded, record_of
 from .groups import (  
@@ -31,5 +33,5 @@ from .groups import (
 __all__ = [
     "ShardPlan", "ShardedModel", "is_sharded", "record_of", "apply_activation_checkpointing", "apply_fp8", "apply_frozen_dtype", "apply_fsdp", "canonical_name",
     "find_layers", "ignored_parameters", "materialize", "no_sync", "plan_groups", "resolve_layer_class_names",
-    "resolve_shared_parameters", "shard_model", "size_based_groups", "unwrap_peft",
+    "resolve_shared_parameters", "prepare_for_planning", "shard_planned", "size_based_groups", "unwrap_peft",
 ]

@@ -2,7 +2,7 @@
 an embedding group, a [final norm, lm_head] group and the root.
 
 One small function per technique (torchtitan's `parallelize.py` is the model), called in order by
-`shard_model`.
+`shard_planned` with a layout already chosen (hf_fsdp2/shard.py plans it first).
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ from ..runtime.distributed import (CP_DIM, TP_DIM, build_mesh, data_parallel_mes
                                    refuse_accelerator_model_on_host_backend)
 from .compile import compile_layers, disable_cache_in_training, is_compiled
 from .groups import ShardPlan, apply_frozen_dtype, plan_groups, replicated_frozen_parameters, unwrap_peft
-from .layout import resolve_auto_layout
 from .generation import wrap_generate
 from .record import record_of
 from . import (activation_offload, adopt, compiled_collectives, context_parallel, replication, selective_checkpoint,
@@ -212,40 +211,52 @@ def _is_meta(model: nn.Module) -> bool:
     return any(t.is_meta for t in model.parameters()) or any(t.is_meta for t in model.buffers())
 
 
-def shard_model(
-    model: nn.Module,
-    config: FSDP2Config | None = None,
-    *,
-    mesh: DeviceMesh | None = None,
-    init_weights: bool = True,
-) -> nn.Module:
-    """Shard a Hugging Face model (or a `PeftModel`) with FSDP2, in place; returns it.
+def adopt_if_sharded_at_load(model: nn.Module, config: FSDP2Config, mesh: DeviceMesh | None) -> bool:
+    """Take a model transformers sharded at load (`from_pretrained(distributed_config=...)`) as it is
+    (sharding/adopt.py); False for any other model."""
+    if not (adopt.sharded_by_transformers(model) and record_of(model) is None):
+        return False
+    _adopt(model, config, mesh)
+    return True
 
-    Order: the auto layout (`shard_size="auto"`: planned before anything is allocated), frozen dtype,
-    activation checkpointing, regional compilation, then `fully_shard` per decoder layer (frozen base
-    weights and LoRA adapters in one group), embedding group, [final norm, lm_head] group, root.
-    A model on the meta device is sharded first and then only local shards are allocated and
-    initialised by the model's own init (`init_weights=False` leaves them for a loader).
 
-    Collective: call on every rank.
-    """
-    config = config or FSDP2Config()
-    if adopt.sharded_by_transformers(model) and record_of(model) is None:
-        return _adopt(model, config, mesh)  # from_pretrained(distributed_config=...) sharded it at load
+def prepare_for_planning(model: nn.Module, config: FSDP2Config, mesh: DeviceMesh | None) -> None:
+    """What comes before the layout is planned: refusals, the model on the run's device, and 4-bit base
+    weights in a row layout FSDP2 can shard (before the frozen-dtype cast, which would reinterpret packed
+    bytes stored as floats, and before the planner costs them)."""
     if isinstance(model, FSDPModule) or replication.is_replicated(model):
         raise ValueError(f"{type(model).__name__} is already sharded; call `shard_model` once per model.")
     if config.is_auto_layout and mesh is not None:
         raise ValueError("`shard_size`='auto' chooses the device mesh itself; call shard_model without `mesh`.")
     refuse_8bit_modules(model)
-    on_meta = _is_meta(model)
     device = default_device()
     refuse_accelerator_model_on_host_backend({p.device.type for p in model.parameters()}, device)
-    if not on_meta and device.type != "cpu":
+    if not _is_meta(model) and device.type != "cpu":
         model.to(device)
-    # 4-bit base weights get a row layout FSDP2 can shard (before the frozen-dtype cast, which
-    # would reinterpret packed bytes stored as floats, and before the planner costs them).
     prepare_4bit_modules(model)
-    config = resolve_auto_layout(model, config)
+
+
+def shard_planned(
+    model: nn.Module,
+    config: FSDP2Config,
+    *,
+    mesh: DeviceMesh | None = None,
+    init_weights: bool = True,
+) -> nn.Module:
+    """Shard a model `prepare_for_planning` prepared, with a layout already chosen (`config` has no
+    `shard_size="auto"`: the planner resolved it; hf_fsdp2/shard.py joins the two), in place; returns it.
+
+    Order: frozen dtype, activation checkpointing, regional compilation, then `fully_shard` per decoder
+    layer (frozen base weights and LoRA adapters in one group), embedding group, [final norm, lm_head]
+    group, root. A model on the meta device is sharded first and then only local shards are allocated
+    and initialised by the model's own init (`init_weights=False` leaves them for a loader).
+
+    Collective: call on every rank.
+    """
+    if config.is_auto_layout:
+        raise ValueError("`shard_size`='auto' must be planned first: call hf_fsdp2.shard_model.")
+    on_meta = _is_meta(model)
+    device = default_device()
     mesh = mesh if mesh is not None else build_mesh(config)
     if TP_DIM in (mesh.mesh_dim_names or ()):
         # Before TP splits them: a TP DTensor parameter keeps its dtype through `param.data = ...to()`.

@@ -110,7 +110,7 @@ def free_memory(device: torch.device) -> int:
         pass
     if available is None:
         available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-    from .layout import local_world_size  # validated: a garbage LOCAL_WORLD_SIZE is a clear error
+    from ..runtime.distributed import local_world_size  # validated: a garbage LOCAL_WORLD_SIZE is a clear error
 
     return available // local_world_size(collectives.world_size())
 

@@ -26,7 +26,7 @@ _ATTRIBUTE = "_hf_fsdp2"  # the one attribute hf_fsdp2 sets on a user's model
 class ShardedModel:
     config: FSDP2Config | None = None  # the resolved config it was sharded with
     mesh: DeviceMesh | None = None  # set once fully_shard has run: the model is hf_fsdp2's
-    layout: Any = None  # sharding.layout.LayoutPlan, when shard_size="auto" chose the layout
+    layout: Any = None  # planner.layout.LayoutPlan, when shard_size="auto" chose the layout
     fp8: Any = None  # quantization.fp8.Fp8Conversion, when config.fp8: what was converted and why not
     no_cache_in_training: bool = False  # compile.disable_cache_in_training ran
     generating: bool = False  # inside generation.gathered_for_generation

@@ -135,7 +135,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
 def resolved_plan(model: nn.Module, tp_size: int) -> dict[str, str]:
     """The model's TP plan for `tp_size` ranks, one entry per module or parameter of the model under
     PEFT (as `from_pretrained(distributed_config=...)` resolves it: `_resolve_parallel_plans`, then
-    `plan_with_lora`). Pure: the memory estimate reads it too (sharding/parallel_shapes.py)."""
+    `plan_with_lora`). Pure: the memory estimate reads it too (planner/parallel_shapes.py)."""
     from transformers.distributed import DistributedConfig
 
     inner = unwrap_peft(model)

@@ -86,8 +86,8 @@ def tp_local_shapes(model: nn.Module, tp_size: int) -> dict[int, tuple[torch.Siz
         return {}
     from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES
 
-    from .groups import unwrap_peft
-    from .tensor_parallel import resolved_plan
+    from ..sharding.groups import unwrap_peft
+    from ..sharding.tensor_parallel import resolved_plan
 
     inner = unwrap_peft(model)
     plan = resolved_plan(model, tp_size)

@@ -40,7 +40,7 @@ import torch
 import torch.nn as nn
 
 from ..config import FSDP2Config
-from .groups import unwrap_peft
+from ..sharding.groups import unwrap_peft
 from .memory import MemoryEstimate, MetaTrainingModel, prepare_meta_model
 from .memory_report import format_bytes
 
@@ -195,21 +195,6 @@ def default_budget(device_type: str, local_world_size: int) -> tuple[int, str]:
             f"{CPU_BUDGET_FRACTION} x {format_bytes(total)} of RAM / {local_world_size} local ranks")
 
 
-def local_world_size(world: int) -> int:
-    """Ranks on this machine, as launchers export it (`LOCAL_WORLD_SIZE`); the RAM budget is split by it."""
-    raw = os.environ.get("LOCAL_WORLD_SIZE")
-    if raw is None:
-        return world
-    try:
-        value = int(raw)
-    except ValueError:
-        value = 0
-    if not 1 <= value <= max(world, 1):
-        raise ValueError(f"environment variable LOCAL_WORLD_SIZE={raw!r} must be an integer from 1 to the world "
-                         f"size {world}; unset it or launch with torchrun / accelerate launch, which set it.")
-    return value
-
-
 def host_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
@@ -343,7 +328,7 @@ def resolve_auto_layout(model: nn.Module, config: FSDP2Config, *, cp_size: int =
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
     from ..runtime import collectives, host_allocator
-    from ..runtime.distributed import device_type as current_device_type
+    from ..runtime.distributed import device_type as current_device_type, local_world_size
 
     world = collectives.world_size()
     device = current_device_type()
@@ -367,7 +352,7 @@ def resolve_auto_layout(model: nn.Module, config: FSDP2Config, *, cp_size: int =
     if collectives.rank() == 0:
         logger.warning(plan.summary())
     resolved = plan.config(config)
-    from .record import record_of
+    from ..sharding.record import record_of
 
     record_of(model, create=True).layout = plan
     return resolved

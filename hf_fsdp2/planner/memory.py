@@ -81,8 +81,8 @@ import torch.nn as nn
 from ..config import FSDP2Config
 from ..quantization import bnb_4bit, fp8
 from .activation_trace import trace_activations
-from . import replication, selective_checkpoint
-from .groups import ShardPlan, apply_frozen_dtype, plan_groups, replicated_frozen_parameters, unwrap_peft
+from ..sharding import replication, selective_checkpoint
+from ..sharding.groups import ShardPlan, apply_frozen_dtype, plan_groups, replicated_frozen_parameters, unwrap_peft
 from .memory_report import ActivationMemory, GroupMemory, MemoryEstimate
 from .meta_model import DEFAULT_LORA_TARGETS, add_lora, build_meta_model, meta_copy
 from .parallel_shapes import narrow_for_trace, tp_local_shapes
@@ -145,7 +145,7 @@ def estimate_memory(
     BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_use_double_quant=...))` shards them, quantized from
     `dtype`; needs `lora_r` and bitsandbytes. `fsdp_config.tp_size` > 1: tensor parallelism with the
     model's own TP plan, `cp_size` > 1: context parallelism over `cp_size` of the shard ranks
-    (sharding/parallel_shapes.py). `gradient_accumulation_steps` > 1 keeps the sharded gradients alive
+    (planner/parallel_shapes.py). `gradient_accumulation_steps` > 1 keeps the sharded gradients alive
     through the next micro-batch's forward; None (unknown, as the layout planner costs) counts them so.
     See the module docstring for the accounting.
     """

@@ -13,7 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from .memory_report import ActivationMemory
-from .selective_checkpoint import SAVED_OPS
+from ..sharding.selective_checkpoint import SAVED_OPS
 
 
 class _FusedAttention(torch.autograd.Function):

@@ -8,7 +8,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .selective_checkpoint import checkpointed_layers
+from ..sharding.selective_checkpoint import checkpointed_layers
 
 
 @dataclass(frozen=True)

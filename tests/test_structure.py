@@ -1,0 +1,45 @@
+"""The package's layering, as docs/internals.md draws it, checked on the source: an import that climbs back
+up fails here by name."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "hf_fsdp2"
+
+
+def _imports(path: Path) -> set[str]:
+    """Absolute hf_fsdp2 module names `path` imports (relative imports resolved, nested ones too)."""
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    package = parts[:-1]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            base = package[:len(package) - node.level + 1] if node.level else []
+            module = ".".join(base + ([node.module] if node.module else []))
+            found |= {module} | {f"{module}.{a.name}" for a in node.names}
+        elif isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+    return {m for m in found if m.startswith("hf_fsdp2")}
+
+
+def _offenders(folder: str, forbidden: str) -> list[str]:
+    return [f"{p.relative_to(PACKAGE.parent)} imports {m}" for p in sorted((PACKAGE / folder).rglob("*.py"))
+            for m in sorted(_imports(p)) if m == forbidden or m.startswith(forbidden + ".")]
+
+
+def test_the_engine_never_imports_the_planner():
+    """sharding/ is handed a resolved layout (hf_fsdp2/shard.py plans it first)."""
+    assert not _offenders("sharding", "hf_fsdp2.planner")
+
+
+def test_the_planner_never_imports_the_engine():
+    assert not _offenders("planner", "hf_fsdp2.sharding.engine") and not _offenders("planner", "hf_fsdp2.shard")
+
+
+def test_the_scan_sees_an_import():
+    """The scan is not vacuous: relative imports, at module level or inside a function, are resolved."""
+    assert "hf_fsdp2.runtime.distributed" in _imports(PACKAGE / "sharding" / "engine.py")
+    assert {"hf_fsdp2.sharding.groups", "hf_fsdp2.sharding.record"} <= _imports(PACKAGE / "planner" / "layout.py")
+    assert "hf_fsdp2.planner.layout" in _imports(PACKAGE / "shard.py")
