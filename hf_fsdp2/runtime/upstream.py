@@ -2,8 +2,9 @@
 
 `SEAMS` lists each one: the upstream target (import path, then attribute path), how we touch it, the
 hf_fsdp2 module that does, and why. Nothing else in the package assigns to another library's
-attributes or swaps an object's class (tests/test_upstream_contracts.py scans the source for it), so
-this table is the whole list. The same test records, per target, the signature and source hash of
+attributes, writes its private state or an instance `__dict__`, changes `sys.meta_path`, swaps an
+object's class, or reads a private name of another library not listed in `PRIVATE`
+(tests/test_upstream_contracts.py scans the source for each), so `SEAMS` and `PRIVATE` are the whole list. The same test records, per target, the signature and source hash of
 the upstream code on every version it was checked on (tests/upstream_contracts.json, with the
 versions) and fails naming the target when a release changes it: that, not the import, decides
 whether a new release still fits.
