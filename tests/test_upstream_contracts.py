@@ -7,8 +7,12 @@ the upstream function's signature and the SHA-256 of its source, for each versio
 (`checked_on`). A release that changes one fails `test_every_seam_is_unchanged` naming it: read the
 new upstream code, adapt ours, then record it with `python -m tests.test_upstream_contracts --record`
 (it adds to the known-good set, keeping the old, so the oldest and newest supported sets both pass).
-No module of hf_fsdp2 but upstream.py assigns to another library's attributes or swaps a class
-(`test_no_replacement_outside_the_seam`). Private torch names we use are checked to exist.
+No module of hf_fsdp2 but upstream.py assigns to another library's attributes, writes private state, an
+instance `__dict__` or `sys.meta_path`, or swaps a class (`test_no_replacement_outside_the_seam`); every
+private name of another library that a module reads is declared for that module in upstream.py's
+`PRIVATE` or `SEAMS` (`test_every_private_name_read_is_declared`). Private names are checked to exist
+(a private attribute of instances: named in its class's source), their signatures recorded in
+tests/private_contracts.json; the names of private state we write are checked the same way.
 """
 
 from __future__ import annotations
@@ -27,52 +31,10 @@ import pytest
 pytestmark = pytest.mark.oldest  # CI runs this file on every older version set too
 
 RECORD = Path(__file__).with_name("upstream_contracts.json")
-PRIVATE_RECORD = Path(__file__).with_name("torch_private_contracts.json")  # TORCH_PRIVATE's signatures
+PRIVATE_RECORD = Path(__file__).with_name("private_contracts.json")  # upstream.PRIVATE's signatures
 PACKAGE = Path(__file__).resolve().parents[1] / "hf_fsdp2"
 UPSTREAM = ("torch", "accelerate", "transformers", "peft", "bitsandbytes", "torchao", "safetensors", "trl")
 OPTIONAL = ("bitsandbytes", "torchao")  # extras: a seam of an extra not installed is not checked
-
-# Private names of torch hf_fsdp2 relies on without replacing them: (module, attribute path, used by[, the
-# oldest torch (major, minor) that has it, where hf_fsdp2 branches on it]). A callable's signature is recorded
-# per torch version in torch_private_contracts.json (oldest supported: 2.11).
-CC = "sharding/compiled_collectives.py"
-TORCH_PRIVATE = [
-    ("torch.distributed.distributed_c10d", "_get_default_group", "runtime/collectives.py"),
-    ("torch.distributed.distributed_c10d", "ProcessGroup._device_types", "runtime/collectives.py"),
-    ("torch.distributed.tensor._utils", "compute_local_shape_and_global_offset", "checkpoint/tensor_export.py"),
-    ("torch.distributed.fsdp._fully_shard._fsdp_collectives", "foreach_all_gather", "quantization/fp8.py"),
-    ("torch.distributed.tensor.experimental._context_parallel._attention", "_templated_ring_attention",
-     "sharding/context_parallel.py"),
-    ("torch.distributed.tensor.experimental._context_parallel._attention", "_templated_ring_attention_backward",
-     "sharding/context_parallel.py"),
-    ("torch.distributed.tensor", "DTensor._op_dispatcher._custom_op_handlers", "sharding/context_parallel.py"),
-    ("torch.distributed.tensor", "DTensor._op_dispatcher.unwrap_to_op_info", "sharding/context_parallel.py"),
-    ("torch.distributed.tensor._dtensor_spec", "TensorMeta", "sharding/context_parallel.py"),
-    ("torch.distributed._composable.replicate", "_ReplicateState.lazy_init", "sharding/replication.py"),
-    ("torch.distributed._composable.replicate", "DDP", "checkpoint/key_conversion.py"),
-    ("torch.distributed._composable.contract", "_get_registry", "sharding/replication.py"),
-    ("torch.nn.parallel", "DistributedDataParallel._active_ddp_module", "sharding/replication.py"),
-    ("torch._C", "_current_graph_task_id", "sharding/replication.py"),
-    ("torch.distributed.fsdp._fully_shard._fsdp_state", "FSDPState._lazy_init", "sharding/generation.py"),
-    # runtime/fsdp_state.py: FSDP2's casts are methods from torch 2.13; before, its helpers are called directly.
-    ("torch.distributed.fsdp._fully_shard._fsdp_state", "FSDPState._cast_forward_inputs", "runtime/fsdp_state.py",
-     (2, 13)),
-    ("torch.distributed.fsdp._fully_shard._fsdp_state", "FSDPState._cast_output_dtype", "runtime/fsdp_state.py",
-     (2, 13)),
-    ("torch.distributed.fsdp._fully_shard._fsdp_common", "_cast_fp_tensor", "runtime/fsdp_state.py"),
-    ("torch.distributed.utils", "_apply_to_tensors", "runtime/fsdp_state.py"),
-    *[("torch._functorch.config", name, CC) for name in ("joint_custom_pass", "enable_autograd_cache",
-                                                       "enable_remote_autograd_cache")],
-    *[("torch._inductor.config", name, CC) for name in (
-        "bucket_all_gathers_fx", "bucket_reduce_scatters_fx", "bucket_all_reduces_fx",
-        "bucket_all_gathers_fx_bucket_size_determinator", "bucket_reduce_scatters_fx_bucket_size_determinator",
-        "bucket_all_reduces_fx_bucket_size_determinator")],
-    *[("torch._inductor.fx_passes.bucketing", name, CC)
-      for name in ("is_fsdp_all_gather", "is_wait_tensor", "is_all_gather_into_tensor")],
-    ("torch._inductor.compile_fx", "compile_fx", CC),
-    ("torch.utils._ordered_set", "OrderedSet", CC),  # is_fsdp_all_gather's ancestor sets on torch 2.11/2.12
-]
-
 
 def upstream_function(target: str):
     """The upstream code at `target`, the original while we have it patched."""
@@ -95,6 +57,8 @@ def checked_seams():
     out = []
     for seam in upstream.SEAMS:
         package = seam.target.split(".")[0]
+        if seam.how in (upstream.PRIVATE_STATE, upstream.IMPORT_HOOK) and seam.reader is None:
+            continue  # no function of theirs to record: test_private_state_is_upstream's, test_import_hooks_can_wrap
         if seam.where_present and not upstream.present(seam.target):
             continue  # newer than this version set (e.g. TRL's VLLMGeneration)
         try:
@@ -131,8 +95,42 @@ def test_every_recorded_target_is_a_seam():
     assert not stale, f"recorded in {RECORD.name} but no longer in SEAMS: {sorted(stale)}"
 
 
-def _replacements_in(path: Path) -> list[str]:
-    """Lines of `path` that assign to an attribute of an upstream import, call setattr, or set __class__."""
+_MUTATORS = {"insert", "append", "extend", "remove", "pop", "popitem", "clear", "update", "setdefault",
+             "__setitem__", "__delitem__"}
+_MODULE_DICTS = {"_parameters", "_buffers", "_modules", "__dict__"}  # written only through upstream.set_entry
+
+
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _root(node):
+    while isinstance(node, (ast.Attribute, ast.Subscript, ast.Call)):
+        node = node.func if isinstance(node, ast.Call) else node.value
+    return node
+
+
+def _ours(node) -> bool:
+    """Rooted at `self`/`cls`: hf_fsdp2's own object's state."""
+    return isinstance(_root(node), ast.Name) and _root(node).id in ("self", "cls")
+
+
+def _is_meta_path(node) -> bool:
+    return isinstance(node, ast.Attribute) and node.attr == "meta_path"
+
+
+def _is_instance_dict(node) -> bool:
+    """`x.__dict__`, `vars(x)`, or a private dict of another library's object (`x._parameters`)."""
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "vars":
+        return True
+    return isinstance(node, ast.Attribute) and (node.attr in _MODULE_DICTS or (_is_private(node.attr)
+                                                                                and not _ours(node)))
+
+
+def _replacements_in(path: Path, own: set[str] = frozenset()) -> list[str]:
+    """Lines of `path` that assign to an attribute of an upstream import, call setattr, set __class__, write
+    another object's private attribute (one not in `own`, the names hf_fsdp2 defines), an entry of an instance dict or private dict (`__dict__`,
+    `vars(x)`, `_parameters`, ...), or change `sys.meta_path`."""
     tree = ast.parse(path.read_text())
     upstream_names = set()
     for node in ast.walk(tree):
@@ -145,33 +143,137 @@ def _replacements_in(path: Path) -> list[str]:
     for node in ast.walk(tree):
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr":
             found.append(f"{path.name}:{node.lineno} setattr")
-        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in _MUTATORS and (
+                _is_meta_path(node.func.value) or _is_instance_dict(node.func.value)):
+            found.append(f"{path.name}:{node.lineno} {ast.unparse(node.func)}")
+        if isinstance(node, ast.Call) and ast.unparse(node.func) == "object.__setattr__":
+            found.append(f"{path.name}:{node.lineno} object.__setattr__")
+        targets = node.targets if isinstance(node, (ast.Assign, ast.Delete)) else [node.target] if isinstance(
             node, (ast.AugAssign, ast.AnnAssign)) else []
         for target in targets:
+            line = f"{path.name}:{node.lineno} {ast.unparse(target)}"
             if isinstance(target, ast.Attribute) and target.attr == "__class__":
                 found.append(f"{path.name}:{node.lineno} __class__")
-            root = target
-            while isinstance(root, ast.Attribute):
-                root = root.value
-            if isinstance(target, ast.Attribute) and isinstance(root, ast.Name) and root.id in upstream_names:
-                found.append(f"{path.name}:{node.lineno} {ast.unparse(target)}")
+            elif isinstance(target, ast.Attribute) and target.attr.startswith("_") and not _ours(target) and \
+                    target.attr not in own:
+                found.append(line)  # another object's private (or dunder) attribute
+            elif isinstance(target, ast.Subscript) and (_is_instance_dict(target.value) or _is_meta_path(target.value)):
+                found.append(line)
+            elif _is_meta_path(target):
+                found.append(line)
+            elif isinstance(target, ast.Attribute) and isinstance(_root(target), ast.Name) and \
+                    _root(target).id in upstream_names:
+                found.append(line)
     return found
 
 
 def test_no_replacement_outside_the_seam():
+    own = _own_names()
     found = [line for path in sorted(PACKAGE.rglob("*.py")) if path != PACKAGE / "runtime" / "upstream.py"
-             for line in _replacements_in(path)]
-    assert not found, ("another library's code is replaced outside hf_fsdp2/runtime/upstream.py (declare it in "
-                       "SEAMS and use upstream.replace/scoped/set_class): " + "; ".join(found))
+             for line in _replacements_in(path, own)]
+    assert not found, ("another library's code or state is changed outside hf_fsdp2/runtime/upstream.py (declare "
+                       "it in SEAMS and use upstream.replace/scoped/set_class/set_state/set_entry/tag): "
+                       + "; ".join(found))
 
 
 def test_the_scan_sees_a_replacement(tmp_path):
     """The scan above is not vacuous: each form it forbids is found."""
     probe = tmp_path / "probe.py"
-    probe.write_text("import torch.distributed as dist\nfrom transformers import Trainer\n"
-                     "dist.destroy_process_group = None\nTrainer.save_model = None\nsetattr(Trainer, 'x', 1)\n"
-                     "def f(m):\n    m.__class__ = object\n")
-    assert len(_replacements_in(probe)) == 4
+    forms = ["dist.destroy_process_group = None", "Trainer.save_model = None", "setattr(Trainer, 'x', 1)",
+             "m.__class__ = object", "m._parameters['w'] = None", "del m._buffers['b']", "m._modules['x'] = None",
+             "m.__dict__['w'] = None", "vars(m)['w'] = None", "m.__dict__.pop('w')", "m._parameters.pop('w')",
+             "state._init_kwargs['x'] = 1", "self._modules['x'] = None", "sys.meta_path.insert(0, f)",
+             "sys.meta_path.append(f)", "sys.meta_path.remove(f)", "sys.meta_path = []", "sys.meta_path[0] = f",
+             "state._auto_reshard_after_forward = False", "module.__loader__ = None",
+             "object.__setattr__(m, 'x', 1)"]
+    body = "".join(f"    {form}\n" for form in forms)
+    probe.write_text("import sys\nimport torch.distributed as dist\nfrom transformers import Trainer\n"
+                     f"def f(m, state, module, self):\n{body}    self._mine = 1\n    self._own[0] = 1\n")
+    found = _replacements_in(probe)
+    assert len(found) == len(forms), found
+
+
+# Private names of the standard library (not a release judged here).
+STDLIB_PRIVATE = {"_exit": "os._exit", "_SubParsersAction": "argparse's subparsers action, for type hints"}
+
+
+def _own_names() -> set[str]:
+    """Names hf_fsdp2 defines itself: functions, classes, variables, arguments, `self.`/`cls.` attributes."""
+    own = set()
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                own.add(node.name)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                own.add(node.id)
+            elif isinstance(node, ast.arg):
+                own.add(node.arg)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and _ours(node):
+                own.add(node.attr)
+    return own
+
+
+def _private_reads_in(path: Path, own: set[str]) -> list[tuple[str, int]]:
+    """(name, line) for each private name of another library `path` reads: an attribute (`x._name`,
+    `getattr(x, "_name")`) hf_fsdp2 does not define, or a private part of an upstream import."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = []
+        if isinstance(node, ast.Attribute):
+            names = [node.attr]
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in (
+                "getattr", "hasattr", "delattr") and len(node.args) > 1 and isinstance(node.args[1], ast.Constant) \
+                and isinstance(node.args[1].value, str):
+            names = [node.args[1].value]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0 and \
+                node.module.split(".")[0] in UPSTREAM:
+            names = node.module.split(".") + [a.name for a in node.names]
+        elif isinstance(node, ast.Import):
+            names = [part for a in node.names if a.name.split(".")[0] in UPSTREAM for part in a.name.split(".")]
+        found += [(name, node.lineno) for name in names if _is_private(name) and not name.startswith("_hf_fsdp2")
+                  and (name not in own or isinstance(node, (ast.Import, ast.ImportFrom)))]
+    return found
+
+
+def _declared() -> set[tuple[str, str]]:
+    """(hf_fsdp2 module, private name) for each private part of a PRIVATE entry or a seam, per user."""
+    from hf_fsdp2.runtime import upstream
+
+    pairs = set()
+    for dotted, users in [(e.name, e.user) for e in upstream.PRIVATE] + [(s.target, s.user) for s in upstream.SEAMS]:
+        for user in users.split(", "):
+            pairs |= {(user, part) for part in dotted.split(".") if _is_private(part)}
+    return pairs
+
+
+def _undeclared(modules: dict[str, Path], own: set[str]) -> list[str]:
+    """For {hf_fsdp2 module ("sharding/engine.py"): its file}, each private read not declared for it."""
+    declared = _declared()
+    return [f"hf_fsdp2/{user}:{line} {name}" for user, path in modules.items()
+            for name, line in sorted(_private_reads_in(path, own), key=lambda read: read[1])
+            if name not in STDLIB_PRIVATE and (user, name) not in declared]
+
+
+def test_every_private_name_read_is_declared():
+    """A private name of another library read anywhere in hf_fsdp2 is declared, for the module that reads it, in
+    runtime/upstream.py (PRIVATE, or a seam): so the tests above check it on every version."""
+    undeclared = _undeclared({str(p.relative_to(PACKAGE)): p for p in sorted(PACKAGE.rglob("*.py"))}, _own_names())
+    assert not undeclared, ("private names of another library read but not declared in hf_fsdp2/runtime/upstream.py "
+                            "PRIVATE (module, path, user): " + "; ".join(undeclared))
+
+
+def test_the_scan_sees_a_private_read(tmp_path):
+    """The scan above is not vacuous: each form of private read is found, hf_fsdp2's own names are not, and a
+    name declared for one module is not declared for another."""
+    probe = tmp_path / "probe.py"
+    forms = ["state._mp_policy", "getattr(model, '_no_split_modules', None)", "hasattr(state, '_lazy_init')",
+             "from torch.distributed.tensor._utils import compute_local_shape_and_global_offset",
+             "from torch.utils import _pytree", "import torch._dynamo"]
+    probe.write_text("def f(state, model):\n" + "".join(f"    {form}\n" for form in forms)
+                     + "    state._fds\n    getattr(state, '_hf_fsdp2_x')\n")
+    found = _undeclared({"runtime/probe.py": probe}, _own_names())
+    assert [entry.split(" ", 1)[1] for entry in found] == [
+        "_mp_policy", "_no_split_modules", "_lazy_init", "_utils", "_pytree", "_dynamo"], found
 
 
 def test_register_installs_and_unregister_restores_every_patched_seam():
@@ -218,22 +320,50 @@ def test_undeclared_or_misused_seams_are_refused():
 _ABSENT = object()
 
 
-def private_torch_names():
-    """(name, the object or _ABSENT, used by) for every TORCH_PRIVATE entry this torch should have."""
+def _walk(obj, path: str):
+    for part in path.split("."):
+        obj = getattr(obj, part, _ABSENT)  # a class attribute may be None (DDP._active_ddp_module)
+    return obj
+
+
+def _named_in_source(owner, name: str) -> bool:
+    """`name` appears in the source of `owner` (a class or module): how an instance attribute or private
+    state we write is checked to still be upstream's."""
+    try:
+        return re.search(rf"\b{re.escape(name)}\b", inspect.getsource(owner)) is not None
+    except (TypeError, OSError):  # a builtin (pybind) class: no source
+        return False
+
+
+def private_names():
+    """(name, the object, _ABSENT, or None for an instance attribute found in its class's source, used by,
+    package version) for every upstream.PRIVATE entry this version set should have."""
     import importlib
 
-    import torch
-
+    from hf_fsdp2.runtime import upstream
     from hf_fsdp2.runtime.versions import parse
 
     out = []
-    for module, path, user, *since in TORCH_PRIVATE:
-        if since and parse(torch.__version__) < since[0]:
-            continue  # hf_fsdp2 takes another branch on this torch
-        obj = importlib.import_module(module)
-        for part in path.split("."):
-            obj = getattr(obj, part, _ABSENT)  # a class attribute may be None (DDP._active_ddp_module)
-        out.append((f"{module}.{path}", obj, user))
+    for entry in upstream.PRIVATE:
+        package = entry.module.split(".")[0]
+        try:
+            installed = version(package)
+        except Exception:  # noqa: BLE001 - an extra not installed
+            if package in OPTIONAL:
+                continue
+            raise
+        if entry.since and parse(installed) < entry.since:
+            continue  # hf_fsdp2 takes another branch on this version
+        module = importlib.import_module(entry.module)
+        if entry.instance:
+            owner_path, _, name = entry.path.rpartition(".")
+            owner = _walk(module, owner_path)
+            obj = None if owner is not _ABSENT and _named_in_source(owner, name) else _ABSENT
+        else:
+            obj = _walk(module, entry.path)
+        if obj is _ABSENT and entry.optional:
+            continue  # hf_fsdp2 copes without it
+        out.append((entry.name, obj, entry.user, f"{package} {installed}"))
     return out
 
 
@@ -247,39 +377,64 @@ def private_signature(obj) -> str | None:
         return "<no signature>"
 
 
-def test_private_torch_names_exist():
-    missing = [f"{name} (used by hf_fsdp2/{user})" for name, obj, user in private_torch_names() if obj is _ABSENT]
-    assert not missing, "torch no longer has: " + "; ".join(missing)
+def test_private_names_exist():
+    missing = [f"{name} (used by hf_fsdp2/{user})" for name, obj, user, _ in private_names() if obj is _ABSENT]
+    assert not missing, "no longer upstream: " + "; ".join(missing)
 
 
-def test_private_torch_signatures_are_recorded():
-    """A private torch function whose signature is not one we checked fails by name, as a seam does."""
-    import torch
-
+def test_private_signatures_are_recorded():
+    """A private function whose signature is not one we checked fails by name, as a seam does."""
     known = json.loads(PRIVATE_RECORD.read_text())
     changed = []
-    for name, obj, user in private_torch_names():
+    for name, obj, user, checked_on in private_names():
         signature = private_signature(obj)
         if obj is _ABSENT or signature is None:
             continue
         entry = known.get(name)
         if entry is None or signature not in entry["signature"]:
-            changed.append(f"{name} (used by hf_fsdp2/{user}) on torch {torch.__version__}: {signature[:100]}; "
+            changed.append(f"{name} (used by hf_fsdp2/{user}) on {checked_on}: {signature[:100]}; "
                            f"recorded on {entry['checked_on'] if entry else 'none'}")
-    assert not changed, ("private torch signatures not reviewed for this version; read the code that uses each, "
+    assert not changed, ("private signatures not reviewed for this version; read the code that uses each, "
                          "then record (python -m tests.test_upstream_contracts --record):\n" + "\n".join(changed))
 
 
-def record() -> None:
-    import torch
+def test_private_state_is_upstream():
+    """Each piece of private state we write (PRIVATE_STATE) is still named in its owner's source."""
+    from hf_fsdp2.runtime import upstream
 
+    gone = []
+    for seam in upstream.SEAMS:
+        if seam.how != upstream.PRIVATE_STATE or seam.target.split(".")[0] in OPTIONAL:
+            continue
+        owner_path, _, name = seam.target.rpartition(".")
+        owner, _ = upstream.resolve(owner_path)
+        owner = getattr(owner, owner_path.rsplit(".", 1)[1])
+        if name != "__dict__" and not _named_in_source(owner, name):
+            gone.append(f"{seam.target} (written by hf_fsdp2/{seam.user})")
+    assert not gone, "private state hf_fsdp2 writes is no longer upstream's: " + "; ".join(gone)
+
+
+def test_import_hooks_can_wrap():
+    """Each module whose loader import_hooks wraps is still loaded by a loader with exec_module (else the
+    hook would not run and the Trainer's seams would never be installed)."""
+    import importlib.util
+
+    from hf_fsdp2.runtime import upstream
+
+    for seam in upstream.SEAMS:
+        if seam.how == upstream.IMPORT_HOOK:
+            spec = importlib.util.find_spec(seam.target)
+            assert spec is not None and hasattr(spec.loader, "exec_module"), seam.target
+
+
+def record() -> None:
     private = json.loads(PRIVATE_RECORD.read_text()) if PRIVATE_RECORD.exists() else {}
-    for name, obj, _ in private_torch_names():
+    for name, obj, _, checked_on in private_names():
         signature = private_signature(obj)
         if obj is _ABSENT or signature is None:
             continue
         entry = private.setdefault(name, {"signature": [], "checked_on": []})
-        for key, value in (("signature", signature), ("checked_on", f"torch {torch.__version__}")):
+        for key, value in (("signature", signature), ("checked_on", checked_on)):
             if value not in entry[key]:
                 entry[key].append(value)
     PRIVATE_RECORD.write_text(json.dumps(private, indent=1, sort_keys=True) + "\n")

@@ -69,10 +69,10 @@ class StagingPool:
     would cost more than the copy)."""
 
     def __init__(self) -> None:
-        self._buffers: dict[tuple[str, str], torch.Tensor] = {}
+        self._staging_buffers: dict[tuple[str, str], torch.Tensor] = {}
 
     def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self._buffers.values())
+        return sum(b.numel() * b.element_size() for b in self._staging_buffers.values())
 
     def stage(self, items: Sequence, kind: str) -> list[StagedTensor]:
         """Copy this rank's rows of every item (an `ExportTensor`) into the pool."""
@@ -85,10 +85,10 @@ class StagingPool:
                     continue
                 source = item.block()
                 key = (kind, item.name)
-                buffer = self._buffers.get(key)
+                buffer = self._staging_buffers.get(key)
                 if buffer is None or buffer.shape != source.shape or buffer.dtype != source.dtype:
                     buffer = torch.empty(source.shape, dtype=source.dtype, device="cpu", pin_memory=source.is_cuda)
-                    self._buffers[key] = buffer
+                    self._staging_buffers[key] = buffer
                 buffer.copy_(source, non_blocking=source.is_cuda)
                 on_cuda = on_cuda or source.is_cuda
                 staged.append(StagedTensor(item.name, item.spec, start, stop, buffer, item.cols()))

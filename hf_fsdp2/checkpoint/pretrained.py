@@ -116,7 +116,8 @@ def parameters_on_meta() -> Iterator[None]:
         def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
             original(module, name, param)
             if param is not None and param.device.type != "meta":
-                module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+                upstream.set_entry(module, "_parameters", name, nn.Parameter(
+                    param.to("meta"), requires_grad=param.requires_grad), "torch.nn.Module._parameters")
         return register
 
     with upstream.scoped("torch.nn.Module.register_parameter", on_meta):

@@ -15,7 +15,7 @@ import torch.nn as nn
 
 from ..config import FSDP2Config
 from ..quantization import bnb_4bit
-from ..runtime import collectives
+from ..runtime import collectives, upstream
 from ..runtime.distributed import local_tensor
 from ..shard import shard_model
 from .tensor_export import model_tensors, row_range
@@ -37,7 +37,7 @@ def shard_from_rank0(model: nn.Module, config: FSDP2Config, mesh) -> nn.Module:
             if param is not None:
                 if id(param) not in meta:
                     meta[id(param)] = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
-                module._parameters[key] = meta[id(param)]
+                upstream.set_entry(module, "_parameters", key, meta[id(param)], "torch.nn.Module._parameters")
     shard_model(model, config, mesh=mesh, init_weights=False)
     with torch.no_grad():
         targets = list(model_tensors(model).items()) + [(f"buffer:{n}", b) for n, b in model.named_buffers()]

@@ -311,7 +311,7 @@ def _init(self, *args, **kwargs):
                            "mapping (accelerate to-fsdp2): " + "; ".join(converted))
     if given is not None and given.mixed_precision_policy is not None:
         # The user's own policy; Accelerator.__init__ fills an unset one from `mixed_precision` later.
-        given.__dict__[_USER_POLICY] = given.mixed_precision_policy
+        upstream.tag(given, _USER_POLICY, given.mixed_precision_policy)
     wants_fsdp = kwargs.get("fsdp_plugin") is not None or os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true"
     if not (wants_fsdp and not _has_accelerator_device()):
         _original("Accelerator", "__init__")(self, *args, **kwargs)
@@ -331,10 +331,12 @@ def _init(self, *args, **kwargs):
         _refuse_fsdp1(plugin)
         if self.mixed_precision != "no":
             plugin.set_mixed_precision(self.mixed_precision)
-        state.fsdp_plugin = plugin
-        state.distributed_type = DistributedType.FSDP
+        upstream.set_state(state, "fsdp_plugin", plugin, "accelerate.state.AcceleratorState.fsdp_plugin")
+        upstream.set_state(state, "distributed_type", DistributedType.FSDP,
+                           "accelerate.state.AcceleratorState.distributed_type")
         # AcceleratorState mirrors its type into PartialState's shared state (state.py, end of __init__).
-        PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+        upstream.set_entry(PartialState, "_shared_state", "distributed_type", DistributedType.FSDP,
+                           "accelerate.state.PartialState._shared_state")
     if self.parallelism_config:
         self.parallelism_config._validate_accelerator(self)
 
@@ -362,7 +364,8 @@ def _prepare_fsdp2(self, *args):
     names = layer_names(plugin.transformer_cls_names_to_wrap)
     if names is None and model is not None:
         names = list(getattr(unwrap_peft(model), "_no_split_modules", None) or []) or None
-    plugin.transformer_cls_names_to_wrap = names
+    upstream.set_state(plugin, "transformer_cls_names_to_wrap", names,
+                       "accelerate.utils.dataclasses.FullyShardedDataParallelPlugin.transformer_cls_names_to_wrap")
     deferred = model is not None and deferred_load.deferred_checkpoint(model) is not None
     optimizer_names = deferred_load.optimizer_parameter_names(args, model) if deferred else None
     ours_already = model is not None and is_sharded(model)

@@ -173,7 +173,7 @@ def _convert_meta(module: nn.Module, name: str, dtype: torch.dtype) -> None:
 
 def _install(module: nn.Module, spec: Quant4bitSpec, packed: torch.Tensor, absmax: torch.Tensor,
              code: torch.Tensor, state) -> None:
-    del module._parameters["weight"]
+    upstream.del_entry(module, "_parameters", "weight", "torch.nn.Module._parameters")
     module.register_parameter("weight", nn.Parameter(packed, requires_grad=False))
     module.register_parameter("weight_absmax", nn.Parameter(absmax, requires_grad=False))
     # Not persistent: our checkpoints never hold the packed base (the adapter, or dequantized
@@ -192,7 +192,7 @@ def _install(module: nn.Module, spec: Quant4bitSpec, packed: torch.Tensor, absma
         module.register_buffer("weight_nested_quant_map", nested_code, persistent=False)
         module.register_buffer("weight_offset", torch.as_tensor(offset, dtype=torch.float32), persistent=False)
     module.quant_state = None  # the old state's tensors are now ours; drop bitsandbytes' reference
-    module.__dict__[_SPEC] = spec
+    upstream.tag(module, _SPEC, spec)
     upstream.set_class(module, _sharded_class(type(module)), "bitsandbytes.nn.modules.Linear4bit.forward")
 
 

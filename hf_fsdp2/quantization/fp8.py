@@ -118,7 +118,7 @@ def attach_to_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> N
     if not has_fp8(model) or getattr(inner, "_hf_fsdp2_fp8_hook", False):
         return
     inner.register_step_post_hook(lambda *args, **kwargs: precompute_scales(model))
-    inner._hf_fsdp2_fp8_hook = True
+    upstream.tag(inner, "_hf_fsdp2_fp8_hook", True)
 
 
 FLOAT8_DTYPES = {torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz}

@@ -5,7 +5,8 @@ importing it costs about 2 s of CPU per process (`transformers.training_args` an
 peft, datasets and pandas): on 4 ranks, seconds of every launch. So the Trainer's seams are installed
 when the script itself imports those modules, by a finder at the front of `sys.meta_path` that wraps
 the real loader of the named modules only, runs the callbacks after the module's code, and then puts
-the real loader back on the module (`__loader__`, `__spec__.loader`).
+the real loader back on the module (`__loader__`, `__spec__.loader`). The modules it may wrap are
+declared in runtime/upstream.py (IMPORT_HOOK seams), which also changes `sys.meta_path` for it.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import importlib.abc
 import sys
 import threading
 from typing import Callable
+
+from . import upstream
 
 _pending: dict[str, list[Callable[[], None]]] = {}
 _watched: dict[str, Callable[[], None]] = {}  # run after every execution of the module: `importlib.reload` too
@@ -25,8 +28,7 @@ def when_imported(module: str, callback: Callable[[], None]) -> None:
     with _lock:
         if module not in sys.modules:
             _pending.setdefault(module, []).append(callback)
-            if _FINDER not in sys.meta_path:
-                sys.meta_path.insert(0, _FINDER)
+            upstream.add_finder(_FINDER)
             return
     callback()
 
@@ -44,8 +46,7 @@ def after_every_execution(module: str, callback: Callable[[], None]) -> None:
     stays there while anything is watched."""
     with _lock:
         _watched[module] = callback
-        if _FINDER not in sys.meta_path:
-            sys.meta_path.insert(0, _FINDER)
+        upstream.add_finder(_FINDER)
 
 
 def stop_watching(module: str) -> None:
@@ -56,8 +57,8 @@ def stop_watching(module: str) -> None:
 
 def _drop_finder_if_idle() -> None:
     """With nothing pending or watched, the finder leaves `sys.meta_path` (call under `_lock`)."""
-    if not _pending and not _watched and _FINDER in sys.meta_path:
-        sys.meta_path.remove(_FINDER)
+    if not _pending and not _watched:
+        upstream.remove_finder(_FINDER)
 
 
 def pending() -> list[str]:
@@ -82,9 +83,7 @@ class _Loader(importlib.abc.Loader):
         return self._loader.create_module(spec)
 
     def exec_module(self, module):
-        module.__loader__ = self._loader  # the real loader, before its code runs
-        if getattr(module, "__spec__", None) is not None:
-            module.__spec__.loader = self._loader
+        upstream.unwrap_loader(module, self._loader)  # the real loader, before its code runs
         self._loader.exec_module(module)
         _run(self._name)
 
@@ -102,7 +101,7 @@ class _Finder(importlib.abc.MetaPathFinder):
         else:
             return None
         if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-            spec.loader = _Loader(spec.loader, fullname)
+            upstream.wrap_loader(spec, lambda loader: _Loader(loader, fullname))
         return spec
 
 

@@ -2,8 +2,9 @@
 
 `SEAMS` lists each one: the upstream target (import path, then attribute path), how we touch it, the
 hf_fsdp2 module that does, and why. Nothing else in the package assigns to another library's
-attributes or swaps an object's class (tests/test_upstream_contracts.py scans the source for it), so
-this table is the whole list. The same test records, per target, the signature and source hash of
+attributes, writes its private state or an instance `__dict__`, changes `sys.meta_path`, swaps an
+object's class, or reads a private name of another library not listed in `PRIVATE`
+(tests/test_upstream_contracts.py scans the source for each), so `SEAMS` and `PRIVATE` are the whole list. The same test records, per target, the signature and source hash of
 the upstream code on every version it was checked on (tests/upstream_contracts.json, with the
 versions) and fails naming the target when a release changes it: that, not the import, decides
 whether a new release still fits.
@@ -20,6 +21,19 @@ How:
   class untouched.
 - REGISTERED: entries added to an upstream registry (a dict) that upstream code reads (`add_entries`);
   the contract recorded is that of the reading function (`reader`).
+- PRIVATE_STATE: an upstream object's private attribute, or an entry of its private dict, written in
+  place (`set_state`, `set_entry`, `del_entry`). The contract: the name is still in the source of the
+  class (or module) that owns it, and, where `reader` names the upstream code that relies on it, that
+  code's signature and source hash.
+- IMPORT_HOOK: a module whose loader our finder on `sys.meta_path` wraps for one execution
+  (runtime/import_hooks.py; `add_finder`, `wrap_loader`, `unwrap_loader`). The contract: the module is
+  still loaded by a loader with `exec_module`.
+
+Besides the seams, `PRIVATE` lists every private name of another library that hf_fsdp2 reads or calls
+without replacing it (a callable's signature is recorded per version in tests/private_contracts.json),
+and hf_fsdp2's own `_hf_fsdp2*` attributes on upstream objects are set through `tag` (no upstream name
+is touched). The test's scan fails on any private name of another library read outside this table,
+and on any write to private state, `__dict__`, `sys.meta_path` or a class outside this module.
 """
 
 from __future__ import annotations
@@ -36,6 +50,8 @@ CLASS_SWAPPED = "instance class set to a subclass"
 SUBCLASSED = "private class subclassed"
 INSTANCE_WRAPPED = "method wrapped on one instance"
 REGISTERED = "entries added to a registry"
+PRIVATE_STATE = "private state written in place"
+IMPORT_HOOK = "loader wrapped on import"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,7 +66,7 @@ class Seam:
     # The target exists only in newer releases of the supported range; where it is absent the seam is
     # not installed (and the contract test does not look for it).
     where_present: bool = False
-    # REGISTERED: the upstream function that reads the registry; its contract is the one recorded.
+    # REGISTERED, PRIVATE_STATE: the upstream function that reads what we write; its contract is recorded.
     reader: str | None = None
 
 
@@ -152,8 +168,169 @@ SEAMS: tuple[Seam, ...] = (
     Seam("bitsandbytes.optim.optimizer.Optimizer8bit.step", CLASS_SWAPPED, "quantization/bnb_optimizers.py",
          "8-bit optimizers (adamw_8bit, paged_adamw_8bit) step on each rank's rows: the step calls our "
          "init_state/update_step, which hand bitsandbytes the local rows, gradient and state"),
+    # Private state written in place (PRIVATE_STATE).
+    Seam("torch.nn.Module._parameters", PRIVATE_STATE,
+         "sharding/engine.py, checkpoint/rank0_loading.py, checkpoint/pretrained.py, quantization/bnb_4bit.py",
+         "a registered parameter swapped in place, without register_parameter's checks: tied weights tied again, "
+         "meta copies before loading, a 4-bit weight replaced by its packed rows"),
+    Seam("torch.nn.Module.__dict__", PRIVATE_STATE, "sharding/compute_cast.py",
+         "a parameter shadowed for one forward by an instance-dict entry of the same name (its cast copy): "
+         "attribute lookup finds it before nn.Module.__getattr__ reads _parameters",
+         reader="torch.nn.Module.__getattr__"),
+    Seam("torch.distributed.fsdp._fully_shard._fsdp_state.FSDPState._auto_reshard_after_forward", PRIVATE_STATE,
+         "sharding/generation.py",
+         "generate() keeps groups unsharded between tokens; the root's automatic choice is put back after"),
+    Seam("torch.distributed.fsdp._fully_shard._fsdp_param_group.FSDPParamGroup.post_forward_mesh_info",
+         PRIVATE_STATE, "sharding/generation.py",
+         "each group's reshard-after-forward setting, put back after generate() (set_reshard_after_forward "
+         "overwrites it)"),
+    Seam("torch.distributed.fsdp._fully_shard._fsdp_state.FSDPState._pre_forward_hook_handle", PRIVATE_STATE,
+         "sharding/generation.py",
+         "during generate() FSDP2's forward hooks are replaced at their key in the module's hook dicts by hooks "
+         "that only cast (nothing to gather per token), then put back"),
+    Seam("torch.distributed._composable.replicate._ReplicateState._init_kwargs", PRIVATE_STATE,
+         "sharding/replication.py",
+         "DDP's reducer is built at a point every rank reaches; whether it broadcasts rank 0's values is ours"),
+    Seam("accelerate.state.PartialState._shared_state", PRIVATE_STATE, _ACC,
+         "CPU-only FSDP: AcceleratorState mirrors its type into PartialState's shared state at the end of "
+         "__init__, so the switch from MULTI_CPU to FSDP is written there too"),
+    Seam("accelerate.state.AcceleratorState.distributed_type", PRIVATE_STATE, _ACC,
+         "CPU-only FSDP: the MULTI_CPU state Accelerator.__init__ built becomes FSDP"),
+    Seam("accelerate.state.AcceleratorState.fsdp_plugin", PRIVATE_STATE, _ACC,
+         "CPU-only FSDP: the state gets the plugin Accelerate would have set for a device"),
+    Seam("accelerate.utils.dataclasses.FullyShardedDataParallelPlugin.transformer_cls_names_to_wrap",
+         PRIVATE_STATE, _ACC,
+         "layer names normalised before Accelerate resolves them (a yaml list string; a PEFT model's base "
+         "_no_split_modules)"),
+    # Import hooks (IMPORT_HOOK): the modules whose loader runtime/import_hooks.py wraps, so the Trainer's seams
+    # are installed when the script imports them (importing the Trainer costs ~2 s a process).
+    Seam("transformers.training_args", IMPORT_HOOK, "runtime/import_hooks.py",
+         "TrainingArguments' seam installed once the script imports it (integrations/trainer.py)"),
+    Seam("transformers.trainer", IMPORT_HOOK, "runtime/import_hooks.py",
+         "the Trainer's seams installed once the script imports it, and again after importlib.reload"),
 )
 _BY_TARGET = {seam.target: seam for seam in SEAMS}
+
+
+@dataclasses.dataclass(frozen=True)
+class Private:
+    """A private name of another library that hf_fsdp2 reads or calls without replacing it."""
+    module: str
+    path: str  # attribute path inside `module`
+    user: str  # the hf_fsdp2 module(s) that read it
+    # The oldest (major, minor) of the module's package that has it, where hf_fsdp2 branches on it.
+    since: tuple[int, int] | None = None
+    # Set on instances by the owning class's code, not a class attribute: the contract is its name in that source.
+    instance: bool = False
+    # hf_fsdp2 copes without it (getattr with a default): checked only where present.
+    optional: bool = False
+
+    @property
+    def name(self) -> str:
+        return f"{self.module}.{self.path}"
+
+
+_FS = "torch.distributed.fsdp._fully_shard"
+_CP = "torch.distributed.tensor.experimental._context_parallel._attention"
+_CC = "sharding/compiled_collectives.py"
+_GEN = "sharding/generation.py"
+_REP = "sharding/replication.py"
+_FST = "runtime/fsdp_state.py"
+_CW = "torch.distributed.algorithms._checkpoint.checkpoint_wrapper"
+PRIVATE: tuple[Private, ...] = (
+    # torch: process groups and meshes.
+    Private("torch.distributed.distributed_c10d", "_get_default_group", "runtime/collectives.py"),
+    Private("torch.distributed.distributed_c10d", "ProcessGroup._device_types", "runtime/collectives.py"),
+    Private("torch.distributed.distributed_c10d", "ProcessGroup._get_backend", "runtime/collectives.py"),
+    Private("torch.distributed", "ProcessGroupGloo._Options._timeout", "runtime/collectives.py", optional=True),
+    Private("torch.distributed.device_mesh", "DeviceMesh._flatten", "runtime/distributed.py"),
+    Private("torch.distributed.tensor._utils", "compute_local_shape_and_global_offset", "checkpoint/tensor_export.py"),
+    Private("torch.distributed.tensor.placement_types", "_StridedShard", "checkpoint/tensor_export.py"),
+    Private("torch.distributed.checkpoint.filesystem", "_StorageInfo", "checkpoint/convert.py"),
+    # torch: nn.Module internals.
+    Private("torch.nn", "Module._parameters", f"sharding/engine.py, {_CC}, checkpoint/rank0_loading.py, "
+            "checkpoint/pretrained.py, quantization/bnb_4bit.py", instance=True),
+    Private("torch.nn", "Module._forward_pre_hooks", f"{_GEN}, {_REP}", instance=True),
+    Private("torch.nn", "Module._non_persistent_buffers_set", "checkpoint/tensor_export.py", instance=True),
+    Private("torch.nn", "Module._compiled_call_impl", "sharding/compile.py"),
+    Private(_CW, "CheckpointWrapper._checkpoint_wrapped_module", "sharding/compute_cast.py, sharding/groups.py, "
+            "sharding/engine.py, sharding/layout.py", instance=True),
+    # torch: FSDP2 internals.
+    Private(f"{_FS}._fsdp_collectives", "foreach_all_gather", "quantization/fp8.py"),
+    Private("torch.distributed.fsdp", "FSDPModule._get_fsdp_state", f"{_GEN}, quantization/fp8.py"),
+    Private("torch.distributed.fsdp", "FSDPModule._set_unshard_async_op", "sharding/engine.py", optional=True),
+    Private(f"{_FS}._fsdp_state", "FSDPState._lazy_init", _GEN),
+    Private(f"{_FS}._fsdp_state", "FSDPState._modules", _GEN, instance=True),
+    Private(f"{_FS}._fsdp_state", "FSDPState._mp_policy", f"{_FST}, {_GEN}", instance=True),
+    Private(f"{_FS}._fsdp_state", "FSDPState._post_forward_hook_handle", _GEN, instance=True),
+    Private(f"{_FS}._fsdp_state", "FSDPState._fsdp_param_group", _FST, instance=True),
+    Private(f"{_FS}._fsdp_state", "FSDPState._fsdp_param_groups", _FST, since=(2, 12), instance=True),
+    Private(f"{_FS}._fsdp_param", "FSDPParam._orig_size", _GEN, instance=True),
+    # runtime/fsdp_state.py: FSDP2's casts are methods from torch 2.13; before, its helpers are called directly.
+    Private(f"{_FS}._fsdp_state", "FSDPState._cast_forward_inputs", _FST, since=(2, 13)),
+    Private(f"{_FS}._fsdp_state", "FSDPState._cast_output_dtype", _FST, since=(2, 13)),
+    Private(f"{_FS}._fsdp_common", "_cast_fp_tensor", _FST),
+    Private("torch.distributed.utils", "_apply_to_tensors", _FST),
+    # torch: context parallelism.
+    Private(_CP, "_templated_ring_attention", "sharding/context_parallel.py"),
+    Private(_CP, "_templated_ring_attention_backward", "sharding/context_parallel.py"),
+    Private("torch.distributed.tensor", "DTensor._op_dispatcher._custom_op_handlers", "sharding/context_parallel.py"),
+    Private("torch.distributed.tensor", "DTensor._op_dispatcher.unwrap_to_op_info", "sharding/context_parallel.py"),
+    Private("torch.distributed.tensor._dtensor_spec", "TensorMeta", "sharding/context_parallel.py"),
+    Private("torch.distributed.tensor._dtensor_spec", "DTensorSpec", "sharding/context_parallel.py"),
+    Private("torch._ops", "OpOverload._schema", "sharding/context_parallel.py", instance=True),
+    *[Private("torch", f"ops.aten.{op}", "sharding/context_parallel.py") for op in (
+        "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
+        "_scaled_dot_product_flash_attention_for_cpu_backward")],
+    Private("torch", "ops.aten._local_scalar_dense", "sharding/activation_trace.py"),
+    # torch: DDP (replicate).
+    Private("torch.distributed._composable.replicate", "_ReplicateState.lazy_init", _REP),
+    Private("torch.distributed._composable.replicate", "_ReplicateState._comm_hook_args", _REP, instance=True),
+    Private("torch.distributed._composable.replicate", "_ReplicateState._ddp", _REP, instance=True),
+    Private("torch.distributed._composable.replicate", "replicate", _REP),
+    Private("torch.distributed._composable.replicate", "DDP", "checkpoint/key_conversion.py"),
+    Private("torch.distributed._composable.contract", "_get_registry", _REP),
+    Private("torch.nn.parallel", "DistributedDataParallel._active_ddp_module", _REP),
+    Private("torch._C", "_current_graph_task_id", _REP),
+    # torch: compilers and utilities.
+    Private("torch._dynamo", "disable", f"{_CC}, sharding/compute_cast.py"),
+    Private("torch._dynamo", "exc.Unsupported", _CC),
+    *[Private("torch._functorch.config", name, _CC) for name in (
+        "joint_custom_pass", "enable_autograd_cache", "enable_remote_autograd_cache")],
+    *[Private("torch._inductor.config", name, _CC) for name in (
+        "bucket_all_gathers_fx", "bucket_reduce_scatters_fx", "bucket_all_reduces_fx",
+        "bucket_all_gathers_fx_bucket_size_determinator", "bucket_reduce_scatters_fx_bucket_size_determinator",
+        "bucket_all_reduces_fx_bucket_size_determinator")],
+    *[Private("torch._inductor.fx_passes.bucketing", name, _CC)
+      for name in ("is_fsdp_all_gather", "is_wait_tensor", "is_all_gather_into_tensor")],
+    Private("torch._inductor.compile_fx", "compile_fx", _CC),
+    Private("torch.utils._ordered_set", "OrderedSet", _CC),  # is_fsdp_all_gather's ancestor sets on torch 2.11/2.12
+    Private("torch.utils._python_dispatch", "TorchDispatchMode", "sharding/activation_trace.py"),
+    Private("torch.utils._pytree", "tree_leaves", "sharding/activation_trace.py"),
+    Private("torch.utils._pytree", "tree_map", "sharding/compute_cast.py"),
+    *[Private(_CW, name, "sharding/engine.py, sharding/groups.py, sharding/compute_cast.py, sharding/layout.py")
+      for name in ("CheckpointWrapper", "CheckpointImpl", "checkpoint_wrapper")],
+    # accelerate.
+    *[Private("accelerate.accelerator", f"Accelerator.{name}", "integrations/accelerator_checkpoint.py", instance=True)
+      for name in ("_models", "_optimizers", "_schedulers", "_custom_objects", "_dataloaders")],
+    Private("accelerate.accelerator", "Accelerator._cp_context", _ACC, instance=True),
+    # transformers.
+    Private("transformers.modeling_utils", "PreTrainedModel._no_split_modules", f"{_ACC}, sharding/groups.py"),
+    Private("transformers.modeling_utils", "PreTrainedModel._init_weights", "sharding/engine.py"),
+    Private("transformers.modeling_utils", "PreTrainedModel._get_dtype_plan", "checkpoint/pretrained.py"),
+    Private("transformers.modeling_utils", "PreTrainedModel._resolve_parallel_plans", "sharding/tensor_parallel.py",
+            optional=True),
+    Private("transformers.modeling_utils", "PreTrainedModel._weight_conversions", "checkpoint/key_conversion.py",
+            optional=True),
+    Private("transformers.trainer", "Trainer._get_output_dir", _TR),
+    # peft.
+    Private("peft.peft_model", "PeftModel._get_base_model_class", "checkpoint/weights_io.py"),
+    Private("peft.tuners.lora.layer", "_ConvNd", "checkpoint/lora_merge.py"),
+    Private("peft.tuners.lora.layer", "ParamWrapper._did_swap_in_out_features", "checkpoint/lora_merge.py",
+            instance=True, optional=True),  # PEFT >= 0.19
+    # bitsandbytes.
+    Private("bitsandbytes.nn.modules", "_convert_weight_packed_for_cpu_inverse", "quantization/bnb_4bit.py"),
+)
 
 # target -> (owner, name, original, replacement, group), in installation order
 _installed: dict[str, tuple[Any, str, Any, Any, str]] = {}
@@ -340,3 +517,68 @@ def subclass_base(target: str) -> type:
         raise AssertionError(f"{target} is declared {seam(target).how}, not {SUBCLASSED}")
     owner, _ = resolve(target)
     return owner
+
+
+def _private_state(target: str, name: str) -> None:
+    if seam(target).how != PRIVATE_STATE:
+        raise AssertionError(f"{target} is declared {seam(target).how}, not {PRIVATE_STATE}")
+    if target.rsplit(".", 1)[1] != name:
+        raise AssertionError(f"{name} is not the attribute the seam {target} declares")
+
+
+def set_state(obj: Any, name: str, value: Any, target: str) -> None:
+    """`obj.name = value` for the PRIVATE_STATE seam `target` (whose last part is `name`)."""
+    _private_state(target, name)
+    setattr(obj, name, value)
+
+
+def set_entry(obj: Any, name: str, key: Any, value: Any, target: str) -> None:
+    """`obj.name[key] = value` (a private dict of an upstream object) for the PRIVATE_STATE seam `target`."""
+    _private_state(target, name)
+    getattr(obj, name)[key] = value
+
+
+def del_entry(obj: Any, name: str, key: Any, target: str) -> None:
+    """`obj.name.pop(key)` (absent is fine) for the PRIVATE_STATE seam `target`."""
+    _private_state(target, name)
+    getattr(obj, name).pop(key, None)
+
+
+def set_item(mapping: dict, key: Any, value: Any, target: str) -> None:
+    """`mapping[key] = value` for a dict of upstream state reached through the PRIVATE_STATE seam `target`
+    (FSDP2's hook handles lead to the module's hook dicts)."""
+    _private_state(target, target.rsplit(".", 1)[1])
+    mapping[key] = value
+
+
+def tag(obj: Any, name: str, value: Any) -> None:
+    """hf_fsdp2's own attribute `name` (`_hf_fsdp2*`) on an upstream object, in its instance dict: no
+    upstream name is touched, and nn.Module/dataclass __setattr__ logic is bypassed."""
+    if not name.startswith("_hf_fsdp2"):
+        raise AssertionError(f"{name}: hf_fsdp2's attributes on upstream objects are named _hf_fsdp2*")
+    obj.__dict__[name] = value
+
+
+def add_finder(finder: Any) -> None:
+    """`finder` first on `sys.meta_path` (runtime/import_hooks.py; idempotent)."""
+    if finder not in sys.meta_path:
+        sys.meta_path.insert(0, finder)
+
+
+def remove_finder(finder: Any) -> None:
+    if finder in sys.meta_path:
+        sys.meta_path.remove(finder)
+
+
+def wrap_loader(spec: Any, make_loader: Callable[[Any], Any]) -> None:
+    """The IMPORT_HOOK module `spec.name` is loaded by `make_loader(its real loader)`."""
+    if seam(spec.name).how != IMPORT_HOOK:
+        raise AssertionError(f"{spec.name} is declared {seam(spec.name).how}, not {IMPORT_HOOK}")
+    spec.loader = make_loader(spec.loader)
+
+
+def unwrap_loader(module: Any, loader: Any) -> None:
+    """The module's real `loader` back on it (`__loader__`, `__spec__.loader`) before its code runs."""
+    module.__loader__ = loader
+    if getattr(module, "__spec__", None) is not None:
+        module.__spec__.loader = loader

@@ -26,8 +26,12 @@ import torch.nn as nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 from torch.utils._pytree import tree_map
 
+from ..runtime import upstream
 from .groups import ShardPlan
 from .record import record_of
+
+# A parameter's cast copy in its module's instance dict shadows it for one forward.
+_SHADOW = "torch.nn.Module.__dict__"
 
 
 class _CastState:
@@ -129,12 +133,12 @@ def _drop_casts(state: _CastState, entries):
 
 def _set(entries, dtype: torch.dtype) -> None:
     for owner, name, param in entries:
-        owner.__dict__[name] = param.to(dtype)
+        upstream.set_entry(owner, "__dict__", name, param.to(dtype), _SHADOW)
 
 
 def _drop(entries) -> None:
     for owner, name, _ in entries:
-        owner.__dict__.pop(name, None)
+        upstream.del_entry(owner, "__dict__", name, _SHADOW)
 
 
 __all__ = ["apply_compute_cast", "cast_once", "needs_cast"]

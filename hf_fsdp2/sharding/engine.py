@@ -24,7 +24,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from ..config import FSDP2Config
 from ..quantization import fp8
 from ..quantization.bnb_4bit import prepare_4bit_modules, refuse_8bit_modules
-from ..runtime import collectives, host_allocator
+from ..runtime import collectives, host_allocator, upstream
 from ..runtime.distributed import (CP_DIM, TP_DIM, build_mesh, data_parallel_mesh, default_device, local_tensor,
                                    refuse_accelerator_model_on_host_backend)
 from .compile import compile_layers, disable_cache_in_training, is_compiled
@@ -204,7 +204,7 @@ def _retie(model: nn.Module, shared: list[list[str]]) -> None:
             owner, _, attr = name.rpartition(".")
             module = model.get_submodule(owner) if owner else model
             if module._parameters.get(attr) is not first:
-                module._parameters[attr] = first
+                upstream.set_entry(module, "_parameters", attr, first, "torch.nn.Module._parameters")
 
 
 def _is_meta(model: nn.Module) -> bool:

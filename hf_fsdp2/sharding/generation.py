@@ -34,6 +34,8 @@ from . import compiled_collectives, compute_cast
 
 FREE_MEMORY_FRACTION = 0.5  # of the memory free at generate(): the rest is the KV cache's and activations'
 _SEAM = "transformers.generation.utils.GenerationMixin.generate"
+_FSDP_STATE = "torch.distributed.fsdp._fully_shard._fsdp_state.FSDPState"
+_HOOK_HANDLE = f"{_FSDP_STATE}._pre_forward_hook_handle"  # FSDP2's hooks swapped in the module's hook dicts
 
 
 def wrap_generate(model: nn.Module) -> None:
@@ -192,11 +194,12 @@ def _light_forward_hooks(model: nn.Module, groups: list[nn.Module]) -> Iterator[
                 if hooks is None or handle.id not in hooks:
                     continue
                 swapped.append((hooks, handle.id, hooks[handle.id]))
-                hooks[handle.id] = _cast_inputs(state) if id(hooks) in pre_dicts else _cast_output(state)
+                upstream.set_item(hooks, handle.id, _cast_inputs(state) if id(hooks) in pre_dicts
+                                  else _cast_output(state), _HOOK_HANDLE)
         yield
     finally:
         for hooks, key, original in swapped:
-            hooks[key] = original
+            upstream.set_item(hooks, key, original, _HOOK_HANDLE)
 
 
 def _handles(state) -> list:
@@ -271,6 +274,7 @@ def _reshard_setting(group: nn.Module):
 def _restore_reshard_setting(group: nn.Module, setting) -> None:
     auto, infos = setting
     state = group._get_fsdp_state()
-    state._auto_reshard_after_forward = auto
+    upstream.set_state(state, "_auto_reshard_after_forward", auto, f"{_FSDP_STATE}._auto_reshard_after_forward")
     for param_group, info in zip(fsdp_state.param_groups(state), infos):
-        param_group.post_forward_mesh_info = info
+        upstream.set_state(param_group, "post_forward_mesh_info", info,
+                           "torch.distributed.fsdp._fully_shard._fsdp_param_group.FSDPParamGroup.post_forward_mesh_info")

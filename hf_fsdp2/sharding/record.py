@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch.nn as nn
 
+from ..runtime import upstream
+
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -42,7 +44,7 @@ def record_of(model: nn.Module, create: bool = False) -> ShardedModel | None:
     record = model.__dict__.get(_ATTRIBUTE)
     if record is None and create:
         record = ShardedModel()
-        model.__dict__[_ATTRIBUTE] = record  # nn.Module.__setattr__ would not register a dataclass anyway
+        upstream.tag(model, _ATTRIBUTE, record)  # nn.Module.__setattr__ would not register a dataclass anyway
     return record
 
 

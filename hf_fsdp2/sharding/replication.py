@@ -29,7 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel
 
 from ..config import FSDP2Config
-from ..runtime import collectives
+from ..runtime import collectives, upstream
 from ..runtime.distributed import REPLICATE_DIM, SHARD_DIM
 from . import compute_cast
 from .groups import ShardPlan, ignored_modules
@@ -127,7 +127,8 @@ def synchronize(model: nn.Module, broadcast: bool) -> None:
     state = _state(model)
     if state is None or state.has_initialized:
         return
-    state._init_kwargs["init_sync"] = broadcast
+    upstream.set_entry(state, "_init_kwargs", "init_sync", broadcast,
+                       "torch.distributed._composable.replicate._ReplicateState._init_kwargs")
     state.lazy_init()
 
 
