@@ -254,7 +254,7 @@ PRIVATE: tuple[Private, ...] = (
     Private("torch.nn", "Module._non_persistent_buffers_set", "checkpoint/tensor_export.py", instance=True),
     Private("torch.nn", "Module._compiled_call_impl", "sharding/compile.py"),
     Private(_CW, "CheckpointWrapper._checkpoint_wrapped_module", "sharding/compute_cast.py, sharding/groups.py, "
-            "sharding/engine.py, sharding/layout.py", instance=True),
+            "sharding/engine.py, planner/layout.py", instance=True),
     # torch: FSDP2 internals.
     Private(f"{_FS}._fsdp_collectives", "foreach_all_gather", "quantization/fp8.py"),
     Private("torch.distributed.fsdp", "FSDPModule._get_fsdp_state", f"{_GEN}, quantization/fp8.py"),
@@ -282,7 +282,7 @@ PRIVATE: tuple[Private, ...] = (
     *[Private("torch", f"ops.aten.{op}", "sharding/context_parallel.py") for op in (
         "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
         "_scaled_dot_product_flash_attention_for_cpu_backward")],
-    Private("torch", "ops.aten._local_scalar_dense", "sharding/activation_trace.py"),
+    Private("torch", "ops.aten._local_scalar_dense", "planner/activation_trace.py"),
     # torch: DDP (replicate).
     Private("torch.distributed._composable.replicate", "_ReplicateState.lazy_init", _REP),
     Private("torch.distributed._composable.replicate", "_ReplicateState._comm_hook_args", _REP, instance=True),
@@ -305,10 +305,10 @@ PRIVATE: tuple[Private, ...] = (
       for name in ("is_fsdp_all_gather", "is_wait_tensor", "is_all_gather_into_tensor")],
     Private("torch._inductor.compile_fx", "compile_fx", _CC),
     Private("torch.utils._ordered_set", "OrderedSet", _CC),  # is_fsdp_all_gather's ancestor sets on torch 2.11/2.12
-    Private("torch.utils._python_dispatch", "TorchDispatchMode", "sharding/activation_trace.py"),
-    Private("torch.utils._pytree", "tree_leaves", "sharding/activation_trace.py"),
+    Private("torch.utils._python_dispatch", "TorchDispatchMode", "planner/activation_trace.py"),
+    Private("torch.utils._pytree", "tree_leaves", "planner/activation_trace.py"),
     Private("torch.utils._pytree", "tree_map", "sharding/compute_cast.py"),
-    *[Private(_CW, name, "sharding/engine.py, sharding/groups.py, sharding/compute_cast.py, sharding/layout.py")
+    *[Private(_CW, name, "sharding/engine.py, sharding/groups.py, sharding/compute_cast.py, planner/layout.py")
       for name in ("CheckpointWrapper", "CheckpointImpl", "checkpoint_wrapper")],
     # accelerate.
     *[Private("accelerate.accelerator", f"Accelerator.{name}", "integrations/accelerator_checkpoint.py", instance=True)
