@@ -101,6 +101,10 @@ def run_rank(rank: int, world: int, job: dict) -> dict:
     chosen = record_of(model).config  # the layout that ran (the auto layout's choice), for its estimate
     layout = {k: getattr(chosen, k) for k in ("shard_size", "replicate_size", "reshard_after_forward",
                                               "activation_checkpointing", "checkpoint_every", "cpu_offload")}
+    plan = record_of(model).layout  # the auto layout's plan: its promise and whether glibc's lever was pulled
+    if plan is not None:
+        layout["planned_bytes"] = plan.chosen.needed_bytes
+        layout["returns_freed_memory"] = plan.returns_freed_memory
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     g = torch.Generator().manual_seed(1)
     vocab = model.config.vocab_size if hasattr(model, "config") else model.get_base_model().config.vocab_size
@@ -153,7 +157,8 @@ def estimates(case: dict, config, seq: int, world: int, layout: dict) -> dict:
     kw = dict(dtype=case["dtype"], lora_r=16 if case["lora"] else None, lora_targets=LORA_TARGETS,
               batch_size=1, seq_len=seq)
     mp = dict(param_dtype="bf16") if case["lora"] else {}
-    ours = estimate_memory(config, world, FSDP2Config(**mp, **layout), **kw)
+    fields = {k: v for k, v in layout.items() if k not in ("planned_bytes", "returns_freed_memory")}
+    ours = estimate_memory(config, world, FSDP2Config(**mp, **fields), **kw)
     ddp = estimate_memory(config, world, FSDP2Config(**mp, shard_size=1, replicate_size=world), **kw)
     return {"ours_device_bytes": ours.device_bytes, "ddp_device_bytes": ddp.device_bytes}
 
@@ -215,6 +220,12 @@ def main(argv=None) -> int:
         lines.append(f"  train peak over the process's base RSS {train_peak / gib:.2f} GiB vs estimate "
                      f"{est['ours_device_bytes'] / gib:.2f} GiB = {train_peak / est['ours_device_bytes']:.2f}x; "
                      f"one replica per rank (DDP) would need {est['ddp_device_bytes'] / gib:.2f} GiB")
+        planned = ranks[0]["layout"].get("planned_bytes")
+        if planned:  # the auto layout's promise: its estimate plus, without glibc's lever, what the heap keeps
+            results[name]["train_peak_vs_planned"] = train_peak / planned
+            lines.append(f"  auto layout planned {planned / gib:.2f} GiB (budget {budget / gib:.2f} GiB, glibc's lever "
+                         f"{'pulled' if ranks[0]['layout']['returns_freed_memory'] else 'not pulled'}): peak = "
+                         f"{train_peak / planned:.2f}x the plan")
         lines.append(f"  resumed vs uninterrupted: max loss difference {resumed_diff:.2e}")
     shutil.rmtree(root, ignore_errors=True)
     print("\n".join(lines))
