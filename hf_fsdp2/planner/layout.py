@@ -141,10 +141,13 @@ class LayoutPlan:
         if chosen is None:
             return head + "nothing fits. " + self.failure()
         index = self.candidates.index(chosen)
-        skipped = "; ".join(f"{c.describe()}: {format_bytes(c.needed_bytes)}" for c in self.candidates[:index])
+        skipped = ""
+        if index:  # the one closest to fitting says how far off the cheaper ones are (hf-fsdp2 plan lists them all)
+            closest = min(self.candidates[:index], key=lambda c: c.needed_bytes)
+            skipped = (f"; the {index} cheaper ones need more, the leanest of them {closest.describe()}: "
+                       f"{format_bytes(closest.needed_bytes)}")
         return (head + f"{chosen.describe()}, estimated peak {format_bytes(chosen.needed_bytes)} "
-                f"(candidate {index + 1} of {len(self.candidates)} in cost order"
-                + (f"; cheaper ones need more: {skipped})" if skipped else ")") + self._heap_note())
+                f"(candidate {index + 1} of {len(self.candidates)} in cost order{skipped})" + self._heap_note())
 
     def _heap_note(self) -> str:
         if not self.returns_freed_memory:
