@@ -211,10 +211,12 @@ def _model_setup(args: argparse.Namespace, **layout) -> tuple[object, dict]:
         if args.lora_r is None:
             raise ValueError("`--load-in-4bit` freezes the quantized base weights, so there is nothing to train "
                              "without LoRA: add `--lora-r R` (and `--lora-targets`).")
-        from .quantization.bnb_4bit import import_bitsandbytes
+        from transformers import BitsAndBytesConfig
+
+        from .quantization import quantized
 
         try:
-            import_bitsandbytes()
+            quantized.check_available(BitsAndBytesConfig(load_in_4bit=True))
         except ImportError as e:
             raise ValueError(f"`--load-in-4bit`: {e}") from None
     config = FSDP2Config(param_dtype=dtypes["param_dtype"], reduce_dtype=dtypes["reduce_dtype"],

@@ -124,6 +124,35 @@ def test_row_layout_and_row_quantization_are_bit_exact(quant_type, nested, stora
     assert torch.equal(dequantize_rows(empty, empty.weight[40:80], empty.weight_absmax[40:80], 40), expected[40:80])
 
 
+def test_the_quantized_base_interface_reaches_bitsandbytes():
+    """quantization/quantized.py, the one way the rest of hf_fsdp2 reaches a quantized base: a stock
+    `Linear4bit` is found before and after `prepare`, its weight's shape, dtype and side data come through the
+    interface, and the techniques not done with a quantized base refuse it by name through it."""
+    from hf_fsdp2 import FSDP2Config
+    from hf_fsdp2.quantization import quantized
+    from hf_fsdp2.sharding import tensor_parallel
+
+    torch.manual_seed(0)
+    weight = torch.randn(96, 128, dtype=torch.bfloat16)
+    layer = Linear4bit(128, 96, bias=False, quant_type="nf4")
+    layer.load_state_dict({"weight": weight})
+    model = torch.nn.ModuleDict({"lin": layer.to("cpu")})
+    assert quantized.has_quantized_layers(model) and not quantized.weights(model)
+    [(name, module, quantizer)] = quantized.unprepared_layers(model)
+    assert name == "lin" and quantizer.source_dtype(name, module) == torch.float32  # Linear4bit's own dtype
+    assert quantized.prepare(model) == ["lin"] and quantized.unprepared_layers(model) == []
+    [found] = quantized.weights(model).values()
+    assert found.packed is model.lin.weight and found.side == (model.lin.weight_absmax,) and found.kind == "nf4"
+    assert (found.out_features, found.in_features, found.dtype) == (96, 128, torch.float32)
+    assert quantized.is_prepared(model.lin) and torch.equal(found.dequantized_rows(0), dequantized(model.lin))
+    # fp32 dequantized, then cast to bf16; Linear4bit's default double quantization decodes the 192 absmax to fp32
+    assert found.transient_bytes(torch.bfloat16) == 96 * 128 * (4 + 2) + 4 * (96 * 128 // 64)
+    with pytest.raises(NotImplementedError, match=r"`tp_size`=2 with 4-bit \(bitsandbytes\) layers"):
+        tensor_parallel.refuse_unsupported(model, FSDP2Config(tp_size=2), on_meta=False)
+    with pytest.raises(ValueError, match="BitsAndBytesConfig with load_in_4bit=True"):
+        quantized.quantize_on_meta(model, object(), torch.bfloat16)
+
+
 def quantize_rows_into(module, weight, lo, hi):
     """`quantize_rows` for rows [lo, hi) written at their place (as a rank's shard would be)."""
     shard = module.weight

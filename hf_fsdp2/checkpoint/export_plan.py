@@ -4,7 +4,7 @@ writes, decided once per tensor and read straight down:
 1. which tensors: a PeftModel's adapter keys, or the base model's tensors with the adapter merged,
    or the whole model (tensor_export.py);
 2. where each tensor's rows come from: the rank's local shard, or its packed 4-bit rows dequantized
-   (quantization/bnb_4bit.py), plus a merged adapter's delta of those rows (lora_merge.py);
+   (quantization/quantized.py), plus a merged adapter's delta of those rows (lora_merge.py);
 3. its name and layout on disk: transformers' conversion mapping reverted (key_conversion.py).
 
 The modules named above only answer questions (a delta, a dequantized block, a view); none of them
@@ -19,7 +19,7 @@ from typing import Callable, Iterator
 import torch
 import torch.nn as nn
 
-from ..quantization import bnb_4bit
+from ..quantization import quantized
 from ..runtime.distributed import local_tensor
 from .key_conversion import disk_views
 from .lora_merge import RowsDelta, adapter_deltas, base_model_name
@@ -38,10 +38,10 @@ def export_items(model: nn.Module, dtype: torch.dtype | None, merge_adapters: bo
         return [_item(n, t, dtype) for n, t in tensors.items()], True
     if merge_adapters:
         raise ValueError("`merge_adapters=True` needs a PeftModel; this model has no adapters.")
-    quantized = [n for n, m in bnb_4bit.named_4bit_modules(model) if bnb_4bit.is_sharded_4bit(m)]
-    if quantized:
+    packed = [n for n, m in model.named_modules() if quantized.is_prepared(m)]
+    if packed:
         raise NotImplementedError(
-            f"saving the packed 4-bit base weights ({quantized[0]}, ...) is not supported: train a PEFT adapter "
+            f"saving the packed 4-bit base weights ({packed[0]}, ...) is not supported: train a PEFT adapter "
             "on the 4-bit model and save the adapter, or save it merged (merge_adapters=True) as a plain model.")
     return _as_on_disk(model, [_item(n, t, dtype) for n, t in model_tensors(model).items()]), False
 
@@ -55,20 +55,19 @@ def _merged_items(model: nn.Module, dtype: torch.dtype | None) -> list[ExportTen
     weight is written dequantized (a plain model, as PEFT's merge gives before requantizing) and its
     absmax not at all."""
     deltas = adapter_deltas(model, getattr(model, "active_adapter", "default"))
-    quantized = bnb_4bit.sharded_4bit_weights(model)
-    absmax = {id(module.weight_absmax) for module in quantized.values()}
+    weights = quantized.weights(model)
+    side = {id(p) for weight in weights.values() for p in weight.side}  # scales: not in a plain model
     cache: dict[str, object] = {}  # one merged block: a fused-experts tensor feeds 2E file tensors in a row
     items = []
     for name, tensor in model_tensors(model).items():
         hf_name = base_model_name(name)
-        if hf_name is None or id(tensor) in absmax:
+        if hf_name is None or id(tensor) in side:
             continue
         delta = deltas.get(id(tensor))
-        if id(tensor) in quantized:
-            module = quantized[id(tensor)]
-            spec = bnb_4bit.spec_of(module)
-            items.append(ExportTensor(hf_name, tensor, dtype if dtype is not None else spec.dtype,
-                                      _dequantized_rows(module, delta), shape=(spec.out_features, spec.in_features)))
+        if id(tensor) in weights:
+            weight = weights[id(tensor)]
+            items.append(ExportTensor(hf_name, tensor, dtype if dtype is not None else weight.dtype,
+                                      _dequantized_rows(weight, delta), shape=(weight.out_features, weight.in_features)))
             continue
         item = _item(hf_name, tensor, dtype)
         items.append(item if delta is None else dataclasses.replace(
@@ -76,12 +75,12 @@ def _merged_items(model: nn.Module, dtype: torch.dtype | None) -> list[ExportTen
     return items
 
 
-def _dequantized_rows(module: nn.Module, delta: RowsDelta | None) -> Callable[[], torch.Tensor]:
-    """This rank's rows of a sharded 4-bit weight, dequantized from its own packed rows (whole
-    quantization blocks, see quantization/bnb_4bit.py), plus the adapter's delta of those rows."""
+def _dequantized_rows(weight: quantized.QuantizedWeight, delta: RowsDelta | None) -> Callable[[], torch.Tensor]:
+    """This rank's rows of a sharded quantized weight, dequantized from its own packed rows (whole
+    quantization blocks, see quantization/quantized.py), plus the adapter's delta of those rows."""
     def compute() -> torch.Tensor:
-        start, stop = row_range(module.weight)
-        w = bnb_4bit.dequantize_rows(module, local_tensor(module.weight), local_tensor(module.weight_absmax), start)
+        start, stop = row_range(weight.packed)
+        w = weight.dequantized_rows(start)
         return w if delta is None else _plus_delta(w, delta, start, stop)
 
     return compute

@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from ..quantization import bnb_4bit
+from ..quantization import quantized
 
 RowsDelta = Callable[[int, int], torch.Tensor]  # (first row, stop row) -> a new float32 tensor: the delta of those rows
 
@@ -68,7 +68,7 @@ def _delta_of(module: nn.Module, adapter: str) -> tuple[torch.Tensor, RowsDelta]
         swapped = getattr(module, "_did_swap_in_out_features", False)
         equation = "o r e, e r i -> e o i" if swapped else "o r e, e r i -> e i o"
         return module.get_param(), lambda lo, hi: torch.einsum(equation, b3[:, :, lo:hi], a3[lo:hi]).mul_(scaling)
-    if isinstance(module, Linear) or bnb_4bit.is_sharded_4bit(module.get_base_layer()):
+    if isinstance(module, Linear) or quantized.is_prepared(module.get_base_layer()):
         # PEFT's 4-bit LoRA layer (peft/tuners/lora/bnb.py: Linear4bit.get_delta_weight) is Linear's delta.
         a, b = _full(module.lora_A[adapter].weight), _full(module.lora_B[adapter].weight)
         if module.fan_in_fan_out:  # weight is [in, out]: its rows are A's columns

@@ -25,7 +25,7 @@ from ..runtime import collectives, upstream
 from ..runtime.distributed import build_mesh
 from ..shard import shard_model
 from ..planner.layout import resolve_auto_layout
-from ..quantization import bnb_4bit
+from ..quantization import quantized
 from .export_plan import export_items
 from .weights_io import (
     ADAPTER_FILE, SINGLE_FILE, WeightsPlan, existing_dir, transformers_max_shard_size, write_configs,
@@ -142,7 +142,7 @@ def from_pretrained(model_class, directory: str | os.PathLike, config: FSDP2Conf
     model = build_on_meta(model_class, directory, torch_dtype, **model_kwargs)
     if quantization_config is not None:
         dtype = torch_dtype or next(p.dtype for p in model.parameters() if p.is_floating_point())
-        bnb_4bit.quantize_on_meta(model, quantization_config, dtype)
+        quantized.quantize_on_meta(model, quantization_config, dtype)
     config = config or FSDP2Config()
     if config.is_auto_layout and mesh is not None:
         raise ValueError("`shard_size`='auto' chooses the device mesh itself; call from_pretrained without `mesh`.")
@@ -154,7 +154,7 @@ def from_pretrained(model_class, directory: str | os.PathLike, config: FSDP2Conf
         model = _with_adapters(model, peft_config,
                                mesh or build_mesh(config.replace(shard_size=None, memory_budget=None)))
     if quantization_config is not None:  # after PEFT, which reads the `Params4bit` attributes
-        bnb_4bit.prepare_4bit_modules(model, dtype)
+        quantized.prepare(model, dtype)
     if config.is_auto_layout:  # planned from shapes: no rank ever holds the unsharded weights
         config = resolve_auto_layout(model, config)
         mesh = build_mesh(config)

@@ -14,14 +14,14 @@ import torch
 import torch.nn as nn
 
 from ..config import FSDP2Config
-from ..quantization import bnb_4bit
+from ..quantization import quantized
 from ..runtime import collectives, upstream
 from ..runtime.distributed import local_tensor
 from ..shard import shard_model
 from .tensor_export import model_tensors, row_range
 
 # What a 4-bit layer dequantizes to, as one number rank 0 broadcasts (meta layers have no QuantState).
-_DEQUANT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_DEQUANT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # broadcast as an index
 
 
 def shard_from_rank0(model: nn.Module, config: FSDP2Config, mesh) -> nn.Module:
@@ -62,26 +62,15 @@ def _prepare_4bit_layers(model: nn.Module, mesh, is_source: bool) -> None:
     """Give every rank's 4-bit layers the same packed row layout: rank 0's are quantized; another
     rank's may be meta, so they take the dequantization dtype rank 0 broadcasts. Collective when the
     model has 4-bit layers (every rank builds the same model, so all agree)."""
-    layers = [(name, m) for name, m in bnb_4bit.named_4bit_modules(model) if not bnb_4bit.is_sharded_4bit(m)]
+    layers = quantized.unprepared_layers(model)
     if not layers:
         return
     code = torch.zeros(1, dtype=torch.int64)
     if is_source:
-        dtypes = {name: _dequant_dtype(name, m) for name, m in layers}
+        dtypes = {name: q.source_dtype(name, m) for name, m, q in layers}
         if len(set(dtypes.values())) != 1:
             raise ValueError("`fsdp_cpu_ram_efficient_loading` with 4-bit layers of different dtypes "
                              f"({dtypes}) is not supported; load with hf_fsdp2.from_pretrained.")
         code[0] = _DEQUANT_DTYPES.index(next(iter(dtypes.values())))
     collectives.broadcast_from_first(code, mesh)
-    bnb_4bit.prepare_4bit_modules(model, _DEQUANT_DTYPES[int(code[0])])
-
-
-def _dequant_dtype(name: str, module: nn.Module) -> torch.dtype:
-    state = getattr(module.weight, "quant_state", None) or getattr(module, "quant_state", None)
-    if module.weight.is_meta or state is None:
-        raise ValueError(f"`fsdp_cpu_ram_efficient_loading`: rank 0's {name} holds no quantized weights; "
-                         "load the model with from_pretrained(..., quantization_config=...) on rank 0.")
-    if state.dtype not in _DEQUANT_DTYPES:
-        raise ValueError(f"{name}: 4-bit weights that dequantize to {state.dtype} are not supported "
-                         f"(one of {_DEQUANT_DTYPES}).")
-    return state.dtype
+    quantized.prepare(model, _DEQUANT_DTYPES[int(code[0])])

@@ -22,7 +22,7 @@ from ..runtime.distributed import local_tensor
 from .safetensors_io import (
     INDEX_SUFFIX, SINGLE_FILE, CheckpointError, CheckpointFiles, FileWriter, plan_checkpoint, write_json,
 )
-from ..quantization import bnb_4bit, fp8
+from ..quantization import fp8, quantized
 from .lora_merge import base_model_name
 from .tensor_export import (
     ExportTensor, adapter_tensors, block_range, is_peft_model, model_tensors, row_range, tied_aliases,
@@ -246,28 +246,31 @@ class WeightsPlan:
                 self.targets = {hf: t for n, t in self.targets.items() if (hf := base_model_name(n)) is not None}
                 aliases = {base_model_name(a): base_model_name(c) for a, c in aliases.items()}
         self.views = None
-        self.quantized: dict[str, nn.Module] = {}
+        self.quantized: dict[str, quantized.QuantizedWeight] = {}
         try:
             if base is not None:
-                self._quantize_4bit_targets(base)
+                self._quantized_targets(base)
                 self._use_disk_names(base)
             self.source_of = match_tensors(self.targets, self.files, aliases=aliases, strict=strict)
         except BaseException:
             self.close()
             raise
 
-    def _quantize_4bit_targets(self, model: nn.Module) -> None:
-        """A sharded 4-bit weight is read as the float [out, in] tensor a checkpoint holds (stock
-        `save_pretrained` of the unquantized model), and each rank quantizes its own rows."""
-        modules = bnb_4bit.sharded_4bit_weights(model)
+    def _quantized_targets(self, model: nn.Module) -> None:
+        """A sharded quantized weight is read as the float [out, in] tensor a checkpoint holds (stock
+        `save_pretrained` of the unquantized model), and each rank quantizes its own rows; its side data
+        (scales) is computed, not read."""
+        weights = quantized.weights(model)
+        side = {id(p) for weight in weights.values() for p in weight.side}
         for name, tensor in list(self.targets.items()):
-            module = modules.get(id(tensor))
-            if module is None:
+            if id(tensor) in side:
+                del self.targets[name]
                 continue
-            spec = bnb_4bit.spec_of(module)
-            self.quantized[name] = module
-            self.targets[name] = torch.empty(spec.out_features, spec.in_features, dtype=spec.dtype, device="meta")
-            del self.targets[name + "_absmax"]
+            weight = weights.get(id(tensor))
+            if weight is None:
+                continue
+            self.quantized[name] = weight
+            self.targets[name] = torch.empty(weight.out_features, weight.in_features, dtype=weight.dtype, device="meta")
 
     def _use_disk_names(self, model: nn.Module) -> None:
         """Expect the names stock `save_pretrained` writes where transformers converts this model (MoE
@@ -285,10 +288,9 @@ class WeightsPlan:
             plain = {n: s for n, s in self.source_of.items() if n not in self.quantized}
             read_tensors(self.targets, self.files, plain, progress=progress, views=self.views)
             with torch.no_grad():
-                for name, module in self.quantized.items():  # the same order on every rank (collective)
-                    start, stop = row_range(module.weight)
-                    rows = self.files.read_rows(self.source_of[name], start, stop)
-                    bnb_4bit.finish_quantization(module, bnb_4bit.quantize_rows(module, rows))
+                for name, weight in self.quantized.items():  # the same order on every rank (collective)
+                    start, stop = row_range(weight.packed)
+                    weight.load_rows(self.files.read_rows(self.source_of[name], start, stop))
             # FP8 weights' all-gather scales belong to the weights just read, not the ones they replaced:
             # a resumed run's first step must gather as the saving run's next one would have.
             fp8.precompute_scales(self.model)

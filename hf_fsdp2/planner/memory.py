@@ -79,7 +79,7 @@ import torch
 import torch.nn as nn
 
 from ..config import FSDP2Config
-from ..quantization import bnb_4bit, fp8
+from ..quantization import fp8, quantized
 from .activation_trace import trace_activations
 from ..sharding import replication, selective_checkpoint
 from ..sharding.groups import ShardPlan, apply_frozen_dtype, plan_groups, replicated_frozen_parameters, unwrap_peft
@@ -173,9 +173,10 @@ def estimate_memory(
         if lora_r is None:
             raise ValueError("`load_in_4bit` freezes the quantized base weights, so there is nothing to train "
                              "without LoRA: set `lora_r` (QLoRA).")
-        bnb_4bit.import_bitsandbytes()  # the ImportError says how to install it
-        if isinstance(model_or_config, nn.Module) and any(bnb_4bit.is_linear_4bit(m)
-                                                          for m in model_or_config.modules()):
+        from transformers import BitsAndBytesConfig
+
+        quantized.check_available(BitsAndBytesConfig(load_in_4bit=True))  # the ImportError says how to install it
+        if isinstance(model_or_config, nn.Module) and quantized.has_quantized_layers(model_or_config):
             raise ValueError("`model` is already quantized; pass its config (or the unquantized model) with "
                              "`load_in_4bit=True`.")
 
@@ -255,7 +256,7 @@ def prepare_meta_model(model_or_config: Any, config: FSDP2Config, *, dtype: torc
         from transformers import BitsAndBytesConfig
 
         quantized_from = next(p.dtype for p in model.parameters() if p.is_floating_point())
-        bnb_4bit.quantize_on_meta(model, BitsAndBytesConfig(
+        quantized.quantize_on_meta(model, BitsAndBytesConfig(
             load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=bnb_4bit_use_double_quant,
             bnb_4bit_compute_dtype=config.param_dtype or quantized_from), quantized_from)
     if lora_r is not None:
@@ -263,7 +264,7 @@ def prepare_meta_model(model_or_config: Any, config: FSDP2Config, *, dtype: torc
             raise ValueError("`lora_r` is set but the model is already a PeftModel; pass the base model.")
         model = add_lora(model, lora_r, lora_targets)
     if load_in_4bit:  # after PEFT, which reads the `Params4bit` attributes to pick its 4-bit LoRA layer
-        bnb_4bit.prepare_4bit_modules(model, quantized_from)
+        quantized.prepare(model, quantized_from)
     apply_frozen_dtype(model, config.frozen_dtype)  # as shard_model does, before sharding (floating only)
     plan = plan_groups(model, config)
     fp8_weights: set[int] = set()
@@ -423,11 +424,9 @@ def _quantized_params(model: nn.Module) -> dict[int, tuple[str, int]]:
     """id(param) -> (quant type, weights it stands for) for the uint8 parameters of 4-bit linears:
     the packed weight stands for out x in weights, its absmax for none."""
     out = {}
-    for module in model.modules():
-        if bnb_4bit.is_sharded_4bit(module):
-            spec = bnb_4bit.spec_of(module)
-            out[id(module.weight)] = (spec.quant_type, spec.out_features * spec.in_features)
-            out[id(module.weight_absmax)] = (spec.quant_type, 0)
+    for weight in quantized.weights(model).values():
+        out[id(weight.packed)] = (weight.kind, weight.out_features * weight.in_features)
+        out.update({id(p): (weight.kind, 0) for p in weight.side})
     return out
 
 
@@ -437,19 +436,9 @@ def _numel(p: torch.Tensor, quantized: dict[int, tuple[str, int]]) -> int:
 
 
 def _dequantized_peak(model: nn.Module, param_dtype: torch.dtype | None) -> int:
-    """The largest transient of a 4-bit matmul: bitsandbytes dequantizes the [out, in] weight into
-    the input's dtype for the forward (`gemm_4bit`), and for the input gradient into the weight's
-    original dtype, cast to the gradient's dtype; with double quantization the absmax is decoded to fp32."""
-    peak = 0
-    for module in model.modules():
-        if not bnb_4bit.is_sharded_4bit(module):
-            continue
-        spec = bnb_4bit.spec_of(module)
-        compute = module.compute_dtype or param_dtype or spec.dtype
-        numel = spec.out_features * spec.in_features
-        weight = numel * (_itemsize(spec.dtype) + (_itemsize(compute) if compute != spec.dtype else 0))
-        peak = max(peak, weight + (4 * spec.num_blocks if spec.nested else 0))
-    return peak
+    """The largest transient of a quantized matmul (`QuantizedWeight.transient_bytes`: bitsandbytes
+    dequantizes the whole [out, in] weight, quantization/bnb_4bit.py)."""
+    return max((weight.transient_bytes(param_dtype) for weight in quantized.weights(model).values()), default=0)
 
 
 def _group_memory(model: nn.Module, plan: ShardPlan, config: FSDP2Config, shard: int,

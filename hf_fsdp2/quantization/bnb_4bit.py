@@ -341,3 +341,76 @@ def quantize_on_meta(model: nn.Module, quantization_config, dtype: torch.dtype) 
     quantizer.preprocess_model(model=model, dtype=dtype, device_map={"": "cpu"})
     model.hf_quantizer = quantizer
     quantizer.postprocess_model(model)
+
+
+# ---------------------------------------------------------------------------------------------
+# The quantized-base interface (quantization/quantized.py): how the rest of hf_fsdp2 reaches this module
+
+
+def dequantized_dtype(name: str, module: nn.Module, allowed: tuple[torch.dtype, ...]) -> torch.dtype:
+    """The dtype an unprepared, quantized `Linear4bit` dequantizes to (its `QuantState`), one of `allowed`."""
+    state = getattr(module.weight, "quant_state", None) or getattr(module, "quant_state", None)
+    if module.weight.is_meta or state is None:
+        raise ValueError(f"`fsdp_cpu_ram_efficient_loading`: rank 0's {name} holds no quantized weights; "
+                         "load the model with from_pretrained(..., quantization_config=...) on rank 0.")
+    if state.dtype not in allowed:
+        raise ValueError(f"{name}: 4-bit weights that dequantize to {state.dtype} are not supported "
+                         f"(one of {allowed}).")
+    return state.dtype
+
+
+class _Bnb4bit:
+    """bitsandbytes NF4/FP4 `Linear4bit` layers, through the functions above."""
+
+    name = "bitsandbytes 4-bit"
+    SOURCE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+    def is_layer(self, module: nn.Module) -> bool:
+        return is_linear_4bit(module)
+
+    def refuse_unsupported(self, model: nn.Module) -> None:
+        refuse_8bit_modules(model)
+
+    def check_available(self) -> None:
+        import_bitsandbytes()
+
+    def handles(self, quantization_config) -> bool:
+        return type(quantization_config).__name__ == "BitsAndBytesConfig"
+
+    def quantize_on_meta(self, model: nn.Module, quantization_config, dtype: torch.dtype) -> None:
+        quantize_on_meta(model, quantization_config, dtype)
+
+    def prepare(self, model: nn.Module, dtype: torch.dtype | None) -> list[str]:
+        return prepare_4bit_modules(model, dtype)
+
+    def source_dtype(self, name: str, module: nn.Module) -> torch.dtype:
+        return dequantized_dtype(name, module, self.SOURCE_DTYPES)
+
+    def weight_of(self, module: nn.Module):
+        from .quantized import QuantizedWeight
+
+        spec = spec_of(module)
+        if spec is None:
+            return None
+        return QuantizedWeight(module, module.weight, (module.weight_absmax,), spec.out_features, spec.in_features,
+                               spec.dtype, spec.quant_type, self)
+
+    def dequantized_rows(self, weight, first_row: int) -> torch.Tensor:
+        module = weight.module
+        return dequantize_rows(module, local_tensor(module.weight), local_tensor(module.weight_absmax), first_row)
+
+    def load_rows(self, weight, rows: torch.Tensor) -> None:
+        finish_quantization(weight.module, quantize_rows(weight.module, rows))
+
+    def transient_bytes(self, weight, param_dtype: torch.dtype | None) -> int:
+        """bitsandbytes dequantizes the [out, in] weight into the input's dtype for the forward
+        (`gemm_4bit`), and for the input gradient into the weight's original dtype, cast to the
+        gradient's dtype; with double quantization the absmax is decoded to fp32 first."""
+        spec: Quant4bitSpec = spec_of(weight.module)
+        compute = weight.module.compute_dtype or param_dtype or spec.dtype
+        numel = spec.out_features * spec.in_features
+        size = spec.dtype.itemsize + (compute.itemsize if compute != spec.dtype else 0)
+        return numel * size + (4 * spec.num_blocks if spec.nested else 0)
+
+
+QUANTIZER = _Bnb4bit()

@@ -40,7 +40,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 from ..config import FSDP2Config
-from ..quantization import bnb_4bit
+from ..quantization import quantized
 from ..runtime import collectives, upstream
 from ..runtime.distributed import CP_DIM, TP_DIM, data_parallel_mesh
 from .record import record_of
@@ -112,7 +112,7 @@ def unsupported(model: nn.Module, mesh: DeviceMesh) -> list[str]:
     names = mesh.mesh_dim_names or ()
     reasons = [f"a {dim!r} mesh dimension of {mesh[dim].size()}" for dim in (TP_DIM, CP_DIM)
                if dim in names and mesh[dim].size() > 1]
-    if any(bnb_4bit.is_linear_4bit(module) for module in model.modules()):
+    if quantized.has_quantized_layers(model):
         reasons.append("4-bit base weights (their packed rows and quantization state are FSDP2's)")
     return reasons
 

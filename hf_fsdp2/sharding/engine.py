@@ -23,7 +23,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 
 from ..config import FSDP2Config
 from ..quantization import fp8
-from ..quantization.bnb_4bit import prepare_4bit_modules, refuse_8bit_modules
+from ..quantization import quantized
 from ..runtime import collectives, host_allocator, upstream
 from ..runtime.distributed import (CP_DIM, TP_DIM, build_mesh, data_parallel_mesh, default_device, local_tensor,
                                    refuse_accelerator_model_on_host_backend)
@@ -228,12 +228,12 @@ def prepare_for_planning(model: nn.Module, config: FSDP2Config, mesh: DeviceMesh
         raise ValueError(f"{type(model).__name__} is already sharded; call `shard_model` once per model.")
     if config.is_auto_layout and mesh is not None:
         raise ValueError("`shard_size`='auto' chooses the device mesh itself; call shard_model without `mesh`.")
-    refuse_8bit_modules(model)
+    quantized.refuse_unsupported(model)
     device = default_device()
     refuse_accelerator_model_on_host_backend({p.device.type for p in model.parameters()}, device)
     if not _is_meta(model) and device.type != "cpu":
         model.to(device)
-    prepare_4bit_modules(model)
+    quantized.prepare(model)
 
 
 def shard_planned(

@@ -3,8 +3,8 @@
 `shard_model` attaches it; every other module reads it through `record_of` / `is_sharded`, never
 through attributes of its own on the user's model. Fields fill in as the model goes through
 sharding: the auto layout is chosen before the mesh exists, the mesh and config come with
-`fully_shard`. (Per-module facts stay with the module that owns them: a 4-bit layer's spec,
-`quantization.bnb_4bit.spec_of`.)
+`fully_shard`. (Per-module facts stay with the module that owns them: a quantized layer's weight,
+`quantization.quantized.weights`.)
 """
 
 from __future__ import annotations

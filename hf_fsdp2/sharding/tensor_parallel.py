@@ -36,7 +36,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from .groups import unwrap_peft
-from ..quantization import bnb_4bit
+from ..quantization import quantized
 from ..runtime.distributed import TP_DIM
 
 
@@ -51,7 +51,7 @@ def refuse_unsupported(model: nn.Module, config, on_meta: bool) -> None:
     reason = _unsupported_lora(model) if unwrap_peft(model) is not model else None
     if reason:
         pass  # named below
-    elif any(True for _ in bnb_4bit.named_4bit_modules(model)):
+    elif quantized.has_quantized_layers(model):
         reason = "4-bit (bitsandbytes) layers"
     elif config.fp8:
         reason = "`fp8`"
