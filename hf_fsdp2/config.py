@@ -9,7 +9,7 @@ import dataclasses
 import math
 import re
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Literal, Mapping
 
 import torch
 
@@ -98,6 +98,35 @@ def _parse_wrap_policy(value: Any) -> str:
     return _WRAP_POLICIES[key]
 
 
+def _parse_pattern(value: Any) -> str | None:
+    """`ignored_modules`: a regular expression of module names, or None."""
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise TypeError(f"`ignored_modules` must be a regular expression string, got {value!r}.")
+    if not value:
+        raise ValueError("`ignored_modules` is empty: give a regular expression of module names, or leave it unset.")
+    try:
+        re.compile(value)
+    except re.error as e:
+        raise ValueError(f"`ignored_modules`={value!r} is not a regular expression ({e}).") from None
+    return value
+
+
+def _parse_replication(value: Any) -> str:
+    key = value.strip().lower() if isinstance(value, str) else value
+    if key not in ("ddp", "fsdp2"):
+        raise ValueError(f"`replication`={value!r} is not one of 'ddp' (torch's replicate, DDP's reducer) "
+                         "or 'fsdp2' (FSDP2 with one-rank shard groups).")
+    return key
+
+
+def _parse_shard_size(value: Any) -> int | str | None:
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return "auto"
+    return None if value is None else _parse_int(value, "shard_size", 1)
+
+
 _BYTE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
                "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
@@ -136,7 +165,7 @@ def _parse_int(value: Any, field_name: str, minimum: int) -> int:
     return number
 
 
-@dataclass
+@dataclass(frozen=True)
 class FSDP2Config:
     """How `shard_model` shards a model. Every field is validated in `__post_init__`.
 
@@ -221,13 +250,16 @@ class FSDP2Config:
             there: one decoder layer's gathered bytes).
     """
 
-    wrap_policy: str = "transformer"
-    layer_cls_names: list[str] | str | tuple[str, ...] | None = None
+    # Typed as they are after parsing; construction also takes the raw forms yaml, environment variables and
+    # CLI flags carry (dtype names such as "bf16", "true"/"false", sizes such as "80GB", comma strings),
+    # normalised once in `__post_init__`. Frozen: `replace` gives a changed copy.
+    wrap_policy: Literal["transformer", "size", "none"] = "transformer"
+    layer_cls_names: tuple[str, ...] | None = None
     min_num_params: int = 0
     ignored_modules: str | None = None
-    param_dtype: torch.dtype | str | None = None
-    reduce_dtype: torch.dtype | str | None = torch.float32
-    output_dtype: torch.dtype | str | None = None
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = torch.float32
+    output_dtype: torch.dtype | None = None
     reshard_after_forward: bool | int = True
     forward_prefetch: int | None = None
     backward_prefetch: int = 1
@@ -237,103 +269,96 @@ class FSDP2Config:
     activation_offload: bool = False
     cpu_offload: bool = False
     replicate_size: int = 1
-    shard_size: int | str | None = None
+    shard_size: int | Literal["auto"] | None = None
     tp_size: int = 1
-    frozen_dtype: torch.dtype | str | None = None
+    frozen_dtype: torch.dtype | None = None
     async_save: bool = False
     fp8: bool = False
-    memory_budget: int | str | None = None
+    memory_budget: int | None = None
     plan_batch_size: int = 1
     plan_seq_len: int | None = None
-    compile: bool | str = False
-    replication: str = "ddp"
+    compile: bool | Literal["model"] = False
+    replication: Literal["ddp", "fsdp2"] = "ddp"
     find_unused_parameters: bool = False
     bucket_cap_mb: int | None = None
 
     def __post_init__(self) -> None:
-        self.wrap_policy = _parse_wrap_policy(self.wrap_policy)
-        self.layer_cls_names = _parse_names(self.layer_cls_names)
-        self.min_num_params = _parse_int(self.min_num_params, "min_num_params", 0)
-        if self.ignored_modules is not None:
-            if not isinstance(self.ignored_modules, str):
-                raise TypeError(f"`ignored_modules` must be a regular expression string, got {self.ignored_modules!r}.")
-            if not self.ignored_modules:
-                raise ValueError("`ignored_modules` is empty: give a regular expression of module names, or leave it "
-                                 "unset.")
-            try:
-                re.compile(self.ignored_modules)
-            except re.error as e:
-                raise ValueError(f"`ignored_modules`={self.ignored_modules!r} is not a regular expression ({e}).") from None
-        self.param_dtype = parse_dtype(self.param_dtype, "param_dtype")
-        self.reduce_dtype = parse_dtype(self.reduce_dtype, "reduce_dtype")
-        self.output_dtype = parse_dtype(self.output_dtype, "output_dtype")
-        self.frozen_dtype = parse_dtype(self.frozen_dtype, "frozen_dtype")
-        self.reshard_after_forward = self._parse_reshard(self.reshard_after_forward)
-        if self.forward_prefetch is not None:
-            self.forward_prefetch = _parse_int(self.forward_prefetch, "forward_prefetch", 0)
-        self.backward_prefetch = _parse_int(self.backward_prefetch, "backward_prefetch", 0)
-        self.activation_checkpointing = parse_bool(self.activation_checkpointing, "activation_checkpointing")
-        self.checkpoint_every = _parse_int(self.checkpoint_every, "checkpoint_every", 1)
+        for name, value in self._parsed().items():
+            object.__setattr__(self, name, value)  # frozen: the parsed values are set once, here
+        self._check_activations()
+        self._check_needs_layer_groups()
+        self._check_layout()
+        self._check_compile()
+
+    def _parsed(self) -> dict[str, Any]:
+        """Every field in its type, each value checked on its own (one parser per kind of value)."""
+        optional_int = {name: None if getattr(self, name) is None else _parse_int(getattr(self, name), name, low)
+                        for name, low in (("forward_prefetch", 0), ("bucket_cap_mb", 1), ("plan_seq_len", 1))}
+        return {
+            "wrap_policy": _parse_wrap_policy(self.wrap_policy),
+            "layer_cls_names": _parse_names(self.layer_cls_names),
+            "ignored_modules": _parse_pattern(self.ignored_modules),
+            **{name: parse_dtype(getattr(self, name), name)
+               for name in ("param_dtype", "reduce_dtype", "output_dtype", "frozen_dtype")},
+            "reshard_after_forward": self._parse_reshard(self.reshard_after_forward),
+            **{name: _parse_int(getattr(self, name), name, low)
+               for name, low in (("min_num_params", 0), ("backward_prefetch", 0), ("checkpoint_every", 1),
+                                 ("replicate_size", 1), ("tp_size", 1), ("plan_batch_size", 1))},
+            **optional_int,
+            **{name: parse_bool(getattr(self, name), name)
+               for name in ("activation_checkpointing", "checkpoint_save_matmuls", "activation_offload", "cpu_offload",
+                            "async_save", "fp8", "find_unused_parameters")},
+            "shard_size": _parse_shard_size(self.shard_size),
+            "memory_budget": None if self.memory_budget is None else parse_bytes(self.memory_budget, "memory_budget"),
+            "compile": _parse_compile(self.compile),
+            "replication": _parse_replication(self.replication),
+        }
+
+    def _check_activations(self) -> None:
         if self.checkpoint_every > 1 and not self.activation_checkpointing:
             raise ValueError(f"`checkpoint_every`={self.checkpoint_every} picks which layers activation checkpointing "
                              "recomputes, but `activation_checkpointing` is off; turn it on, or leave "
                              "checkpoint_every at 1.")
-        self.checkpoint_save_matmuls = parse_bool(self.checkpoint_save_matmuls, "checkpoint_save_matmuls")
         if self.checkpoint_save_matmuls and not self.activation_checkpointing:
             raise ValueError("`checkpoint_save_matmuls` chooses what activation checkpointing keeps, but "
                              "`activation_checkpointing` is off; turn it on, or leave checkpoint_save_matmuls off.")
-        self.activation_offload = parse_bool(self.activation_offload, "activation_offload")
         if self.activation_offload and (self.activation_checkpointing or self.wrap_policy != "transformer"):
             raise ValueError("`activation_offload` moves each decoder layer's saved activations to the host: it needs "
                              "`wrap_policy`='transformer' and replaces `activation_checkpointing` (a checkpointed "
                              "layer saves only its inputs); set one of the two.")
-        self.cpu_offload = parse_bool(self.cpu_offload, "cpu_offload")
-        self.async_save = parse_bool(self.async_save, "async_save")
-        self.fp8 = parse_bool(self.fp8, "fp8")
+
+    def _check_needs_layer_groups(self) -> None:
+        """What works per decoder layer needs the decoder layers as groups."""
         if self.fp8 and self.wrap_policy != "transformer":
             raise ValueError(f"`fp8` converts the decoder layers' linears: it needs `wrap_policy`='transformer', "
                              f"not {self.wrap_policy!r}.")
         if self.activation_checkpointing and self.wrap_policy != "transformer":
             raise ValueError(f"`activation_checkpointing` recomputes each decoder layer: it needs "
                              f"`wrap_policy`='transformer', not {self.wrap_policy!r}.")
-        self.replicate_size = _parse_int(self.replicate_size, "replicate_size", 1)
-        self.tp_size = _parse_int(self.tp_size, "tp_size", 1)
         if self.tp_size > 1 and self.wrap_policy != "transformer":
             raise ValueError(f"`tp_size`={self.tp_size} applies the model's tensor-parallel plan per decoder layer: "
                              f"it needs `wrap_policy`='transformer', not {self.wrap_policy!r}.")
-        self.compile = _parse_compile(self.compile)
-        self.replication = str(self.replication).strip().lower() if isinstance(self.replication, str) else self.replication
-        if self.replication not in ("ddp", "fsdp2"):
-            raise ValueError(f"`replication`={self.replication!r} is not one of 'ddp' (torch's replicate, DDP's reducer) "
-                             "or 'fsdp2' (FSDP2 with one-rank shard groups).")
-        self.find_unused_parameters = parse_bool(self.find_unused_parameters, "find_unused_parameters")
-        if self.bucket_cap_mb is not None:
-            self.bucket_cap_mb = _parse_int(self.bucket_cap_mb, "bucket_cap_mb", 1)
-        if isinstance(self.shard_size, str) and self.shard_size.strip().lower() == "auto":
-            self.shard_size = "auto"
-            if self.replicate_size != 1:
-                raise ValueError(f"`shard_size`='auto' picks the replicas too; leave `replicate_size` at 1 "
-                                 f"(got {self.replicate_size}).")
-        elif self.shard_size is not None:
-            self.shard_size = _parse_int(self.shard_size, "shard_size", 1)
-        if self.memory_budget is not None:
-            self.memory_budget = parse_bytes(self.memory_budget, "memory_budget")
-            if self.shard_size != "auto":
-                raise ValueError("`memory_budget` is what the auto layout must fit; set `shard_size`='auto' "
-                                 "with it, or remove it.")
-        self.plan_batch_size = _parse_int(self.plan_batch_size, "plan_batch_size", 1)
-        if self.plan_seq_len is not None:
-            self.plan_seq_len = _parse_int(self.plan_seq_len, "plan_seq_len", 1)
-        if self.compile == "model":
-            conflicts = [f"`{field}`" for field in ("fp8", "cpu_offload", "activation_offload") if getattr(self, field)]
-            conflicts += ["`output_dtype`"] if self.output_dtype is not None else []
-            conflicts += [f"`reshard_after_forward`={self.reshard_after_forward}"] if not isinstance(
-                self.reshard_after_forward, bool) else []
-            conflicts += ["`shard_size`='auto'"] if self.shard_size == "auto" else []
-            if conflicts:
-                raise ValueError(f"`compile`='model' (collectives in the compiled graph) cannot honour "
-                                 f"{', '.join(conflicts)}: those need FSDP2's groups (the auto layout costs "
-                                 "them). Use compile=True (regional) with them, or drop them.")
+
+    def _check_layout(self) -> None:
+        if self.shard_size == "auto" and self.replicate_size != 1:
+            raise ValueError(f"`shard_size`='auto' picks the replicas too; leave `replicate_size` at 1 "
+                             f"(got {self.replicate_size}).")
+        if self.memory_budget is not None and self.shard_size != "auto":
+            raise ValueError("`memory_budget` is what the auto layout must fit; set `shard_size`='auto' "
+                             "with it, or remove it.")
+
+    def _check_compile(self) -> None:
+        if self.compile != "model":
+            return
+        conflicts = [f"`{field}`" for field in ("fp8", "cpu_offload", "activation_offload") if getattr(self, field)]
+        conflicts += ["`output_dtype`"] if self.output_dtype is not None else []
+        conflicts += [f"`reshard_after_forward`={self.reshard_after_forward}"] if not isinstance(
+            self.reshard_after_forward, bool) else []
+        conflicts += ["`shard_size`='auto'"] if self.shard_size == "auto" else []
+        if conflicts:
+            raise ValueError(f"`compile`='model' (collectives in the compiled graph) cannot honour "
+                             f"{', '.join(conflicts)}: those need FSDP2's groups (the auto layout costs "
+                             "them). Use compile=True (regional) with them, or drop them.")
 
     @staticmethod
     def _parse_reshard(value: Any) -> bool | int:
