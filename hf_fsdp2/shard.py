@@ -1,15 +1,45 @@
-"""`shard_model`: the layout planned (hf_fsdp2/planner/, when `shard_size="auto"`), then the model sharded
-(hf_fsdp2/sharding/engine.py). The one place the two are joined, so the engine never imports the
-planner: it is handed a config whose layout is already resolved."""
+"""The layout planned once, then the model sharded: `plan` (hf_fsdp2/planner/, when `shard_size="auto"`)
+gives a `Layout`, the resolved config and its mesh in one object; the engine (hf_fsdp2/sharding/engine.py)
+shards with it. The one place the two are joined, so the engine never imports the planner.
+`shard_model` is both for a model that initialises itself; checkpoint/loading.py fills one from elsewhere.
+"""
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from .config import FSDP2Config
 from .planner.layout import resolve_auto_layout
+from .runtime.distributed import build_mesh
 from .sharding import engine
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """A planned layout: `config` with no `shard_size="auto"` left, and the mesh it shards over."""
+
+    config: FSDP2Config
+    mesh: DeviceMesh
+
+
+def plan(model: nn.Module, config: FSDP2Config, *, mesh: DeviceMesh | None = None, cp_size: int = 1,
+         to_device: bool = True) -> Layout:
+    """The model prepared for planning (refusals, its device unless `to_device=False`, quantized layers in
+    the row layout FSDP2 shards), the auto layout resolved (a given mesh keeps its data-parallel shape:
+    Accelerate's, with TP or CP), and the mesh built unless given. Collective: call on every rank."""
+    engine.prepare_for_planning(model, to_device=to_device)
+    shape = data_parallel_shape(mesh) if mesh is not None and config.is_auto_layout else None
+    config = resolve_auto_layout(model, config, cp_size=cp_size, mesh_shape=shape)
+    return Layout(config, mesh if mesh is not None else build_mesh(config))
+
+
+def data_parallel_shape(mesh: DeviceMesh) -> tuple[int, int]:
+    """(replicate, shard) of a mesh: FSDP2 shards over dp_shard x cp (Accelerate's names, and ours)."""
+    sizes = dict(zip(mesh.mesh_dim_names or (), mesh.shape))
+    return sizes.get("dp_replicate", 1), sizes.get("dp_shard", 1) * sizes.get("cp", 1)
 
 
 def shard_model(
@@ -32,8 +62,10 @@ def shard_model(
     config = config or FSDP2Config()
     if engine.adopt_if_sharded_at_load(model, config, mesh):
         return model
-    engine.prepare_for_planning(model, config, mesh)
-    return engine.shard_planned(model, resolve_auto_layout(model, config), mesh=mesh, init_weights=init_weights)
+    if config.is_auto_layout and mesh is not None:
+        raise ValueError("`shard_size`='auto' chooses the device mesh itself; call shard_model without `mesh`.")
+    layout = plan(model, config, mesh=mesh)
+    return engine.shard_planned(model, layout.config, mesh=layout.mesh, init_weights=init_weights)
 
 
-__all__ = ["shard_model"]
+__all__ = ["Layout", "data_parallel_shape", "plan", "shard_model"]

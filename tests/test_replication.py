@@ -32,7 +32,7 @@ def _is_ddp(model) -> bool:
 def _replicated_surface(rank: int, world: int, root: str) -> dict:
     import hf_fsdp2
     from hf_fsdp2 import load_state, no_sync, save_pretrained, save_state, shard_model
-    from hf_fsdp2.checkpoint.rank0_loading import shard_from_rank0
+    from hf_fsdp2.checkpoint import loading
     from hf_fsdp2.runtime.distributed import build_mesh
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from transformers import LlamaForCausalLM
@@ -94,7 +94,8 @@ def _replicated_surface(rank: int, world: int, root: str) -> dict:
         torch.equal(a, b) for a, b in zip(full_params(loaded).values(), full_params(model).values()))
     config = FSDP2Config(**REPLICATED)
     mine = build_model(seed=rank)  # rank 1's weights differ: only rank 0's may survive
-    shard_from_rank0(mine, config, build_mesh(config))
+    loading.shard_and_fill(mine, loading.plan_for(mine, config, loading.FromRank0(), mesh=build_mesh(config)),
+                           loading.FromRank0())
     reference = full_params(build_model(seed=0))
     out["rank0"] = _is_ddp(mine) and all(torch.equal(a, reference[n]) for n, a in full_params(mine).items())
 

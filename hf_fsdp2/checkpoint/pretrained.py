@@ -17,14 +17,12 @@ from typing import Callable, Iterator
 import torch
 import torch.nn as nn
 
-from . import async_save
+from . import async_save, loading
 from .async_save import SaveHandle
 from .atomic_dir import committed_directory
 from ..config import FSDP2Config, parse_dtype
 from ..runtime import collectives, upstream
 from ..runtime.distributed import build_mesh
-from ..shard import shard_model
-from ..planner.layout import resolve_auto_layout
 from ..quantization import quantized
 from .export_plan import export_items
 from .weights_io import (
@@ -97,9 +95,7 @@ def load_pretrained(model: nn.Module, directory: str | os.PathLike, *, strict: b
     Every key, shape and dtype is checked before any weight changes.
     Collective: call on every rank (every rank reads its rows in parallel; FP8 models then all-reduce their scales).
     """
-    async_save.wait_pending()  # a save still in flight may be of this very directory
-    WeightsPlan(model, existing_dir(Path(directory)), strict).read(progress)
-    return model
+    return loading.read_directory(model, directory, strict=strict, progress=progress)
 
 
 def check_pretrained(model: nn.Module, directory: str | os.PathLike) -> None:
@@ -155,11 +151,9 @@ def from_pretrained(model_class, directory: str | os.PathLike, config: FSDP2Conf
                                mesh or build_mesh(config.replace(shard_size=None, memory_budget=None)))
     if quantization_config is not None:  # after PEFT, which reads the `Params4bit` attributes
         quantized.prepare(model, dtype)
-    if config.is_auto_layout:  # planned from shapes: no rank ever holds the unsharded weights
-        config = resolve_auto_layout(model, config)
-        mesh = build_mesh(config)
-    shard_model(model, config, mesh=mesh, init_weights=False)
-    load_pretrained(model, directory, progress=progress)
+    # Planned from shapes (the auto layout too): no rank ever holds the unsharded weights.
+    fill = loading.FromDirectory(directory, progress)
+    loading.shard_and_fill(model, loading.plan_for(model, config, fill, mesh=mesh), fill)
     base = model.get_base_model() if peft_config is not None else model
     if hasattr(base, "generation_config") and (directory / "generation_config.json").exists():
         from transformers import GenerationConfig
@@ -224,33 +218,5 @@ def _with_adapters(model: nn.Module, peft_config, mesh) -> nn.Module:
         raise ValueError(f"`peft_config.init_lora_weights`={init!r} needs the base weights at initialisation; "
                          "hf_fsdp2.from_pretrained supports True, False and 'gaussian'.")
     model = get_peft_model(model, peft_config)
-    init_meta_adapters(model, mesh)
+    loading.init_meta_adapters(model, mesh)
     return model
-
-
-def init_meta_adapters(model: nn.Module, mesh) -> None:
-    """LoRA adapters PEFT left on the meta device (their base layer is on meta) made real and initialised
-    by PEFT's own `reset_lora_parameters` with each adapter's `init_lora_weights`, then rank 0's broadcast
-    over `mesh` so every rank starts from the same adapters. Collective when the world has > 1 rank."""
-    from peft.tuners.lora import LoraLayer
-
-    configs = getattr(model, "peft_config", {})
-    with torch.no_grad():
-        for module in model.modules():
-            if isinstance(module, LoraLayer):
-                for adapter in module.lora_A:
-                    if not module.lora_A[adapter].weight.is_meta:
-                        continue
-                    for factor in (module.lora_A[adapter], module.lora_B[adapter]):
-                        # `init_lora_weights=False` keeps the layers' own init, which meta skipped
-                        factor.to_empty(device="cpu").reset_parameters()
-                    init = getattr(configs.get(adapter), "init_lora_weights", True)
-                    if init not in (True, False, "gaussian"):
-                        raise ValueError(f"adapter {adapter!r}: `init_lora_weights`={init!r} needs the base weights "
-                                         "at initialisation, which are not loaded yet (meta); True, False and "
-                                         "'gaussian' are supported.")
-                    module.reset_lora_parameters(adapter, init)
-        if collectives.world_size() > 1:
-            for name, param in model.named_parameters():
-                if ".lora_" in name and not param.is_meta:
-                    collectives.broadcast_from_first(param.data, mesh)

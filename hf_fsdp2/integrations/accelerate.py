@@ -26,8 +26,7 @@ import torch
 import torch.nn as nn
 
 from ..config import FSDP2Config
-from ..runtime.distributed import build_mesh
-from ..checkpoint.rank0_loading import shard_from_rank0
+from ..checkpoint import loading
 from . import accelerator_checkpoint, deferred_load, fsdp1_configs, presharded
 from . import trl as trl_backend
 from .accelerate_settings import AccelerateSettings, fsdp2_values, layer_names
@@ -35,7 +34,6 @@ from ..quantization import bnb_optimizers, fp8
 from ..shard import shard_model
 from ..sharding import is_sharded, unwrap_peft
 from ..sharding.adopt import sharded_by_transformers
-from ..planner.layout import resolve_auto_layout
 from ..runtime import upstream, versions
 
 ENV_PREFIX = "HF_FSDP2_"
@@ -481,17 +479,16 @@ def _fsdp2_prepare_model(accelerator, model: nn.Module) -> nn.Module:
     # too: `maybe_context_parallel` splits sequences over its "cp" dimension, FSDP2 shards over
     # "dp_shard_cp" (sharding/context_parallel.py). That mesh is given, so the auto layout keeps its shape.
     given = accelerator.torch_device_mesh if config.tp_size > 1 or cp_size > 1 else None
-    config = resolve_auto_layout(model, config, cp_size=cp_size,  # before the mesh, unless the mesh is given
-                                 mesh_shape=_data_parallel_shape(given) if given is not None else None)
-    mesh = given if given is not None else build_mesh(config)
+    directory = deferred_load.deferred_checkpoint(model)
+    if directory is not None:  # built on meta everywhere: each rank reads its rows
+        fill = loading.Deferred(directory)
+    else:  # fsdp_cpu_ram_efficient_loading: rank 0's weights; else the model's own
+        fill = loading.FromRank0() if from_rank0 else loading.INITIALISE
+    layout = loading.plan_for(model, config, fill, mesh=given, cp_size=cp_size)
     if cp_size > 1 and getattr(accelerator, "_cp_context", None) is not None:
         upstream.wrap_instance_method(accelerator, "_cp_context", "accelerate.accelerator.Accelerator._prepare_cp",
                                       lambda original: _checked_cp_context(original, cp_size))
-    if deferred_load.deferred_checkpoint(model) is not None:  # built on meta everywhere: each rank reads its rows
-        return deferred_load.shard_and_load(model, config, mesh)
-    if from_rank0:
-        return shard_from_rank0(model, config, mesh)  # fsdp_cpu_ram_efficient_loading
-    return shard_model(model, config, mesh=mesh)
+    return loading.shard_and_fill(model, layout, fill)
 
 
 def _checked_cp_context(original, cp_size: int):
@@ -507,12 +504,6 @@ def _checked_cp_context(original, cp_size: int):
         return original(buffers=buffers, buffer_seq_dims=buffer_seq_dims, no_restore_buffers=no_restore_buffers,
                         **kwargs)
     return context
-
-
-def _data_parallel_shape(mesh) -> tuple[int, int]:
-    """(replicate, shard) of an Accelerate mesh: FSDP2 shards over dp_shard x cp."""
-    sizes = dict(zip(mesh.mesh_dim_names or (), mesh.shape))
-    return sizes.get("dp_replicate", 1), sizes.get("dp_shard", 1) * sizes.get("cp", 1)
 
 
 def _cp_size(accelerator) -> int:

@@ -4,7 +4,7 @@ rank's rows from the checkpoint, as `hf_fsdp2.from_pretrained` does. No rank hol
 
 Why: with `fsdp_cpu_ram_efficient_loading` transformers (5.x, `modeling_utils`) still reads the whole
 checkpoint on every rank (only keys the checkpoint lacks stay on meta off rank 0), and prepare then
-shards from rank 0's copy (checkpoint/rank0_loading.py): every rank's RSS holds the whole model once,
+shards from rank 0's copy (checkpoint/loading.py): every rank's RSS holds the whole model once,
 which breaks a memory budget the auto layout planned for.
 
 When: hf_fsdp2's backend is registered with `shard_size="auto"`, Accelerate runs FSDP2 with
@@ -33,10 +33,9 @@ import torch
 import torch.nn as nn
 
 from ..checkpoint.errors import CheckpointError
-from ..checkpoint.pretrained import build_on_meta, check_pretrained, init_meta_adapters, load_pretrained
+from ..checkpoint.pretrained import build_on_meta, check_pretrained
 from ..config import parse_dtype
 from ..runtime import collectives, upstream
-from ..shard import shard_model
 from ..sharding import record_of, unwrap_peft
 
 SEAM = "transformers.modeling_utils.PreTrainedModel.from_pretrained"
@@ -179,39 +178,6 @@ def deferred_checkpoint(model: nn.Module) -> Path | None:
     return getattr(record, "deferred_checkpoint", None)
 
 
-def shard_and_load(model: nn.Module, config, mesh) -> nn.Module:
-    """`prepare`'s part: adapters PEFT added on meta initialised (rank 0's, broadcast), the model sharded on
-    meta, then each rank's rows read from the deferred checkpoint. Collective."""
-    directory = deferred_checkpoint(model)
-    init_meta_adapters(model, mesh)
-    _restore_adapter_values(model)
-    shard_model(model, config, mesh=mesh, init_weights=False)
-    load_pretrained(model, directory)
-    record_of(unwrap_peft(model)).deferred_checkpoint = None
-    return model
-
-
-def _restore_adapter_values(model: nn.Module) -> None:
-    """The adapter values loaded before prepare (`_keep_adapter_values`) into the adapters, now real: every
-    rank read the same adapter files, so every rank holds the same values, as init's broadcast would give."""
-    record = record_of(unwrap_peft(model))
-    kept = record.deferred_adapter_values
-    if not kept:
-        return
-    params = dict(unwrap_peft(model).named_parameters())
-    missing = sorted(set(kept) - set(params))
-    if missing:
-        raise ValueError(f"adapter weights loaded before prepare name no parameter of the model: {missing[:5]}")
-    with torch.no_grad():
-        for name, value in kept.items():
-            param = params[name]
-            if param.is_meta or tuple(param.shape) != tuple(value.shape):
-                raise ValueError(f"adapter weight {name} loaded before prepare: shape {tuple(value.shape)} does not "
-                                 f"fit the model's {tuple(param.shape)}")
-            param.copy_(value)
-    record.deferred_adapter_values = {}
-
-
 def optimizer_parameter_names(args: tuple, model: nn.Module) -> list[list[list[str]]]:
     """For each optimizer in `args`, each param group's parameter names in `model` (taken before `prepare`)."""
     names = {id(p): n for n, p in model.named_parameters()}
@@ -236,4 +202,4 @@ def repoint_optimizers(result: tuple, names: list[list[list[str]]]) -> None:
 
 
 __all__ = ["SEAM", "deferred_checkpoint", "load_on_meta", "optimizer_parameter_names", "ram_efficient_fsdp2",
-           "repoint_optimizers", "shard_and_load"]
+           "repoint_optimizers"]

@@ -10,7 +10,7 @@ base only through this module:
   quantized base refuses it by name);
 - estimating (planner/memory.py): `check_available`, `quantize_on_meta`, `prepare`, `weights` (per
   weight its logical shape and its matmul's transient bytes);
-- loading (checkpoint/pretrained.py, rank0_loading.py, weights_io.py): `quantize_on_meta`, `prepare`,
+- loading (checkpoint/loading.py, pretrained.py, weights_io.py): `quantize_on_meta`, `prepare`,
   `unprepared_layers`, `source_dtype`, `QuantizedWeight.load_rows`;
 - export (checkpoint/export_plan.py, lora_merge.py): `weights`, `is_prepared`,
   `QuantizedWeight.dequantized_rows`.

@@ -22,7 +22,8 @@ tensors, as NCCL does):
 | planner/layout.py `resolve_auto_layout`        | all-reduce MIN   | host_group()           | CPU    |
 | sharding/generation.py memory budget           | all-reduce MIN   | host_group()           | CPU    |
 | checkpoint/pretrained.py `from_pretrained` LoRA | broadcast        | the mesh, dim by dim   | mesh   |
-| checkpoint/rank0_loading.py (rows, 4-bit codes) | broadcast        | the mesh, dim by dim   | mesh   |
+| checkpoint/loading.py rank 0's rows            | broadcast        | the mesh, dim by dim   | mesh   |
+| checkpoint/loading.py rank 0's 4-bit dtype      | all-reduce MAX   | host_group()           | CPU    |
 | checkpoint/full_weights.py (vLLM weight sync)   | all-reduce SUM   | the mesh, dim by dim   | mesh   |
 | quantization/bnb_4bit.py double-quant absmax    | all-gather       | the mesh's shard dim   | mesh   |
 

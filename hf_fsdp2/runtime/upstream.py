@@ -170,7 +170,7 @@ SEAMS: tuple[Seam, ...] = (
          "init_state/update_step, which hand bitsandbytes the local rows, gradient and state"),
     # Private state written in place (PRIVATE_STATE).
     Seam("torch.nn.Module._parameters", PRIVATE_STATE,
-         "sharding/engine.py, checkpoint/rank0_loading.py, checkpoint/pretrained.py, quantization/bnb_4bit.py",
+         "sharding/engine.py, checkpoint/loading.py, checkpoint/pretrained.py, quantization/bnb_4bit.py",
          "a registered parameter swapped in place, without register_parameter's checks: tied weights tied again, "
          "meta copies before loading, a 4-bit weight replaced by its packed rows"),
     Seam("torch.nn.Module.__dict__", PRIVATE_STATE, "sharding/compute_cast.py",
@@ -248,7 +248,7 @@ PRIVATE: tuple[Private, ...] = (
     Private("torch.distributed.tensor.placement_types", "_StridedShard", "checkpoint/tensor_export.py"),
     Private("torch.distributed.checkpoint.filesystem", "_StorageInfo", "checkpoint/convert.py"),
     # torch: nn.Module internals.
-    Private("torch.nn", "Module._parameters", f"sharding/engine.py, {_CC}, checkpoint/rank0_loading.py, "
+    Private("torch.nn", "Module._parameters", f"sharding/engine.py, {_CC}, checkpoint/loading.py, "
             "checkpoint/pretrained.py, quantization/bnb_4bit.py", instance=True),
     Private("torch.nn", "Module._forward_pre_hooks", f"{_GEN}, {_REP}", instance=True),
     Private("torch.nn", "Module._non_persistent_buffers_set", "checkpoint/tensor_export.py", instance=True),

@@ -220,18 +220,17 @@ def adopt_if_sharded_at_load(model: nn.Module, config: FSDP2Config, mesh: Device
     return True
 
 
-def prepare_for_planning(model: nn.Module, config: FSDP2Config, mesh: DeviceMesh | None) -> None:
-    """What comes before the layout is planned: refusals, the model on the run's device, and 4-bit base
-    weights in a row layout FSDP2 can shard (before the frozen-dtype cast, which would reinterpret packed
-    bytes stored as floats, and before the planner costs them)."""
+def prepare_for_planning(model: nn.Module, *, to_device: bool = True) -> None:
+    """What comes before the layout is planned: refusals, the model on the run's device (`to_device=False`:
+    where it is, e.g. rank 0's weights that are broadcast from there), and quantized base weights in a row
+    layout FSDP2 can shard (before the frozen-dtype cast, which would reinterpret packed bytes stored as
+    floats, and before the planner costs them). Idempotent."""
     if isinstance(model, FSDPModule) or replication.is_replicated(model):
         raise ValueError(f"{type(model).__name__} is already sharded; call `shard_model` once per model.")
-    if config.is_auto_layout and mesh is not None:
-        raise ValueError("`shard_size`='auto' chooses the device mesh itself; call shard_model without `mesh`.")
     quantized.refuse_unsupported(model)
     device = default_device()
     refuse_accelerator_model_on_host_backend({p.device.type for p in model.parameters()}, device)
-    if not _is_meta(model) and device.type != "cpu":
+    if to_device and not _is_meta(model) and device.type != "cpu":
         model.to(device)
     quantized.prepare(model)
 

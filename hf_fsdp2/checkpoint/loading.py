@@ -1,0 +1,217 @@
+"""One path from plan to loaded model: the layout planned once (hf_fsdp2/shard.py `plan`: config and mesh in
+one object), then `shard_and_fill` with one of the ways a sharded model gets its values:
+
+- `INITIALISE`: the model's own weights, or its own init on each rank's shards of a meta model;
+- `EMPTY`: shards allocated, values left to the caller's loader;
+- `FromRank0()`: rank 0's weights broadcast one tensor at a time, each rank keeping its rows
+  (Accelerate's `fsdp_cpu_ram_efficient_loading`; the other ranks hold the model on meta);
+- `FromDirectory(path)`: each rank reads its own rows of a Hugging Face directory (`hf_fsdp2.from_pretrained`,
+  `load_pretrained`);
+- `Deferred(path)`: a model transformers' `from_pretrained` built on meta (integrations/deferred_load.py):
+  adapters PEFT added initialised (or the values loaded before prepare restored), then the directory's rows.
+
+Every loader of hf_fsdp2 goes through here: `hf_fsdp2.from_pretrained` (checkpoint/pretrained.py) and
+Accelerate's prepare (integrations/accelerate.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from ..config import FSDP2Config
+from ..quantization import quantized
+from ..runtime import collectives, upstream
+from ..runtime.distributed import local_tensor
+from ..shard import Layout, plan
+from ..sharding import engine, record_of, unwrap_peft
+from . import async_save
+from .tensor_export import model_tensors, row_range
+from .weights_io import WeightsPlan, existing_dir
+
+INITIALISE = "initialise"
+EMPTY = "empty"
+
+
+@dataclasses.dataclass(frozen=True)
+class FromRank0:
+    pass
+
+
+@dataclasses.dataclass(frozen=True)
+class FromDirectory:
+    path: Path
+    progress: bool | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Deferred:
+    path: Path
+
+
+Fill = str | FromRank0 | FromDirectory | Deferred
+
+
+def plan_for(model: nn.Module, config: FSDP2Config, fill: Fill, *, mesh=None, cp_size: int = 1) -> Layout:
+    """`plan` for a model `fill` will fill. From rank 0: its quantized layers set the others' row layout first
+    (their meta layers have no quantization state to read it from), and its weights stay where they are
+    (broadcast from there, never moved whole to the device). Collective: call on every rank."""
+    from_rank0 = isinstance(fill, FromRank0)
+    if from_rank0:
+        _prepare_quantized_from_rank0(model, collectives.rank() == 0)
+    return plan(model, config, mesh=mesh, cp_size=cp_size, to_device=not from_rank0)
+
+
+def shard_and_fill(model: nn.Module, layout: Layout, fill: Fill) -> nn.Module:
+    """Shard `model` on `layout` and give its shards their values by `fill`. Collective: call on every rank."""
+    if fill in (INITIALISE, EMPTY):
+        return engine.shard_planned(model, layout.config, mesh=layout.mesh, init_weights=fill == INITIALISE)
+    if isinstance(fill, FromRank0):
+        return _fill_from_rank0(model, layout)
+    if isinstance(fill, Deferred):
+        init_meta_adapters(model, layout.mesh)
+        _restore_adapter_values(model)
+        engine.shard_planned(model, layout.config, mesh=layout.mesh, init_weights=False)
+        read_directory(model, fill.path)
+        record_of(unwrap_peft(model)).deferred_checkpoint = None
+        return model
+    if isinstance(fill, FromDirectory):
+        engine.shard_planned(model, layout.config, mesh=layout.mesh, init_weights=False)
+        read_directory(model, fill.path, progress=fill.progress)
+        return model
+    raise TypeError(f"no such way to fill a sharded model: {fill!r}")
+
+
+def read_directory(model: nn.Module, directory: str | os.PathLike, *, strict: bool = True,
+                   progress: bool | None = None) -> nn.Module:
+    """Fill a sharded model from a Hugging Face directory, each rank reading only its own rows (the body of
+    `hf_fsdp2.load_pretrained`). Collective: call on every rank."""
+    async_save.wait_pending()  # a save still in flight may be of this very directory
+    WeightsPlan(model, existing_dir(Path(directory)), strict).read(progress)
+    return model
+
+
+# ---------------------------------------------------------------------------------------------
+# Adapters of a meta model
+
+
+def init_meta_adapters(model: nn.Module, mesh) -> None:
+    """LoRA adapters PEFT left on the meta device (their base layer is on meta) made real and initialised
+    by PEFT's own `reset_lora_parameters` with each adapter's `init_lora_weights`, then rank 0's broadcast
+    over `mesh` so every rank starts from the same adapters. Collective when the world has > 1 rank."""
+    from peft.tuners.lora import LoraLayer
+
+    configs = getattr(model, "peft_config", {})
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, LoraLayer):
+                for adapter in module.lora_A:
+                    if not module.lora_A[adapter].weight.is_meta:
+                        continue
+                    for factor in (module.lora_A[adapter], module.lora_B[adapter]):
+                        # `init_lora_weights=False` keeps the layers' own init, which meta skipped
+                        factor.to_empty(device="cpu").reset_parameters()
+                    init = getattr(configs.get(adapter), "init_lora_weights", True)
+                    if init not in (True, False, "gaussian"):
+                        raise ValueError(f"adapter {adapter!r}: `init_lora_weights`={init!r} needs the base weights "
+                                         "at initialisation, which are not loaded yet (meta); True, False and "
+                                         "'gaussian' are supported.")
+                    module.reset_lora_parameters(adapter, init)
+        if collectives.world_size() > 1:
+            for name, param in model.named_parameters():
+                if ".lora_" in name and not param.is_meta:
+                    collectives.broadcast_from_first(param.data, mesh)
+
+
+def _restore_adapter_values(model: nn.Module) -> None:
+    """The adapter values loaded before prepare (deferred_load's `_keep_adapter_values`) into the adapters, now
+    real: every rank read the same adapter files, so every rank holds the same values, as init's broadcast
+    would give."""
+    record = record_of(unwrap_peft(model))
+    kept = record.deferred_adapter_values
+    if not kept:
+        return
+    params = dict(unwrap_peft(model).named_parameters())
+    missing = sorted(set(kept) - set(params))
+    if missing:
+        raise ValueError(f"adapter weights loaded before prepare name no parameter of the model: {missing[:5]}")
+    with torch.no_grad():
+        for name, value in kept.items():
+            param = params[name]
+            if param.is_meta or tuple(param.shape) != tuple(value.shape):
+                raise ValueError(f"adapter weight {name} loaded before prepare: shape {tuple(value.shape)} does not "
+                                 f"fit the model's {tuple(param.shape)}")
+            param.copy_(value)
+    record.deferred_adapter_values = {}
+
+
+# ---------------------------------------------------------------------------------------------
+# Rank 0's weights (Accelerate's fsdp_cpu_ram_efficient_loading): transformers loads the checkpoint on rank 0
+# (other ranks may hold meta tensors, or, with a quantized model, the same weights again). An empty model is
+# sharded, then rank 0 broadcasts one tensor at a time and every rank keeps only its own rows: peak, one full
+# tensor per rank. Quantized layers are first given the packed row layout on every rank, so what travels is
+# rank 0's packed rows and scales, kept row by row as float weights are. For no full copy on any rank, load
+# with `hf_fsdp2.from_pretrained` instead.
+
+# What a quantized layer dequantizes to, as one number rank 0 sends (meta layers have no quantization state).
+_DEQUANT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _prepare_quantized_from_rank0(model: nn.Module, is_source: bool) -> None:
+    """Every rank's quantized layers in the same packed row layout: rank 0's are quantized; another rank's may
+    be meta, so they take the dequantization dtype rank 0 sends. Collective when the model has quantized layers
+    (every rank builds the same model, so all agree)."""
+    layers = quantized.unprepared_layers(model)
+    if not layers:
+        return
+    code = -1
+    if is_source:
+        dtypes = {name: q.source_dtype(name, m) for name, m, q in layers}
+        if len(set(dtypes.values())) != 1 or next(iter(dtypes.values())) not in _DEQUANT_DTYPES:
+            raise ValueError("`fsdp_cpu_ram_efficient_loading` with 4-bit layers of different dtypes "
+                             f"({dtypes}) is not supported; load with hf_fsdp2.from_pretrained.")
+        code = _DEQUANT_DTYPES.index(next(iter(dtypes.values())))
+    code = collectives.all_reduce_int(code, "max")  # rank 0's: the others send -1
+    quantized.prepare(model, _DEQUANT_DTYPES[code])
+
+
+def _fill_from_rank0(model: nn.Module, layout: Layout) -> nn.Module:
+    """Shard `model` with rank 0's weights and buffers in every rank's shards."""
+    mesh = layout.mesh
+    device = collectives.mesh_device(mesh)  # NCCL broadcasts device tensors
+    is_source = collectives.rank() == 0
+    sources = dict(model_tensors(model)) if is_source else {}
+    buffers = dict(model.named_buffers()) if is_source else {}
+    meta: dict[int, nn.Parameter] = {}  # tied weights stay tied
+    for module in model.modules():
+        for key, param in module._parameters.items():
+            if param is not None:
+                if id(param) not in meta:
+                    meta[id(param)] = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
+                upstream.set_entry(module, "_parameters", key, meta[id(param)], "torch.nn.Module._parameters")
+    engine.shard_planned(model, layout.config, mesh=mesh, init_weights=False)
+    with torch.no_grad():
+        targets = list(model_tensors(model).items()) + [(f"buffer:{n}", b) for n, b in model.named_buffers()]
+        for name, target in targets:
+            source = buffers.get(name[len("buffer:"):]) if name.startswith("buffer:") else sources.get(name)
+            if is_source and (source is None or source.is_meta):
+                raise ValueError(f"`fsdp_cpu_ram_efficient_loading`: rank 0 has no weights for {name!r}; "
+                                 "load the model with from_pretrained on rank 0 (or use hf_fsdp2.from_pretrained).")
+            if is_source and source.shape != target.shape:
+                raise ValueError(f"`fsdp_cpu_ram_efficient_loading`: {name!r} is {tuple(source.shape)} on rank 0 "
+                                 f"and {tuple(target.shape)} here; every rank must build the same model.")
+            full = (source.to(device=device, dtype=target.dtype).contiguous() if is_source
+                    else torch.empty(target.shape, dtype=target.dtype, device=device))
+            collectives.broadcast_from_first(full, mesh)
+            start, stop = row_range(target)
+            local = local_tensor(target)
+            local.copy_(full[start:stop] if full.dim() else full)
+    return model
+
+
+__all__ = ["Deferred", "EMPTY", "FromDirectory", "FromRank0", "INITIALISE", "init_meta_adapters", "plan_for",
+           "read_directory", "shard_and_fill"]
