@@ -22,8 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from ..config import FSDP2Config
-from ..quantization import fp8
-from ..quantization import quantized
+from ..quantization import fp8, quantized
 from ..runtime import collectives, host_allocator, upstream
 from ..runtime.distributed import (CP_DIM, TP_DIM, build_mesh, data_parallel_mesh, default_device, local_tensor,
                                    refuse_accelerator_model_on_host_backend)
