@@ -43,3 +43,25 @@ def test_the_scan_sees_an_import():
     assert "hf_fsdp2.runtime.distributed" in _imports(PACKAGE / "sharding" / "engine.py")
     assert {"hf_fsdp2.sharding.groups", "hf_fsdp2.sharding.record"} <= _imports(PACKAGE / "planner" / "layout.py")
     assert "hf_fsdp2.planner.layout" in _imports(PACKAGE / "shard.py")
+
+
+def test_the_record_lives_on_one_object():
+    """A PeftModel and the model it wraps share one record whichever is passed (issue 50), and a PeftModel
+    wrapped around a model after it was sharded is not sharded itself (its adapters are in no group)."""
+    from peft import LoraConfig, get_peft_model
+
+    from hf_fsdp2.sharding.record import is_sharded, record_of
+
+    from .common import build_model
+
+    peft_model = get_peft_model(build_model(), LoraConfig(r=2, target_modules=["q_proj"]))
+    record = record_of(peft_model, create=True)
+    assert record_of(peft_model.get_base_model()) is record and record_of(peft_model) is record
+    record.mesh, record.sharded_object = object(), id(peft_model)  # as shard_planned leaves it
+    assert is_sharded(peft_model) and is_sharded(peft_model.get_base_model())
+
+    base = build_model()
+    record = record_of(base, create=True)
+    record.mesh, record.sharded_object = object(), id(base)
+    wrapped_after = get_peft_model(base, LoraConfig(r=2, target_modules=["q_proj"]))
+    assert record_of(wrapped_after) is record and is_sharded(base) and not is_sharded(wrapped_after)

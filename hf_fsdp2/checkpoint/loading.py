@@ -77,7 +77,7 @@ def shard_and_fill(model: nn.Module, layout: Layout, fill: Fill) -> nn.Module:
         _restore_adapter_values(model)
         engine.shard_planned(model, layout.config, mesh=layout.mesh, init_weights=False)
         read_directory(model, fill.path)
-        record_of(unwrap_peft(model)).deferred_checkpoint = None
+        record_of(model).deferred_checkpoint = None
         return model
     if isinstance(fill, FromDirectory):
         engine.shard_planned(model, layout.config, mesh=layout.mesh, init_weights=False)
@@ -131,7 +131,7 @@ def _restore_adapter_values(model: nn.Module) -> None:
     """The adapter values loaded before prepare (deferred_load's `_keep_adapter_values`) into the adapters, now
     real: every rank read the same adapter files, so every rank holds the same values, as init's broadcast
     would give."""
-    record = record_of(unwrap_peft(model))
+    record = record_of(model)
     kept = record.deferred_adapter_values
     if not kept:
         return

@@ -36,7 +36,7 @@ from ..checkpoint.errors import CheckpointError
 from ..checkpoint.pretrained import build_on_meta, check_pretrained
 from ..config import parse_dtype
 from ..runtime import collectives, upstream
-from ..sharding import record_of, unwrap_peft
+from ..sharding import record_of
 
 SEAM = "transformers.modeling_utils.PreTrainedModel.from_pretrained"
 _RESIZE_SEAM = "transformers.modeling_utils.PreTrainedModel.resize_token_embeddings"
@@ -174,7 +174,7 @@ def _try_meta(model_class, path, args: tuple, kwargs: dict) -> tuple[nn.Module |
 
 def deferred_checkpoint(model: nn.Module) -> Path | None:
     """The checkpoint `load_on_meta` deferred for `model` (or the PEFT model around it), not loaded yet."""
-    record = record_of(unwrap_peft(model))
+    record = record_of(model)
     return getattr(record, "deferred_checkpoint", None)
 
 

@@ -287,7 +287,7 @@ def shard_planned(
         context_parallel.enable_cpu_ring_attention()  # the training loop enters torch's context_parallel
         context_parallel.require_context_parallel(model, mesh[CP_DIM].size())
     record = record_of(model, create=True)
-    record.config, record.mesh = config, mesh
+    record.config, record.mesh, record.sharded_object = config, mesh, id(model)
     wrap_generate(model)  # each group gathered once per generate() call
     host_allocator.trim_if_returning()  # a CPU budget's plan: the unsharded weights' freed pages go back now
     return model
@@ -321,7 +321,7 @@ def _adopt(model: nn.Module, config: FSDP2Config, mesh: DeviceMesh | None) -> nn
         raise ValueError(f"`mesh` {mesh} is not the mesh transformers sharded {type(model).__name__} on "
                          f"({model_mesh}); leave `mesh` out.")
     record = record_of(model, create=True)
-    record.config, record.mesh = config, model_mesh
+    record.config, record.mesh, record.sharded_object = config, model_mesh, id(model)
     wrap_generate(model)
     return model
 

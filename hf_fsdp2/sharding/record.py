@@ -28,6 +28,9 @@ _ATTRIBUTE = "_hf_fsdp2"  # the one attribute hf_fsdp2 sets on a user's model
 class ShardedModel:
     config: FSDP2Config | None = None  # the resolved config it was sharded with
     mesh: DeviceMesh | None = None  # set once fully_shard has run: the model is hf_fsdp2's
+    # id() of the object sharded (a PeftModel, or the model itself): a PeftModel wrapped around the model after
+    # sharding is not sharded (its adapters are in no group), though it finds the same record.
+    sharded_object: int | None = None
     layout: Any = None  # planner.layout.LayoutPlan, when shard_size="auto" chose the layout
     fp8: Any = None  # quantization.fp8.Fp8Conversion, when config.fp8: what was converted and why not
     no_cache_in_training: bool = False  # compile.disable_cache_in_training ran
@@ -40,15 +43,25 @@ class ShardedModel:
 
 
 def record_of(model: nn.Module, create: bool = False) -> ShardedModel | None:
-    """The model's record (None if it has none and not `create`)."""
-    record = model.__dict__.get(_ATTRIBUTE)
+    """The model's record (None if it has none and not `create`). It lives on the transformers model: a
+    `PeftModel` and the model it wraps share one record, whichever of the two is passed."""
+    holder = _holder(model)
+    record = holder.__dict__.get(_ATTRIBUTE)
     if record is None and create:
         record = ShardedModel()
-        upstream.tag(model, _ATTRIBUTE, record)  # nn.Module.__setattr__ would not register a dataclass anyway
+        upstream.tag(holder, _ATTRIBUTE, record)  # nn.Module.__setattr__ would not register a dataclass anyway
     return record
+
+
+def _holder(model: nn.Module) -> nn.Module:
+    """The transformers model under a `PeftModel` (duck-typed on the class, as groups.unwrap_peft, without
+    nn.Module's slow attribute lookup: records are read on every forward of some techniques)."""
+    cls = type(model)
+    return model.get_base_model() if hasattr(cls, "peft_config") and hasattr(cls, "get_base_model") else model
 
 
 def is_sharded(model: nn.Module) -> bool:
     """Sharded by hf_fsdp2 (`shard_model` finished)."""
     record = record_of(model)
-    return record is not None and record.mesh is not None
+    return record is not None and record.mesh is not None and (
+        id(model) == record.sharded_object or _holder(model) is model)
