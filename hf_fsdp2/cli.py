@@ -19,6 +19,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_estimate_memory(commands)
     _add_plan(commands)
     _add_config_file(commands)
+    _add_run(commands)
     return parser
 
 
@@ -58,6 +59,41 @@ def _run_config_file(args: argparse.Namespace) -> int:
         raise ValueError(f"`name`={args.name!r} is not a shipped config; choose from {', '.join(names)}.")
     print(SHIPPED_CONFIGS / args.name)
     return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# run
+
+STARTUP = Path(__file__).resolve().parent / "startup"  # sitecustomize.py: register() at interpreter start-up
+
+
+def _add_run(commands: argparse._SubParsersAction) -> None:
+    p = commands.add_parser(
+        "run",
+        help="Run a command whose code you do not edit with hf_fsdp2 registered in every Python process it starts.",
+        description="hf-fsdp2 run COMMAND [ARGS ...]: e.g. hf-fsdp2 run accelerate launch --config_file "
+                    "\"$(hf-fsdp2 config-file fsdp2.yaml)\" train.py, or hf-fsdp2 run llamafactory-cli train cfg.yaml. "
+                    "Sets HF_FSDP2=1 and puts hf_fsdp2's start-up folder first on PYTHONPATH, so each Python "
+                    "process (the launcher, its workers) calls hf_fsdp2.register() before the command's code; said "
+                    "on rank 0. Nothing changes for commands not run this way. Exits with the command's status.",
+    )
+    p.add_argument("cmd", nargs=argparse.REMAINDER, metavar="COMMAND [ARGS ...]")
+    p.set_defaults(handler=_run_run)
+
+
+def _run_run(args: argparse.Namespace) -> int:
+    import os
+    import shutil
+    import subprocess
+
+    cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+    if not cmd:
+        raise ValueError("`COMMAND` is missing: hf-fsdp2 run accelerate launch ... train.py")
+    if shutil.which(cmd[0]) is None:
+        raise ValueError(f"`COMMAND` {cmd[0]!r} is not found on PATH.")
+    env = dict(os.environ, HF_FSDP2="1",
+               PYTHONPATH=os.pathsep.join([str(STARTUP), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    return subprocess.call(cmd, env=env)
 
 
 # ---------------------------------------------------------------------------------------------

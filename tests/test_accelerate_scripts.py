@@ -1,5 +1,6 @@
-"""Accelerate's own shipped test scripts (`accelerate/test_utils/scripts/`), unmodified, under
-`accelerate launch` on 2 CPU processes with `hf_fsdp2.register()` injected (tests/accelerate_inject).
+"""Accelerate's own shipped test scripts (`accelerate/test_utils/scripts/`), unmodified (they never import
+hf_fsdp2), under `hf-fsdp2 run accelerate launch` on 2 CPU processes: the start-up switch registers hf_fsdp2 in
+every process (hf_fsdp2/startup/sitecustomize.py). The switch itself is checked first, on a plain loop.
 
 Which scripts apply here, and why the others do not:
 - test_ops.py: runs (gather, pad, reduce, broadcast, send across devices on the FSDP state).
@@ -21,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import accelerate
@@ -51,9 +53,28 @@ def run_script(script: Path, tmp_path: Path, *args: str, config: Path | None = N
     if config is None:
         config = tmp_path / "no_wrap.yaml"
         config.write_text(NO_WRAP)
-    env = {**(env or {}),
-           "PYTHONPATH": os.pathsep.join([str(ROOT / "tests" / "accelerate_inject"), os.environ.get("PYTHONPATH", "")])}
-    return run_launched(accelerate_launch(config, *launch) + [str(script), *args], cwd=tmp_path, env=env, check=False)
+    return run_launched(SWITCH + accelerate_launch(config, *launch) + [str(script), *args], cwd=tmp_path, env=env,
+                        check=False)
+
+
+SWITCH = [sys.executable, "-m", "hf_fsdp2.cli", "run"]  # `hf-fsdp2 run`, with this interpreter
+
+
+def test_hf_fsdp2_run_registers_in_every_process_of_a_script_that_never_imports_it(tmp_path):
+    """`hf-fsdp2 run accelerate launch ...`: hf_fsdp2 shards the model of a plain Accelerate loop that never
+    imports it, said once by the launcher and once by rank 0; without the switch nothing of hf_fsdp2 loads."""
+    script, config = ROOT / "tests" / "scripts" / "plain_accelerate.py", ROOT / "accelerate_configs" / "fsdp2.yaml"
+    out = tmp_path / "on.json"
+    proc = run_launched(SWITCH + accelerate_launch(config, processes=2) + [str(script), "--out", str(out)],
+                        cwd=tmp_path)
+    assert json.loads(out.read_text())["sharded_by_hf_fsdp2"] is True
+    said = [line for line in proc.stderr.splitlines() if "hf_fsdp2: registered at start-up" in line]
+    assert len(said) == 2, proc.stderr[-3000:]  # the launcher's process and rank 0; rank 1 says nothing
+    off = tmp_path / "off.json"
+    run_launched(accelerate_launch(config, processes=2) + [str(script), "--out", str(off)], cwd=tmp_path)
+    assert json.loads(off.read_text())["hf_fsdp2_loaded"] is False
+    missing = subprocess.run(SWITCH, capture_output=True, text=True)
+    assert missing.returncode == 1 and "`COMMAND` is missing" in missing.stderr
 
 
 def test_accelerate_test_ops_passes_with_register(tmp_path):

@@ -10,7 +10,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_the_wheel_carries_the_accelerate_configs_and_the_cli_finds_them(tmp_path):
+def test_the_wheel_carries_the_accelerate_configs_and_the_startup_switch_and_the_cli_finds_them(tmp_path):
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path),
                     str(ROOT)], check=True, capture_output=True, text=True, timeout=300)
     wheel = next(tmp_path.glob("hf_fsdp2-*.whl"))
@@ -19,6 +19,8 @@ def test_the_wheel_carries_the_accelerate_configs_and_the_cli_finds_them(tmp_pat
     with zipfile.ZipFile(wheel) as z:
         for name in shipped:
             assert z.read(f"hf_fsdp2/configs/{name}") == (ROOT / "accelerate_configs" / name).read_bytes(), name
+        # `hf-fsdp2 run`'s start-up switch: a folder for PYTHONPATH, not a package, shipped as package data
+        assert z.read("hf_fsdp2/startup/sitecustomize.py") == (ROOT / "hf_fsdp2/startup/sitecustomize.py").read_bytes()
     out = subprocess.run([sys.executable, "-m", "hf_fsdp2.cli", "config-file", "fsdp2.yaml"], check=True,
                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert Path(out.stdout.strip().splitlines()[-1]).read_bytes() == (ROOT / "accelerate_configs" / "fsdp2.yaml").read_bytes()
