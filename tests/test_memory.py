@@ -546,3 +546,25 @@ def test_a_hostile_config_json_gets_one_line_from_the_clis(tmp_path, capsys, cha
         assert main([command[0], "--model", str(tmp_path / "config.json"), *command[1:]]) == 1
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and re.search(message, err), err
+
+
+def test_a_forward_wrapped_on_the_instance_is_estimated_from_the_class_forward():
+    """TRL's SFTTrainer (1.16) replaces `model.forward` on the instance with a wrapper that closes over the
+    original bound forward (`trl/trainer/utils.py`, fused-loss forward): the planner's meta copy would call the
+    real model with meta tensors ("Cannot copy out of meta tensor", found through `trl sft` with shard_size=auto).
+    The copy runs the class's forward; the user's model keeps its wrapper."""
+    import functools
+    import types
+
+    model = build_model()
+    original_forward = model.forward
+
+    @functools.wraps(type(model).forward)
+    def wrapped(self, *args, **kwargs):
+        return original_forward(*args, **kwargs)
+
+    model.forward = types.MethodType(wrapped, model)
+    plain = estimate_memory(build_model(), 2, FSDP2Config(), seq_len=32)
+    got = estimate_memory(model, 2, FSDP2Config(), seq_len=32)
+    assert got.activations is not None and got.activations == plain.activations
+    assert "forward" in vars(model)  # the user's model is untouched

@@ -174,3 +174,28 @@ def test_vllm_weight_sync_gets_whole_weights_under_checkpoint_names(use_lora):
     assert len(weights) == len(expected)
     for name, tensor in weights:
         torch.testing.assert_close(tensor, expected[name], atol=1e-6, rtol=0)
+
+
+def test_trl_sft_command_line_is_sharded_under_hf_fsdp2_run(model_dir, tmp_path):
+    """TRL's own command line (`trl sft`, which starts `accelerate launch` itself), unedited, under
+    `hf-fsdp2 run`: every process registers hf_fsdp2 at start-up; `HF_FSDP2_SHARD_SIZE=auto` makes its planner
+    say, on rank 0, that it laid the model out; the saved model loads with transformers."""
+    import sys
+
+    import transformers
+
+    from tests.dist_harness import free_port
+
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "train.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in
+                                              ["the capital of france is paris .", "the sky is blue ."] * 4))
+    cmd = [sys.executable, "-m", "hf_fsdp2.cli", "run", sys.executable, "-m", "trl.cli.main", "sft",
+           "--accelerate_config", str(ROOT / "accelerate_configs" / "fsdp2.yaml"), "--num_processes", "2",
+           "--main_process_port", str(free_port()), "--model_name_or_path", str(model_dir), "--dataset_name",
+           str(data), "--output_dir", str(tmp_path / "out"), "--max_steps", "2", "--per_device_train_batch_size", "2",
+           "--max_length", "32", "--report_to", "none", "--save_strategy", "no", "--bf16", "false"]
+    proc = run_launched(cmd, cwd=tmp_path, env={"HF_FSDP2_SHARD_SIZE": "auto"})
+    assert proc.stderr.count("hf_fsdp2: registered at start-up") == 2, proc.stderr[-3000:]  # launcher, rank 0
+    assert "hf_fsdp2 auto layout on 2 ranks" in proc.stderr, proc.stderr[-3000:]
+    transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")

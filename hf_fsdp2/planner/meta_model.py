@@ -76,13 +76,20 @@ def check_sizes(config) -> None:
 
 def meta_copy(module: nn.Module) -> nn.Module:
     """A deep copy of `module` whose parameters and buffers live on the meta device (no data copied);
-    tied parameters stay tied."""
+    tied parameters stay tied. A forward set on an instance (a wrapper such as TRL's fused-loss forward,
+    `trl/trainer/utils.py`) closes over the original module's bound forward, which the copy would call with
+    meta tensors: the copy runs its class's own forward instead (for the labels-and-loss call the planner
+    traces, TRL's wrapper calls exactly that)."""
     memo: dict[int, Any] = {}
     for p in module.parameters():
         memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
     for b in module.buffers():
         memo[id(b)] = torch.empty_like(b, device="meta")
-    return copy.deepcopy(module, memo)
+    copied = copy.deepcopy(module, memo)
+    for m in copied.modules():
+        if "forward" in vars(m):
+            del m.forward
+    return copied
 
 
 def build_meta_model(source: Any, *, dtype: torch.dtype | str | None = None) -> nn.Module:
