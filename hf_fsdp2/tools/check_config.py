@@ -417,7 +417,7 @@ def _check_wrapping(fsdp: _Fsdp, out: list[Finding]) -> None:
 
 def _check_loading(fsdp: _Fsdp, out: list[Finding]) -> None:
     """`fsdp_cpu_ram_efficient_loading` works (rank 0 loads, hf_fsdp2 broadcasts its weights tensor by
-    tensor while sharding: integrations/accelerate.py `_shard_from_rank0`), and the launcher turns it on
+    tensor while sharding: checkpoint/loading.py `FromRank0`), and the launcher turns it on
     when the yaml omits it. Only its pairing with `fsdp_sync_module_states` can stop the launcher."""
     ram, sync = fsdp.raw("fsdp_cpu_ram_efficient_loading"), fsdp.raw("fsdp_sync_module_states")
     # prepare_multi_gpu_env tests the raw values for truth: a quoted "false" counts as true there.
