@@ -21,6 +21,13 @@ def test_the_wheel_carries_the_accelerate_configs_and_the_startup_switch_and_the
             assert z.read(f"hf_fsdp2/configs/{name}") == (ROOT / "accelerate_configs" / name).read_bytes(), name
         # `hf-fsdp2 run`'s start-up switch: a folder for PYTHONPATH, not a package, shipped as package data
         assert z.read("hf_fsdp2/startup/sitecustomize.py") == (ROOT / "hf_fsdp2/startup/sitecustomize.py").read_bytes()
+        # Metadata a registry reads, the version from its one place (hf_fsdp2.__version__)
+        metadata = z.read(next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))).decode()
+    import hf_fsdp2
+
+    assert f"\nVersion: {hf_fsdp2.__version__}\n" in metadata and "\nRequires-Python: >=3.10\n" in metadata
+    assert "Classifier: License :: OSI Approved :: Apache Software License" in metadata
+    assert "Description-Content-Type: text/markdown" in metadata
     out = subprocess.run([sys.executable, "-m", "hf_fsdp2.cli", "config-file", "fsdp2.yaml"], check=True,
                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert Path(out.stdout.strip().splitlines()[-1]).read_bytes() == (ROOT / "accelerate_configs" / "fsdp2.yaml").read_bytes()
