@@ -2,7 +2,6 @@
 one object), then `shard_and_fill` with one of the ways a sharded model gets its values:
 
 - `INITIALISE`: the model's own weights, or its own init on each rank's shards of a meta model;
-- `EMPTY`: shards allocated, values left to the caller's loader;
 - `FromRank0()`: rank 0's weights broadcast one tensor at a time, each rank keeping its rows
   (Accelerate's `fsdp_cpu_ram_efficient_loading`; the other ranks hold the model on meta);
 - `FromDirectory(path)`: each rank reads its own rows of a Hugging Face directory (`hf_fsdp2.from_pretrained`,
@@ -34,7 +33,6 @@ from .tensor_export import model_tensors, row_range
 from .weights_io import WeightsPlan, existing_dir
 
 INITIALISE = "initialise"
-EMPTY = "empty"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,8 +66,8 @@ def plan_for(model: nn.Module, config: FSDP2Config, fill: Fill, *, mesh=None, cp
 
 def shard_and_fill(model: nn.Module, layout: Layout, fill: Fill) -> nn.Module:
     """Shard `model` on `layout` and give its shards their values by `fill`. Collective: call on every rank."""
-    if fill in (INITIALISE, EMPTY):
-        return engine.shard_planned(model, layout.config, mesh=layout.mesh, init_weights=fill == INITIALISE)
+    if fill == INITIALISE:
+        return engine.shard_planned(model, layout.config, mesh=layout.mesh)
     if isinstance(fill, FromRank0):
         return _fill_from_rank0(model, layout)
     if isinstance(fill, Deferred):
@@ -213,5 +211,5 @@ def _fill_from_rank0(model: nn.Module, layout: Layout) -> nn.Module:
     return model
 
 
-__all__ = ["Deferred", "EMPTY", "FromDirectory", "FromRank0", "INITIALISE", "init_meta_adapters", "plan_for",
+__all__ = ["Deferred", "FromDirectory", "FromRank0", "INITIALISE", "init_meta_adapters", "plan_for",
            "read_directory", "shard_and_fill"]

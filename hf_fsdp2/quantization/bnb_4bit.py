@@ -263,11 +263,6 @@ def dequantize_rows(module: nn.Module, packed: torch.Tensor, absmax: torch.Tenso
 # Quantizing while loading: each rank quantizes only its own rows
 
 
-def sharded_4bit_weights(model: nn.Module) -> dict[int, nn.Module]:
-    """id(packed weight parameter) -> its module, for every prepared `Linear4bit` of `model`."""
-    return {id(m.weight): m for m in model.modules() if is_sharded_4bit(m)}
-
-
 def quantize_rows(module: nn.Module, rows: torch.Tensor) -> torch.Tensor:
     """Quantize `rows` (this rank's [r, in] rows of the float weight) into the module's local packed
     shard; returns their fp32 absmax (one per block), which `finish_quantization` stores.

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import importlib
 import sys
 from typing import Any, Callable, Iterator
@@ -519,6 +520,7 @@ def subclass_base(target: str) -> type:
     return owner
 
 
+@functools.cache  # checked once per (target, name): compute_cast writes through set_entry on every forward
 def _private_state(target: str, name: str) -> None:
     if seam(target).how != PRIVATE_STATE:
         raise AssertionError(f"{target} is declared {seam(target).how}, not {PRIVATE_STATE}")

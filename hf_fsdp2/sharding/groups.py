@@ -27,10 +27,11 @@ def canonical_name(fqn: str) -> str:
 
 
 def unwrap_peft(model: nn.Module) -> nn.Module:
-    """The transformers model under a `PeftModel` (duck-typed so the engine needs no peft import)."""
-    if hasattr(model, "peft_config") and hasattr(model, "get_base_model"):
-        return model.get_base_model()
-    return model
+    """The transformers model under a `PeftModel` (duck-typed so the engine needs no peft import). Looked up
+    on the class (PeftModel's `peft_config` is a property, PEFT 0.18-0.21): nn.Module's instance lookup of an
+    absent name raises and catches an AttributeError, and records are read on every forward of some techniques."""
+    cls = type(model)
+    return model.get_base_model() if hasattr(cls, "peft_config") and hasattr(cls, "get_base_model") else model
 
 
 # ---------------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch.nn as nn
 
 from ..runtime import upstream
+from .groups import unwrap_peft
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -45,7 +46,7 @@ class ShardedModel:
 def record_of(model: nn.Module, create: bool = False) -> ShardedModel | None:
     """The model's record (None if it has none and not `create`). It lives on the transformers model: a
     `PeftModel` and the model it wraps share one record, whichever of the two is passed."""
-    holder = _holder(model)
+    holder = unwrap_peft(model)
     record = holder.__dict__.get(_ATTRIBUTE)
     if record is None and create:
         record = ShardedModel()
@@ -53,15 +54,8 @@ def record_of(model: nn.Module, create: bool = False) -> ShardedModel | None:
     return record
 
 
-def _holder(model: nn.Module) -> nn.Module:
-    """The transformers model under a `PeftModel` (duck-typed on the class, as groups.unwrap_peft, without
-    nn.Module's slow attribute lookup: records are read on every forward of some techniques)."""
-    cls = type(model)
-    return model.get_base_model() if hasattr(cls, "peft_config") and hasattr(cls, "get_base_model") else model
-
-
 def is_sharded(model: nn.Module) -> bool:
     """Sharded by hf_fsdp2 (`shard_model` finished)."""
     record = record_of(model)
     return record is not None and record.mesh is not None and (
-        id(model) == record.sharded_object or _holder(model) is model)
+        id(model) == record.sharded_object or unwrap_peft(model) is model)
