@@ -81,7 +81,7 @@ def run_rank(rank: int, world: int, job: dict) -> dict:
 
     case = CASES[job["case"]]
     src, work = Path(job["src"]), Path(job["work"])
-    phases: dict = {"base_rss": harness.rss_bytes()}
+    phases: dict = {"base_rss": harness.rss_bytes(), "base_live": (harness.malloc_bytes() or {}).get("live")}
     if case["lora"]:
         fields = dict(param_dtype="bf16")
     elif job["budget"] is None:
@@ -120,8 +120,13 @@ def run_rank(rank: int, world: int, job: dict) -> dict:
             losses.append(loss.item())
         return losses
 
-    losses = _phase("train", phases, lambda: steps(data[:job["steps"]]))
+    live_before = harness.malloc_bytes()
+    with harness.RssSampler(malloc=True) as sampler:
+        losses = _phase("train", phases, lambda: steps(data[:job["steps"]]))
     phases["train"]["step_s"] = phases["train"]["s"] / job["steps"]
+    if live_before is not None:  # what the tensors held (glibc's count) vs what the heap kept free on top
+        phases["train"]["peak_live"] = sampler.max_live
+        phases["train"]["heap_free_at_peak"] = sampler.heap_free_at_max
     saves = {"state": lambda: hf_fsdp2.save_state(work / "state", model, opt, step=job["steps"], progress=False)}
     if case["lora"]:
         saves["adapter"] = lambda: hf_fsdp2.save_pretrained(model, work / "adapter", progress=False)
@@ -217,6 +222,15 @@ def main(argv=None) -> int:
             extra = (f", {saves[key]['bytes'] / 1e9:.2f} GB = {saves[key]['vs_disk']:.2f}x the disk"
                      if key in saves else "")
             lines.append(f"  {key:14s} {ph['s']:8.2f} s  peak RSS +{ph['peak_rss_delta'] / gib:.2f} GiB (max rank){extra}")
+        if phases[0].get("base_live") is not None and "peak_live" in phases[0]["train"]:
+            # glibc's own count of what is in use (the tensors), beside the RSS, which adds what its heap keeps free
+            live = max(ph["train"]["peak_live"] - ph["base_live"] for ph in phases)
+            free = max(ph["train"]["heap_free_at_peak"] for ph in phases)
+            results[name].update(train_live_peak_over_base=live, train_live_vs_estimate=live / est["ours_device_bytes"],
+                                 heap_free_at_rss_peak=free)
+            lines.append(f"  train live bytes (glibc's count) peak over base {live / gib:.2f} GiB = "
+                         f"{live / est['ours_device_bytes']:.2f}x the estimate; the heap kept {free / gib:.2f} GiB free "
+                         f"at the RSS peak")
         lines.append(f"  train peak over the process's base RSS {train_peak / gib:.2f} GiB vs estimate "
                      f"{est['ours_device_bytes'] / gib:.2f} GiB = {train_peak / est['ours_device_bytes']:.2f}x; "
                      f"one replica per rank (DDP) would need {est['ddp_device_bytes'] / gib:.2f} GiB")

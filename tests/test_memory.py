@@ -519,7 +519,13 @@ def test_peak_is_the_larger_of_backward_start_and_end_with_the_logits_fp32_gradi
     unknown = estimate_memory(config, 4, fsdp, batch_size=4, seq_len=1024, gradient_accumulation_steps=None)
     assert one.loss_backward_bytes == 4 * 1024 * config.vocab_size * 4
     resident = one.param_bytes + one.optimizer_bytes + one.buffer_bytes + one.gathered_peak_bytes
-    start = one.activation_bytes + one.loss_backward_bytes
+    # the loss's moment: no group is being copied out; the head's: its flat copy-out, the loss's fp32 freed
+    tokens_vocab = 4 * 1024 * config.vocab_size
+    assert one.activations.loss_saved_bytes >= tokens_vocab * 4  # transformers' upcast log-probabilities
+    assert one.head_grad_bytes == tokens_vocab * 2 and one.copy_out_bytes > 0  # bf16 compute
+    assert one.loss_step_bytes == max(one.loss_backward_bytes - one.copy_out_bytes,
+                                      one.head_grad_bytes - one.activations.loss_saved_bytes)
+    start = one.activation_bytes + one.loss_step_bytes
     end = one.grad_bytes + one.reduce_scatter_peak_bytes
     assert start > end and one.device_bytes == resident + start and not one.grads_kept
     assert kept.device_bytes == resident + max(start + one.grad_bytes, end) == unknown.device_bytes

@@ -72,11 +72,14 @@ def _storage_key(t: torch.Tensor):
 
 
 def trace_activations(model: nn.Module, layers: Sequence[nn.Module], batch_size: int, seq_len: int, *,
-                      compute_dtype: torch.dtype | None = None, checkpointing: bool = False) -> ActivationMemory:
+                      compute_dtype: torch.dtype | None = None, checkpointing: bool = False,
+                      head: nn.Module | None = None) -> ActivationMemory:
     """Run one training forward (with labels) on the meta device and measure what autograd saves.
 
     `model` must be on the meta device; it is cast in place to `compute_dtype` (as FSDP2's
-    `param_dtype` would gather it). `layers` are the decoder layers checkpointing would wrap.
+    `param_dtype` would gather it). `layers` are the decoder layers checkpointing would wrap. `head`
+    (the output embedding): what is saved after it ran is the loss's (`loss_saved_bytes`), freed by
+    the loss's backward before the head's backward needs its weights again.
     """
     if any(not t.is_meta for t in model.parameters()):
         raise ValueError("`trace_activations` needs a model on the meta device (see `build_meta_model`).")
@@ -91,6 +94,8 @@ def trace_activations(model: nn.Module, layers: Sequence[nn.Module], batch_size:
     owner: dict[Any, int] = {}  # storage -> index of the layer that saved it first (-1: outside layers)
     inputs: set = set()
     active: list[int] = []
+    after_head: list[bool] = []  # non-empty once the head's forward has returned
+    loss_saved: set = set()
 
     def key_of(t: torch.Tensor):
         keep.append(t)
@@ -102,6 +107,8 @@ def trace_activations(model: nn.Module, layers: Sequence[nn.Module], batch_size:
         if isinstance(t, torch.Tensor):
             k = key_of(t)
             if k not in param_keys:
+                if k not in owner and after_head:
+                    loss_saved.add(k)
                 owner.setdefault(k, active[-1] if active else -1)
         return t
 
@@ -133,6 +140,8 @@ def trace_activations(model: nn.Module, layers: Sequence[nn.Module], batch_size:
     for i, layer in enumerate(layers):
         handles.append(layer.register_forward_pre_hook(pre_hook(i), with_kwargs=True))
         handles.append(layer.register_forward_hook(post_hook, with_kwargs=True))
+    if head is not None:
+        handles.append(head.register_forward_hook(lambda *_: after_head.append(True)))
     ids = torch.zeros(batch_size, seq_len, dtype=torch.long, device="meta")
     try:
         with (torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _FusedAttentionMode(op_outputs),
@@ -155,6 +164,7 @@ def trace_activations(model: nn.Module, layers: Sequence[nn.Module], batch_size:
     return ActivationMemory(
         batch_size=batch_size, seq_len=seq_len, checkpointing=False, peak_bytes=saved, saved_bytes=saved,
         outside_layers_bytes=total(outside), layer_inputs_bytes=total(inputs - outside),
+        loss_saved_bytes=total(loss_saved & outside),
         largest_layer_bytes=largest, layer_bytes=tuple(per_layer), layer_matmul_bytes=tuple(matmul_bytes),
     ).with_checkpointing(checkpointing)
 

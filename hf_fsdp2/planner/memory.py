@@ -60,8 +60,12 @@ so the largest quantized weight in its dequantized dtype (plus its fp32 absmax w
 quantized) is added as its own row.
 
 The estimated peak follows a step's two high points: as backward starts, the persistent state + the
-all-gather window + the activations + the fp32 gradient of the logits that the loss's backward makes
-first ([tokens, vocab], not a saved tensor); as backward ends, the persistent state + the all-gather window
+all-gather window + the activations + the larger of two moments: the loss's backward, which makes the
+fp32 gradient of the logits first ([tokens, vocab], not a saved tensor) while no group is being copied
+out, and the head's backward right after it, whose group is gathered again (copy-out buffer included)
+once the loss's saved fp32 log-probabilities and that gradient are freed, the logits' gradient in the
+compute dtype alive (2 CPU ranks, 1B LoRA, 512 tokens: the live bytes glibc counts peaked at 0.97x this
+estimate; counting both moments at once was 1.11x too high); as backward ends, the persistent state + the all-gather window
 + every gradient + the reduce-scatter buffers, the activations freed. Gradients set to None after each
 optimizer step (`zero_grad()`'s default) are not alive in forward; with gradient accumulation (or when it
 is unknown, as for the layout planner) they are, and count in the first point too. Measured on an H200
@@ -222,12 +226,14 @@ class MetaTrainingModel:
             names = {id(m): n for n, m in self.model.named_modules()}
             copy_ = meta_copy(self.model)
             layers = [copy_.get_submodule(names[id(layer)]) for layer in self.plan.layers]
+            base = unwrap_peft(copy_)
+            head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
             if tp_size > 1:
                 by_name = {n: self.tp_shapes(tp_size).get(id(p)) for n, p in self.model.named_parameters()}
                 narrow_for_trace(copy_, {id(p): by_name[n] for n, p in copy_.named_parameters() if by_name.get(n)})
             try:
                 self._activations[key] = (trace_activations(copy_, layers, batch_size, seq_len // cp_size,
-                                                            compute_dtype=compute_dtype), None)
+                                                            compute_dtype=compute_dtype, head=head), None)
             except Exception as e:  # noqa: BLE001 - an architecture the meta trace cannot run; report why
                 self._activations[key] = (None, f"{type(e).__name__}: {e}")
         traced, error = self._activations[key]
@@ -313,12 +319,13 @@ def _estimate(prepared: MetaTrainingModel, world_size: int, config: FSDP2Config,
     groups = _group_memory(model, plan, config, shard, quantized, fp8_weights, outside, tp_shapes=tp_shapes)
     dequantized = _dequantized_peak(model, config.param_dtype)
     window = 1 + max(1, config.forward_prefetch or 0, config.backward_prefetch)
-    gathered_peak, peak_names = _gathered_peak(groups, plan, config, window)
+    gathered_peak, peak_names, copy_out = _gathered_peak(groups, plan, config, window)
     reduce_scatter_peak = max((g.reduce_scatter_bytes for g in groups), default=0)
     ddp_reducer = (replication.trains_on_reducer(replicate, shard, config.tp_size * cp_size, config)
                    and not replication.fsdp_only_reasons(model, config))
     if ddp_reducer:  # sharding/replication.py: parameters used in place, gradients all-reduced in their buckets
         gathered_peak, peak_names = _cast_peak(groups, _checkpointed_names(model, plan, config))
+        copy_out = 0
         reduce_scatter_peak = 0
         step_freed = sum(g.cast_bytes for g in groups)  # gradients are views of the buckets, kept
     else:  # each group gathered in forward, again in backward when resharded after forward (the root: once),
@@ -334,6 +341,8 @@ def _estimate(prepared: MetaTrainingModel, world_size: int, config: FSDP2Config,
                                                       config.checkpoint_save_matmuls)
 
     loss_backward = _loss_backward_bytes(model, batch_size, seq_len, cp_size) if activations is not None else 0
+    # The head's own backward receives the logits' gradient in the logits' (compute) dtype.
+    head_grad = loss_backward * _itemsize(config.param_dtype) // 4 if config.param_dtype else loss_backward
 
     trainable = [p for p in params if p.requires_grad]
     notes = [
@@ -386,7 +395,7 @@ def _estimate(prepared: MetaTrainingModel, world_size: int, config: FSDP2Config,
         activations=activations, activations_error=act_error, notes=tuple(notes),
         load_in_4bit=prepared.load_in_4bit, double_quant=prepared.double_quant, dequantized_peak_bytes=dequantized,
         tp_size=config.tp_size, cp_size=cp_size, step_freed_bytes=step_freed,
-        loss_backward_bytes=loss_backward, grads_kept=accumulation is None or accumulation > 1,
+        loss_backward_bytes=loss_backward, head_grad_bytes=head_grad, copy_out_bytes=copy_out, grads_kept=accumulation is None or accumulation > 1,
     )
 
 
@@ -509,9 +518,10 @@ def _checkpointed_names(model: nn.Module, plan: ShardPlan, config: FSDP2Config) 
 
 
 def _gathered_peak(groups: list[GroupMemory], plan: ShardPlan, config: FSDP2Config,
-                   window: int) -> tuple[int, list[str]]:
+                   window: int) -> tuple[int, list[str], int]:
     """Largest unsharded-parameter footprint: a window of groups in flight, plus groups that forward
-    left unsharded and backward has not reached yet (those earlier in execution order)."""
+    left unsharded and backward has not reached yet (those earlier in execution order); and of it, the
+    flat all-gather output of the group being copied out, which exists only while a group is gathered."""
     root = [g for g in groups if g.name == "<root>"]
     order = [g for g in groups if g.name != "<root>"]
     if plan.tied and order:
@@ -533,7 +543,7 @@ def _gathered_peak(groups: list[GroupMemory], plan: ShardPlan, config: FSDP2Conf
         return g.gathered_bytes // reshard  # resharded to groups of `reshard` ranks
 
     root_bytes = sum(g.gathered_bytes for g in root)  # the root group stays gathered through forward
-    best, best_names = root_bytes, [g.name for g in root]
+    best, best_names, best_flat = root_bytes, [g.name for g in root], 0
     for start in range(max(1, len(order) - window + 1)):
         win = order[start:start + window]
         # + the flat all-gather output of the group being copied out: FSDP2 allocates the per-parameter
@@ -541,8 +551,8 @@ def _gathered_peak(groups: list[GroupMemory], plan: ShardPlan, config: FSDP2Conf
         flat = max((g.gathered_bytes for g in win), default=0)
         total = root_bytes + sum(g.gathered_bytes for g in win) + flat + sum(resident(i) for i in range(start))
         if total > best:
-            best, best_names = total, [g.name for g in win] + [g.name for g in root]
-    return best, best_names
+            best, best_names, best_flat = total, [g.name for g in win] + [g.name for g in root], flat
+    return best, best_names, best_flat
 
 
 __all__ = [
