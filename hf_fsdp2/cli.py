@@ -407,7 +407,7 @@ def _run_plan(args: argparse.Namespace) -> int:
                     "checkpoint_save_matmuls": c.checkpoint_save_matmuls,
                     "activation_offload": c.activation_offload, "cpu_offload": c.cpu_offload,
                     "needed_bytes": c.needed_bytes, "host_bytes": c.host_bytes, "fits": c.fits,
-                    "step_freed_bytes": c.estimate.step_freed_bytes, "returns_freed_memory": c.returns_freed_memory}
+                    "heap_kept_bytes": c.estimate.heap_kept_bytes, "returns_freed_memory": c.returns_freed_memory}
         print(json.dumps({"budget_bytes": budget, "world_size": args.world_size, "device": args.device,
                           "chosen": row(plan.chosen) if plan.chosen else None,
                           "returns_freed_memory": plan.returns_freed_memory,

@@ -53,7 +53,8 @@ def test_cpu_plans_without_offload_and_gpu_offload_needs_host_room():
     cpu = _plan(budget=1 << 40, device="cpu")
     layouts = [c for c in cpu.candidates if not c.returns_freed_memory]  # 4 activations x 2 reshard x S in {1, 2, 4}
     assert not any(c.cpu_offload for c in cpu.candidates) and len(layouts) == 24
-    assert len(cpu.candidates) - len(layouts) == 16  # with freed memory given back: the sharded ones (S=1 frees none)
+    # with freed memory given back: every layout (the activations a step frees; the sharded ones' gathers too)
+    assert len(cpu.candidates) - len(layouts) == 24
     kept = _plan(budget=1 << 40, activation_checkpointing=True)  # a True you set is kept, every layer
     assert all(c.activation_checkpointing and c.checkpoint_every == 1 for c in kept.candidates)
 
@@ -223,28 +224,32 @@ def test_cpu_budget_that_glibc_heap_would_break_returns_freed_blocks():
     generous = _plan(budget=1 << 40, world=2, device="cpu")
     est = generous.chosen.estimate
     assert generous.chosen.shard_size == 1 and not generous.returns_freed_memory
-    assert est.step_freed_bytes == 0  # replication on DDP's reducer, fp32: nothing gathered or cast
+    # replication on DDP's reducer, fp32: nothing gathered or cast; what the heap keeps is the activations' share
+    act = est.activations
+    assert est.heap_kept_bytes == act.peak_bytes * act.heap_saved_bytes // act.saved_bytes > 0
     kept = [c for c in generous.candidates if not c.returns_freed_memory]
     returned = [c for c in generous.candidates if c.returns_freed_memory]
     assert generous.candidates == tuple(kept + returned) and returned  # every lever candidate after every layout
     assert [c.describe().removesuffix(", freed memory returned to the OS") for c in returned] == [
-        c.describe() for c in kept if c.estimate.step_freed_bytes]
+        c.describe() for c in kept if c.estimate.heap_kept_bytes]
     sharded = [c for c in kept if c.shard_size == 2 and not c.activation_checkpointing]
     for c in sharded:  # each group gathered in forward, again in backward when resharded (the root once),
         groups = c.estimate.groups  # and its gradients reduce-scattered once; the heap's share counted
         twice = 2 if c.reshard_after_forward else 1
-        freed = sum(g.gathered_bytes * (1 if g.name == "<root>" else twice) + g.reduce_scatter_bytes for g in groups)
-        assert c.estimate.step_freed_bytes == freed > 0
+        act = c.estimate.activations
+        freed = (sum(g.heap_gathered_bytes * (1 if g.name == "<root>" else twice) + g.heap_reduce_scatter_bytes
+                     for g in groups) + act.peak_bytes * act.heap_saved_bytes // act.saved_bytes)
+        assert c.estimate.heap_kept_bytes == freed > 0
         lever = next(r for r in returned if r.describe().startswith(c.describe()))
         assert c.needed_bytes == lever.needed_bytes + freed
     # The lean unchecked layout with the lever, against a checkpointed one that fits with the heap at its budget
-    # (activations of batch 2 x 64: checkpointing saves more than the heap keeps).
+    # (activations of batch 2 x 256: checkpointing saves more than the heap keeps).
     prepared = prepare_meta_model(tiny_config(), FSDP2Config())
-    longer = plan_layout(prepared, 2, FSDP2Config(), budget_bytes=1 << 40, device_type="cpu", batch_size=2, seq_len=64)
+    longer = plan_layout(prepared, 2, FSDP2Config(), budget_bytes=1 << 40, device_type="cpu", batch_size=2, seq_len=256)
     lean = next(r for r in longer.candidates
                 if r.returns_freed_memory and r.shard_size == 2 and r.reshard_after_forward and not r.activation_checkpointing)
     costed = plan_layout(prepared, 2, FSDP2Config(), budget_bytes=lean.needed_bytes, device_type="cpu", batch_size=2,
-                         seq_len=64)
+                         seq_len=256)
     rival = costed.chosen
     assert not rival.returns_freed_memory and rival.activation_checkpointing  # the situation issue 51 met
     assert "given back to the OS" not in costed.summary()
@@ -312,7 +317,7 @@ def test_plan_command(tmp_path, capsys):
     assert cli_main(["plan", "--model", str(config_json), "--world-size", "4", "--memory", "1KB", "--json"]) == 1
     out = json.loads(capsys.readouterr().out)
     assert out["chosen"] is None and out["smallest_workable_budget"] > 1000 and out["returns_freed_memory"] is False
-    assert all(c["step_freed_bytes"] >= 0 for c in out["candidates"])
+    assert all(c["heap_kept_bytes"] >= 0 for c in out["candidates"])
     # TP (2 divides both head counts) and CP (1, 2, 4 divide half of seq 2048) are costed too
     assert {(c["tp_size"], c["cp_size"]) for c in out["candidates"]} == {(1, 1), (1, 2), (1, 4), (2, 1), (2, 2)}
     assert cli_main(["plan", "--model", str(config_json), "--world-size", "4", "--memory", "1KB", "--json",

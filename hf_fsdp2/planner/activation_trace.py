@@ -12,6 +12,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from ..runtime.host_allocator import HEAP_BLOCK_LIMIT
 from .memory_report import ActivationMemory
 from ..sharding.selective_checkpoint import SAVED_OPS
 
@@ -165,6 +166,7 @@ def trace_activations(model: nn.Module, layers: Sequence[nn.Module], batch_size:
         batch_size=batch_size, seq_len=seq_len, checkpointing=False, peak_bytes=saved, saved_bytes=saved,
         outside_layers_bytes=total(outside), layer_inputs_bytes=total(inputs - outside),
         loss_saved_bytes=total(loss_saved & outside),
+        heap_saved_bytes=sum(sizes[k] for k in owner if sizes[k] < HEAP_BLOCK_LIMIT),
         largest_layer_bytes=largest, layer_bytes=tuple(per_layer), layer_matmul_bytes=tuple(matmul_bytes),
     ).with_checkpointing(checkpointing)
 

@@ -84,6 +84,7 @@ import torch.nn as nn
 
 from ..config import FSDP2Config
 from ..quantization import fp8, quantized
+from ..runtime.host_allocator import HEAP_BLOCK_LIMIT
 from .activation_trace import trace_activations
 from ..sharding import replication, selective_checkpoint
 from ..sharding.groups import ShardPlan, apply_frozen_dtype, plan_groups, replicated_frozen_parameters, unwrap_peft
@@ -327,11 +328,11 @@ def _estimate(prepared: MetaTrainingModel, world_size: int, config: FSDP2Config,
         gathered_peak, peak_names = _cast_peak(groups, _checkpointed_names(model, plan, config))
         copy_out = 0
         reduce_scatter_peak = 0
-        step_freed = sum(g.cast_bytes for g in groups)  # gradients are views of the buckets, kept
+        heap_kept = sum(g.heap_cast_bytes for g in groups)  # gradients are views of the buckets, kept
     else:  # each group gathered in forward, again in backward when resharded after forward (the root: once),
         # and its unsharded gradients + reduce-scatter input once
-        step_freed = sum(g.gathered_bytes * (1 if g.name == "<root>" or config.reshard_after_forward is False else 2)
-                         + g.reduce_scatter_bytes for g in groups)
+        heap_kept = sum(g.heap_gathered_bytes * (1 if g.name == "<root>" or config.reshard_after_forward is False else 2)
+                        + g.heap_reduce_scatter_bytes for g in groups)
 
     activations, act_error = None, None
     if batch_size is not None:
@@ -340,6 +341,8 @@ def _estimate(prepared: MetaTrainingModel, world_size: int, config: FSDP2Config,
                                                       config.activation_offload, config.tp_size, cp_size,
                                                       config.checkpoint_save_matmuls)
 
+    if activations is not None and activations.saved_bytes:  # the heap-served share of what the step saves
+        heap_kept += activations.peak_bytes * activations.heap_saved_bytes // activations.saved_bytes
     loss_backward = _loss_backward_bytes(model, batch_size, seq_len, cp_size) if activations is not None else 0
     # The head's own backward receives the logits' gradient in the logits' (compute) dtype.
     head_grad = loss_backward * _itemsize(config.param_dtype) // 4 if config.param_dtype else loss_backward
@@ -394,7 +397,7 @@ def _estimate(prepared: MetaTrainingModel, world_size: int, config: FSDP2Config,
         gathered_peak_groups=tuple(peak_names), reduce_scatter_peak_bytes=reduce_scatter_peak,
         activations=activations, activations_error=act_error, notes=tuple(notes),
         load_in_4bit=prepared.load_in_4bit, double_quant=prepared.double_quant, dequantized_peak_bytes=dequantized,
-        tp_size=config.tp_size, cp_size=cp_size, step_freed_bytes=step_freed,
+        tp_size=config.tp_size, cp_size=cp_size, heap_kept_bytes=heap_kept,
         loss_backward_bytes=loss_backward, head_grad_bytes=head_grad, copy_out_bytes=copy_out, grads_kept=accumulation is None or accumulation > 1,
     )
 
@@ -480,6 +483,11 @@ def _group_memory(model: nn.Module, plan: ShardPlan, config: FSDP2Config, shard:
 def _one_group(name: str, params: Iterable[nn.Parameter], config: FSDP2Config, shard: int,
                quantized: dict[int, tuple[str, int]], fp8_weights: set[int], tp_shapes: dict) -> GroupMemory:
     numel = trainable = gathered = grads = rs_input = cast = 0
+    heap_params = heap_grads = heap_cast = 0  # per-parameter tensors glibc's heap serves
+
+    def heap(nbytes: int) -> int:
+        return nbytes if nbytes < HEAP_BLOCK_LIMIT else 0
+
     for p in params:
         local = _local_shape(p, tp_shapes)
         rows, row_numel = _rows_and_row_numel(local)
@@ -489,15 +497,21 @@ def _one_group(name: str, params: Iterable[nn.Parameter], config: FSDP2Config, s
         compute = config.param_dtype if (config.param_dtype is not None and p.is_floating_point()) else p.dtype
         # FP8 all-gather: torchao's pre-all-gather hook casts the shard to float8, 1 byte a value.
         gathered += padded * (1 if id(p) in fp8_weights else _itemsize(compute))
+        unsharded = local.numel() * _itemsize(compute)  # FSDP2's per-parameter tensor, copied out of the flat one
+        heap_params += heap(unsharded)
         if compute != p.dtype:
-            cast += local.numel() * _itemsize(compute)
+            cast += unsharded
+            heap_cast += heap(unsharded)
         numel += _numel(p, quantized)
         if p.requires_grad:
             trainable += p.numel()
-            grads += local.numel() * _itemsize(compute)
+            grads += unsharded
+            heap_grads += heap(unsharded)
             rs_input += padded * _itemsize(config.reduce_dtype or compute)
     return GroupMemory(name=name, numel=numel, trainable_numel=trainable, gathered_bytes=gathered,
-                       reduce_scatter_bytes=grads + rs_input, cast_bytes=cast)
+                       reduce_scatter_bytes=grads + rs_input, cast_bytes=cast,
+                       heap_gathered_bytes=heap(gathered) + heap_params,
+                       heap_reduce_scatter_bytes=heap_grads + heap(rs_input), heap_cast_bytes=heap_cast)
 
 
 def _cast_peak(groups: list[GroupMemory], checkpointed: set[str]) -> tuple[int, list[str]]:

@@ -21,6 +21,11 @@ class GroupMemory:
     gathered_bytes: int  # all-gather output: padded rows, compute dtype
     reduce_scatter_bytes: int  # unsharded grads (compute dtype) + reduce-scatter input (reduce dtype, padded)
     cast_bytes: int = 0  # compute-dtype copies of parameters stored in another dtype (the cast part of a gather)
+    # Of each, what comes from glibc's heap, which keeps it when freed: blocks under glibc's largest mmap
+    # threshold (runtime/host_allocator.py); larger ones are mmapped and unmapped when freed.
+    heap_gathered_bytes: int = 0  # the flat all-gather output (if small) + the small per-parameter tensors
+    heap_reduce_scatter_bytes: int = 0
+    heap_cast_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -44,6 +49,7 @@ class ActivationMemory:
     # Saved by the loss after the head ran (transformers upcasts the logits: their fp32 log-probabilities);
     # part of outside_layers_bytes, freed by the loss's backward before the head's backward.
     loss_saved_bytes: int = 0
+    heap_saved_bytes: int = 0  # of saved_bytes, the storages glibc's heap serves (GroupMemory's heap fields)
 
     def offloaded_to_host(self) -> "ActivationMemory":
         """Activation offload: what the layers save (their inputs too) lives on the host; the device
@@ -112,10 +118,10 @@ class MemoryEstimate:
     dequantized_peak_bytes: int = 0  # 4-bit: the largest weight bitsandbytes dequantizes for a matmul
     tp_size: int = 1  # tensor parallelism: the numbers are TP rank 0's (the largest blocks)
     cp_size: int = 1  # context parallelism: each rank's activations hold seq_len / cp_size tokens
-    # Bytes a step allocates and frees again (all groups: each gather of their parameters, their unsharded
-    # gradients and reduce-scatter buffers): what glibc's heap may keep on CPU (runtime/host_allocator.py);
-    # not part of the device peak.
-    step_freed_bytes: int = 0
+    # What glibc's heap may keep on CPU beyond the live bytes (runtime/host_allocator.py), not part of the device
+    # peak: the heap-served blocks a step allocates and frees again (each gather of the groups' parameters, their
+    # unsharded gradients and reduce-scatter buffers, the activations), those under glibc's largest mmap threshold.
+    heap_kept_bytes: int = 0
     # The fp32 gradient of the logits as backward starts (memory.py `_loss_backward_bytes`).
     loss_backward_bytes: int = 0
     # The logits' gradient in the compute dtype, what the head's backward receives once the loss's has run.

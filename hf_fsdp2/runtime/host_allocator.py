@@ -33,6 +33,9 @@ RETURN_THRESHOLD_BYTES = 128 * 1024  # glibc's own initial mmap threshold
 # 4 * 1024 * 1024 * sizeof(long) on 64-bit; the trim threshold follows at twice the mmap threshold).
 RELEASED_MMAP_THRESHOLD_BYTES = 32 * 1024 * 1024
 RELEASED_TRIM_THRESHOLD_BYTES = 2 * RELEASED_MMAP_THRESHOLD_BYTES
+# Blocks under this come from glibc's heap by default (the dynamic mmap threshold never rises past it), and
+# freed heap blocks stay with the process: the planner's measure of what the heap may keep (planner/memory.py).
+HEAP_BLOCK_LIMIT = RELEASED_MMAP_THRESHOLD_BYTES
 
 _returning = False
 _owners: set[int] = set()  # id() of the models the lever is held for (each with a finalizer)
@@ -115,4 +118,4 @@ def trim_if_returning() -> None:
         trim()
 
 
-__all__ = ["is_glibc", "release", "return_freed_blocks", "returns_freed_blocks", "trim", "trim_if_returning"]
+__all__ = ["HEAP_BLOCK_LIMIT", "is_glibc", "release", "return_freed_blocks", "returns_freed_blocks", "trim", "trim_if_returning"]
