@@ -203,6 +203,10 @@ class FSDP2Config:
             device). An alternative to `activation_checkpointing`: no recomputation, two copies.
         cpu_offload: keep sharded params, grads and optimizer states in CPU memory.
         replicate_size: HSDP replicas (1 = plain FSDP).
+        ep_size: expert parallelism for mixture-of-experts models (sharding/expert_parallel.py): the model's
+            own EP plan (transformers' `base_model_ep_plan`), each layer's experts split over `ep_size` ranks of
+            the shard group (tokens sent to them by all-to-all) and FSDP-sharded over the shard size / ep_size
+            ranks that hold the same ones; the rest sharded as without EP. Must divide the shard size.
         tp_size: tensor parallelism (sharding/tensor_parallel.py): the model's own TP plan (transformers'
             `base_model_tp_plan`) applied on a "tp" mesh dimension of this many ranks, FSDP2 over the
             data-parallel ranks on top; world size = replicate_size x shard_size x tp_size.
@@ -271,6 +275,7 @@ class FSDP2Config:
     replicate_size: int = 1
     shard_size: int | Literal["auto"] | None = None
     tp_size: int = 1
+    ep_size: int = 1
     frozen_dtype: torch.dtype | None = None
     async_save: bool = False
     fp8: bool = False
@@ -303,7 +308,7 @@ class FSDP2Config:
             "reshard_after_forward": self._parse_reshard(self.reshard_after_forward),
             **{name: _parse_int(getattr(self, name), name, low)
                for name, low in (("min_num_params", 0), ("backward_prefetch", 0), ("checkpoint_every", 1),
-                                 ("replicate_size", 1), ("tp_size", 1), ("plan_batch_size", 1))},
+                                 ("replicate_size", 1), ("tp_size", 1), ("ep_size", 1), ("plan_batch_size", 1))},
             **optional_int,
             **{name: parse_bool(getattr(self, name), name)
                for name in ("activation_checkpointing", "checkpoint_save_matmuls", "activation_offload", "cpu_offload",
@@ -338,11 +343,17 @@ class FSDP2Config:
         if self.tp_size > 1 and self.wrap_policy != "transformer":
             raise ValueError(f"`tp_size`={self.tp_size} applies the model's tensor-parallel plan per decoder layer: "
                              f"it needs `wrap_policy`='transformer', not {self.wrap_policy!r}.")
+        if self.ep_size > 1 and self.wrap_policy != "transformer":
+            raise ValueError(f"`ep_size`={self.ep_size} makes each decoder layer's experts a group of their own: "
+                             f"it needs `wrap_policy`='transformer', not {self.wrap_policy!r}.")
 
     def _check_layout(self) -> None:
         if self.shard_size == "auto" and self.replicate_size != 1:
             raise ValueError(f"`shard_size`='auto' picks the replicas too; leave `replicate_size` at 1 "
                              f"(got {self.replicate_size}).")
+        if self.ep_size > 1 and self.shard_size == "auto":
+            raise ValueError(f"`ep_size`={self.ep_size} with `shard_size`='auto' is not done in hf_fsdp2: the layout "
+                             "planner does not cost expert parallelism yet; give shard_size (or leave it None).")
         if self.memory_budget is not None and self.shard_size != "auto":
             raise ValueError("`memory_budget` is what the auto layout must fit; set `shard_size`='auto' "
                              "with it, or remove it.")

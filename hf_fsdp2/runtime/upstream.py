@@ -319,7 +319,7 @@ PRIVATE: tuple[Private, ...] = (
     Private("transformers.modeling_utils", "PreTrainedModel._no_split_modules", f"{_ACC}, sharding/groups.py"),
     Private("transformers.modeling_utils", "PreTrainedModel._init_weights", "sharding/engine.py"),
     Private("transformers.modeling_utils", "PreTrainedModel._get_dtype_plan", "checkpoint/pretrained.py"),
-    Private("transformers.modeling_utils", "PreTrainedModel._resolve_parallel_plans", "sharding/tensor_parallel.py",
+    Private("transformers.modeling_utils", "PreTrainedModel._resolve_parallel_plans", "sharding/parallel_plans.py",
             optional=True),
     Private("transformers.modeling_utils", "PreTrainedModel._weight_conversions", "checkpoint/key_conversion.py",
             optional=True),

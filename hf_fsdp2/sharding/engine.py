@@ -30,8 +30,8 @@ from .compile import compile_layers, disable_cache_in_training, is_compiled
 from .groups import ShardPlan, apply_frozen_dtype, plan_groups, replicated_frozen_parameters, unwrap_peft
 from .generation import wrap_generate
 from .record import record_of
-from . import (activation_offload, adopt, compiled_collectives, context_parallel, replication, selective_checkpoint,
-               tensor_parallel)
+from . import (activation_offload, adopt, compiled_collectives, context_parallel, expert_parallel, replication,
+               selective_checkpoint, tensor_parallel)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -103,6 +103,9 @@ def apply_fsdp(model: nn.Module, plan: ShardPlan, config: FSDP2Config, mesh: Dev
     if ignored:
         kwargs["ignored_params"] = ignored
     reshard = config.reshard_after_forward
+    if plan.experts:  # inside the layers: sharded first, each its own group (sharding/expert_parallel.py)
+        expert_parallel.shard_experts(plan.experts, plan.experts_mesh, mesh.size(), fully_shard,
+                                      **{k: v for k, v in kwargs.items() if k != "mesh"}, reshard_after_forward=reshard)
     for index, layer in enumerate(plan.layers):
         # The last layer's backward runs right after forward: resharding it would only re-gather it.
         last = index == len(plan.layers) - 1 and plan.in_forward_order
@@ -261,6 +264,9 @@ def shard_planned(
         apply_frozen_dtype(model, config.frozen_dtype)
     config = _tensor_parallel(model, config, mesh, on_meta and init_weights)  # a loader fills meta weights (from_pretrained)
     plan = plan_groups(model, config)
+    if config.ep_size > 1:
+        expert_parallel.refuse_unsupported(model, config, mesh, on_meta)
+        plan.experts, plan.experts_mesh = expert_parallel.apply_expert_parallel(model, config, mesh)
     if config.fp8:
         apply_fp8(model, plan)
     apply_frozen_dtype(model, config.frozen_dtype)

@@ -48,6 +48,9 @@ class ShardPlan:
     tied: bool
     in_forward_order: bool = True  # layers are a flat stack run one after another (prefetch chains)
     ignored_params: set = dataclasses.field(default_factory=set)  # kept out of FSDP (`ignored_modules`)
+    # Expert parallelism (sharding/expert_parallel.py): the experts modules, each its own group on this mesh
+    experts: list = dataclasses.field(default_factory=list)
+    experts_mesh: object = None
 
 
 def resolve_layer_class_names(model: nn.Module, config: FSDP2Config) -> tuple[str, ...]:

@@ -35,6 +35,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from . import parallel_plans
 from .groups import unwrap_peft
 from ..quantization import quantized
 from ..runtime.distributed import TP_DIM
@@ -136,12 +137,6 @@ def resolved_plan(model: nn.Module, tp_size: int) -> dict[str, str]:
     """The model's TP plan for `tp_size` ranks, one entry per module or parameter of the model under
     PEFT (as `from_pretrained(distributed_config=...)` resolves it: `_resolve_parallel_plans`, then
     `plan_with_lora`). Pure: the memory estimate reads it too (planner/parallel_shapes.py)."""
-    from transformers.distributed import DistributedConfig
-
     inner = unwrap_peft(model)
-    resolve = getattr(inner, "_resolve_parallel_plans", None)
-    if resolve is None:
-        raise ValueError(f"`tp_size`={tp_size}: {type(inner).__name__} is not a transformers model with a "
-                         "tensor-parallel plan.")
-    tp_plan, _, _ = resolve(DistributedConfig(tp_size=tp_size))
+    tp_plan, _ = parallel_plans.resolve(inner, "tp_size", tp_size, tp_size=tp_size)
     return plan_with_lora(inner, tp_plan)

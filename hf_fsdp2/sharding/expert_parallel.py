@@ -1,0 +1,129 @@
+"""Expert parallelism (EP) under FSDP2 for mixture-of-experts models, with transformers' own EP machinery.
+
+transformers 5 ships each MoE model's EP plan (`base_model_ep_plan`, e.g. Qwen3-MoE's
+`"layers.*.mlp.experts": "ep_dispatch_experts"` with its fused `gate_up_proj`/`down_proj` as
+`"grouped_gemm"`) and applies it with `transformers.distributed.expert_parallel.apply_expert_parallelism`:
+each expert tensor becomes a `Shard(0)` DTensor on the "ep" mesh (E / ep experts per rank, no
+communication: every rank keeps its own rows of the same full weights), and the experts' forward sends
+each (token, expert) pair to the expert's rank and the result back with two all-to-alls (`AllToAllEP`,
+what `ep_implementation="auto"` picks in training).
+
+On top, as `from_pretrained(distributed_config=DistributedConfig(ep_size=...))` composes them
+(`transformers/distributed/fsdp.py` `apply_fully_sharded_data_parallelism`, torchtitan's `efsdp`): the
+experts module is its own FSDP2 group over the ranks that hold the same experts ("efsdp", shard size / ep),
+the rest of each layer is sharded over all of the shard group as without EP. An expert's gradient on a
+rank already sums the tokens every rank of its EP group sent it, so the efsdp reduction sums and divides
+by the whole data-parallel size (`set_gradient_divide_factor`); FSDP2 would otherwise apply that factor
+with a PREMUL_SUM, which gloo rejects, so the reduction is a plain sum divided locally
+(`set_force_sum_reduction_for_comms`), as transformers does.
+
+The expert mesh is its own ("efsdp", "ep") mesh over the same ranks (transformers' `TransformersDeviceMesh`
+keeps a dense and an expert mesh the same way): ep ranks are neighbours, so one machine's devices exchange
+the tokens.
+
+Checkpoints need nothing of their own: an expert tensor is a DTensor on the expert mesh
+(`_StridedShard` on efsdp, `Shard` on ep, both on dim 0), whose rows the gather-free writers and readers
+already place (tests/test_expert_parallel.py: the files equal stock save_pretrained's, one tensor per
+expert, and a training state resumes on plain FSDP and on another ep size).
+
+Not done, refused by name when asked for: HSDP replicas, tensor or context parallelism, 4-bit or FP8
+experts, PEFT (LoRA on experts or beside them), compile, CPU or activation offload, the auto layout,
+and a model on the meta device (hf_fsdp2.from_pretrained and the deferred load).
+"""
+
+from __future__ import annotations
+
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from ..runtime import collectives
+from . import parallel_plans
+from .groups import unwrap_peft
+
+EP_DIM, EFSDP_DIM = "ep", "efsdp"
+DISPATCH_STYLE = "ep_dispatch_experts"  # the module whose forward transformers replaces with the token exchange
+
+
+def resolved_plan(model: nn.Module, shard_size: int, ep_size: int) -> dict[str, str]:
+    """The model's EP plan for `ep_size` ranks, one entry per module or parameter (as
+    `from_pretrained(distributed_config=...)` resolves it: `_resolve_parallel_plans`)."""
+    inner = unwrap_peft(model)
+    _, ep_plan = parallel_plans.resolve(inner, "ep_size", ep_size, fsdp_size=shard_size, ep_size=ep_size)
+    if DISPATCH_STYLE not in ep_plan.values():
+        raise ValueError(f"`ep_size`={ep_size}: {type(inner).__name__} has no experts to split "
+                         f"(its config's base_model_ep_plan names no '{DISPATCH_STYLE}' module); leave ep_size at 1.")
+    return ep_plan
+
+
+def refuse_unsupported(model: nn.Module, config, mesh: DeviceMesh, on_meta: bool) -> None:
+    """What EP does not cover yet, refused by name before anything changes."""
+    from ..quantization import quantized
+
+    names = mesh.mesh_dim_names or ()
+    reason = None
+    if unwrap_peft(model) is not model:
+        reason = "a PEFT model (LoRA on or beside the experts)"
+    elif len(names) > 1:
+        reason = f"the mesh {dict(zip(names, mesh.shape))} (HSDP replicas, tensor or context parallelism)"
+    elif quantized.has_quantized_layers(model):
+        reason = "4-bit (bitsandbytes) layers"
+    else:
+        reason = next((f"`{field}`" for field in ("fp8", "compile", "cpu_offload", "activation_offload")
+                       if getattr(config, field)), None)
+    if reason is None and on_meta:
+        reason = "a model on the meta device (build it with its weights first)"
+    if reason:
+        raise ValueError(f"`ep_size`={config.ep_size} (expert parallelism) is not done in hf_fsdp2 with {reason}.")
+    shard = mesh.size()
+    if shard % config.ep_size:
+        raise ValueError(f"`ep_size`={config.ep_size} must divide the shard size {shard}: the experts are split over "
+                         "ep ranks and FSDP-sharded over the shard size / ep ranks that hold the same ones.")
+
+
+def expert_mesh(mesh: DeviceMesh, ep_size: int) -> DeviceMesh:
+    """The ("efsdp", "ep") mesh over the ranks of `mesh` (one shard group): ep neighbours exchange tokens.
+    Collective: call on every rank."""
+    shape = (mesh.size() // ep_size, ep_size)
+    override = None
+    if mesh.device_type not in collectives.default_group_devices():  # as runtime.distributed.build_mesh
+        override = {dim: "gloo" for dim in range(len(shape))}
+    return init_device_mesh(mesh.device_type, shape, mesh_dim_names=(EFSDP_DIM, EP_DIM), backend_override=override)
+
+
+def _batch_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """transformers' `tp_mesh` argument: the ranks that hold the same batch. Without TP each rank holds its own,
+    a one-rank mesh dimension (so `AllToAllEP` sends every token once)."""
+    override = None
+    if mesh.device_type not in collectives.default_group_devices():
+        override = {0: "gloo", 1: "gloo"}
+    return init_device_mesh(mesh.device_type, (mesh.size(), 1), mesh_dim_names=("batch", "tp"),
+                            backend_override=override)["tp"]
+
+
+def apply_expert_parallel(model: nn.Module, config, mesh: DeviceMesh) -> tuple[list[nn.Module], DeviceMesh]:
+    """The model's EP plan applied by transformers on a new expert mesh; the experts modules (each to become
+    an FSDP2 group on the mesh's "efsdp" dimension, `shard_experts`) and that mesh."""
+    from transformers.distributed.expert_parallel import apply_expert_parallelism
+
+    plan = resolved_plan(model, mesh.size(), config.ep_size)
+    experts_mesh = expert_mesh(mesh, config.ep_size)
+    inner = unwrap_peft(model)
+    apply_expert_parallelism(inner, experts_mesh[EP_DIM], _batch_mesh(mesh), plan)
+    experts = [inner.get_submodule(name) for name, style in plan.items() if style == DISPATCH_STYLE]
+    return experts, experts_mesh
+
+
+def shard_experts(experts: list[nn.Module], experts_mesh: DeviceMesh, data_parallel_size: int, fully_shard,
+                  **kwargs) -> None:
+    """Each experts module its own FSDP2 group over "efsdp"; gradients summed there and divided by the whole
+    data-parallel size (module docstring)."""
+    efsdp = experts_mesh[EFSDP_DIM]
+    for module in experts:
+        fully_shard(module, mesh=efsdp, **kwargs)
+        module.set_gradient_divide_factor(float(data_parallel_size))
+        if efsdp.size() > 1:  # with one rank FSDP2 reduces nothing and divides itself; a forced sum would not
+            module.set_force_sum_reduction_for_comms(True)
+
+
+__all__ = ["DISPATCH_STYLE", "EFSDP_DIM", "EP_DIM", "apply_expert_parallel", "expert_mesh", "refuse_unsupported",
+           "resolved_plan", "shard_experts"]

@@ -1,0 +1,185 @@
+"""Expert parallelism x FSDP2 on 4 CPU ranks (issue 49), with transformers' own EP plan and token dispatch:
+a tiny Qwen3-MoE trains like one process (losses, router auxiliary loss included, and every gradient) with
+ep 2 x efsdp 2 and with ep 4; what is not done yet is refused by name."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from hf_fsdp2 import FSDP2Config, load_state, save_pretrained, save_state, shard_model
+
+from .common import batches, global_mean, local_rows, saved_tensors
+from .dist_harness import run_ranks
+
+STEPS, SPLIT, WORLD = 3, 2, 4
+GRADS = ("model.layers.0.mlp.experts.gate_up_proj", "model.layers.1.mlp.experts.down_proj",
+         "model.layers.0.mlp.gate.weight", "model.layers.1.self_attn.q_proj.weight", "lm_head.weight")
+
+
+def build_moe(seed: int = 0):
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen3MoeConfig(vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, num_experts=8,
+                            num_experts_per_tok=2, max_position_embeddings=64, output_router_logits=True,
+                            router_aux_loss_coef=0.01, tie_word_embeddings=False)
+    return Qwen3MoeForCausalLM(config).float()
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _train(model, rank: int, world: int, root: str | None = None, start: int = 0, opt=None
+           ) -> tuple[list[float], dict[str, torch.Tensor], list[float]]:
+    """AdamW steps `start`.. on this rank's rows (the reference averages the ranks' losses the same way); the
+    first step's gradients, whole; the router auxiliary loss of each step. `root`: the training state saved
+    after SPLIT steps (`root/state`), the model at the end (`root/final`)."""
+    opt = opt if opt is not None else torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses, aux, grads = [], [], {}
+    for step, ids in enumerate(batches(STEPS)[start:], start):
+        if root is not None and step == SPLIT:
+            save_state(f"{root}/state", model, opt, step=SPLIT)
+        ids = local_rows(ids, rank, world)
+        out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        if step == 0:
+            named = dict(model.named_parameters())
+            grads = {name: _full(named[name].grad).detach().clone() for name in GRADS}
+        opt.step()
+        opt.zero_grad()
+        losses.append(global_mean(out.loss))
+        aux.append(global_mean(out.aux_loss))
+    if root is not None:
+        save_pretrained(model, f"{root}/final")
+    return losses, grads, aux
+
+
+def _reference(world: int):
+    """One process: each step the mean of the ranks' losses over their rows, as the ranks average gradients."""
+    model = build_moe()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses, aux, grads = [], [], {}
+    for step, ids in enumerate(batches(STEPS)):
+        outs = [model(input_ids=local_rows(ids, r, world), labels=local_rows(ids, r, world)) for r in range(world)]
+        loss = sum(o.loss for o in outs) / world
+        loss.backward()
+        if step == 0:
+            named = dict(model.named_parameters())
+            grads = {name: named[name].grad.detach().clone() for name in GRADS}
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+        aux.append((sum(o.aux_loss for o in outs) / world).item())
+    return losses, grads, aux
+
+
+def _ep_rank(rank, world, ep_size, root=None):
+    model = build_moe()
+    shard_model(model, FSDP2Config(ep_size=ep_size))
+    experts = model.model.layers[0].mlp.experts
+    weight = experts.gate_up_proj
+    layout = {"mesh": list(weight.device_mesh.mesh_dim_names), "shape": list(weight.device_mesh.shape),
+              "local_experts": experts.num_experts, "local_rows": weight.to_local().shape[0],
+              "dense_mesh": list(model.model.layers[0].self_attn.q_proj.weight.device_mesh.mesh_dim_names)}
+    losses, grads, aux = _train(model, rank, world, root)
+    out = {"layout": layout, "losses": losses, "grads": grads, "aux": aux}
+    if root is not None:  # the trained weights, whole (test-only gather), to hold the files against
+        out["weights"] = {name: _full(p).detach().clone() for name, p in model.named_parameters()}
+    return out
+
+
+def _resume(rank, world, ep_size, directory, resave=None):
+    model = build_moe(seed=123)  # other weights: everything must come from the state
+    shard_model(model, FSDP2Config(ep_size=ep_size))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    start, _ = load_state(directory, model, opt)
+    if resave:
+        save_state(resave, model, opt, step=start)
+    return _train(model, rank, world, start=start, opt=opt)[0]
+
+
+@pytest.mark.parametrize("ep_size", [2, 4])
+def test_expert_parallel_trains_like_one_process(ep_size):
+    ref_losses, ref_grads, ref_aux = _reference(WORLD)
+    out = run_ranks(_ep_rank, WORLD, ep_size)
+    layout = out[0]["layout"]
+    assert layout["mesh"] == ["efsdp", "ep"] and layout["shape"] == [WORLD // ep_size, ep_size]
+    assert layout["local_experts"] == 8 // ep_size  # E / ep experts per rank, as transformers sets it
+    assert layout["dense_mesh"] == ["dp_shard"]  # attention, router, embeddings: sharded over all 4 ranks
+    for rank in out:
+        assert rank["losses"] == pytest.approx(ref_losses, rel=1e-5)
+        assert rank["aux"] == pytest.approx(ref_aux, rel=1e-5) and all(a > 0 for a in ref_aux)
+        for name, expected in ref_grads.items():
+            torch.testing.assert_close(rank["grads"][name], expected, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_expert_parallel_checkpoints_load_in_stock_transformers_and_resume_on_any_ep(tmp_path):
+    """ep 2 x efsdp 2 writes, gather-free, what stock save_pretrained writes for the same weights (one file
+    tensor per expert where the model's conversion splits them) and stock from_pretrained reads it; its
+    training state resumes on plain FSDP (which saves it again) and on ep 4, and the plain one back on ep 2."""
+    from transformers import AutoModelForCausalLM
+
+    out = run_ranks(_ep_rank, WORLD, 2, str(tmp_path))[0]
+    tail = out["losses"][SPLIT:]
+    stock_model = build_moe(seed=7)
+    stock_model.load_state_dict(out["weights"])  # the same trained weights, saved by transformers itself
+    stock_model.save_pretrained(tmp_path / "stock")
+    ours, stock = saved_tensors(tmp_path / "final"), saved_tensors(tmp_path / "stock")
+    assert ours.keys() == stock.keys() and all(torch.equal(ours[k], stock[k]) for k in stock)
+    # fused in memory, one tensor per expert and projection in the hub's files (the model's conversion)
+    assert "model.layers.0.mlp.experts.gate_up_proj" in out["weights"] and "model.layers.0.mlp.experts.7.up_proj.weight" in ours
+    loaded = dict(AutoModelForCausalLM.from_pretrained(tmp_path / "final").named_parameters())
+    assert all(torch.equal(loaded[name], value) for name, value in out["weights"].items())
+
+    plain = run_ranks(_resume, WORLD, 1, str(tmp_path / "state"), str(tmp_path / "plain-state"))[0]
+    assert plain == pytest.approx(tail, rel=1e-5)
+    assert run_ranks(_resume, WORLD, 4, str(tmp_path / "state"))[0] == pytest.approx(tail, rel=1e-5)
+    assert run_ranks(_resume, WORLD, 2, str(tmp_path / "plain-state"))[0] == pytest.approx(tail, rel=1e-5)
+    ep_files, plain_files = saved_tensors(tmp_path / "state"), saved_tensors(tmp_path / "plain-state")
+    assert ep_files.keys() == plain_files.keys() and all(torch.equal(ep_files[k], plain_files[k]) for k in ep_files)
+
+
+def _reference_steps(model, world: int) -> None:
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for ids in batches(STEPS):
+        loss = sum(model(input_ids=local_rows(ids, r, world), labels=local_rows(ids, r, world)).loss
+                   for r in range(world)) / world
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _refusal(rank, world, config_fields, wrap):
+    model = build_moe()
+    if wrap:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj"]))
+    try:
+        shard_model(model, FSDP2Config(**config_fields))
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+@pytest.mark.parametrize("fields,wrap,message", [
+    (dict(ep_size=2), True, r"`ep_size`=2 \(expert parallelism\) is not done in hf_fsdp2 with a PEFT model"),
+    (dict(ep_size=2, replicate_size=2), False, r"not done in hf_fsdp2 with the mesh .*dp_replicate"),
+    (dict(ep_size=3), False, r"`ep_size`=3 must divide the shard size 4"),
+])
+def test_what_expert_parallelism_does_not_do_yet_is_refused_by_name(fields, wrap, message):
+    errors = run_ranks(_refusal, WORLD, fields, wrap)
+    assert all(e is not None for e in errors), errors
+    assert re.search(message, errors[0]), errors[0]
+
+
+def test_ep_with_the_auto_layout_or_another_wrap_policy_is_refused_by_name():
+    with pytest.raises(ValueError, match=r"`ep_size`=2 with `shard_size`='auto' is not done"):
+        FSDP2Config(ep_size=2, shard_size="auto")
+    with pytest.raises(ValueError, match=r"`ep_size`=2 makes each decoder layer's experts a group"):
+        FSDP2Config(ep_size=2, wrap_policy="size")
