@@ -15,19 +15,30 @@ from .common import batches, global_mean, local_rows, saved_tensors
 from .dist_harness import run_ranks
 
 STEPS, SPLIT, WORLD = 3, 2, 4
-GRADS = ("model.layers.0.mlp.experts.gate_up_proj", "model.layers.1.mlp.experts.down_proj",
-         "model.layers.0.mlp.gate.weight", "model.layers.1.self_attn.q_proj.weight", "lm_head.weight")
 
 
-def build_moe(seed: int = 0):
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+def build_moe(seed: int = 0, arch: str = "qwen3_moe"):
+    """A tiny MoE model with 8 experts, top-2: Qwen3-MoE (router auxiliary loss on), Mixtral (the same), or
+    DeepSeek-V3 (a dense first layer, a shared expert, grouped top-k routing with its expert bias, no
+    auxiliary loss)."""
+    import transformers
 
     torch.manual_seed(seed)
-    config = Qwen3MoeConfig(vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, num_experts=8,
-                            num_experts_per_tok=2, max_position_embeddings=64, output_router_logits=True,
-                            router_aux_loss_coef=0.01, tie_word_embeddings=False)
-    return Qwen3MoeForCausalLM(config).float()
+    common = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
+    aux = dict(output_router_logits=True, router_aux_loss_coef=0.01)
+    if arch == "qwen3_moe":
+        config = transformers.Qwen3MoeConfig(**common, **aux, moe_intermediate_size=32, num_experts=8,
+                                             num_experts_per_tok=2)
+        return transformers.Qwen3MoeForCausalLM(config).float()
+    if arch == "mixtral":
+        config = transformers.MixtralConfig(**common, **aux, num_local_experts=8, num_experts_per_tok=2)
+        return transformers.MixtralForCausalLM(config).float()
+    config = transformers.DeepseekV3Config(
+        **common, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+        first_k_dense_replace=1, n_group=2, topk_group=1, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8,
+        qk_nope_head_dim=8, v_head_dim=16)
+    return transformers.DeepseekV3ForCausalLM(config).float()
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -48,20 +59,19 @@ def _train(model, rank: int, world: int, root: str | None = None, start: int = 0
         out = model(input_ids=ids, labels=ids)
         out.loss.backward()
         if step == 0:
-            named = dict(model.named_parameters())
-            grads = {name: _full(named[name].grad).detach().clone() for name in GRADS}
+            grads = {name: _full(p.grad).detach().clone() for name, p in model.named_parameters()}
         opt.step()
         opt.zero_grad()
         losses.append(global_mean(out.loss))
-        aux.append(global_mean(out.aux_loss))
+        aux.append(global_mean(out.aux_loss) if out.aux_loss is not None else None)
     if root is not None:
         save_pretrained(model, f"{root}/final")
     return losses, grads, aux
 
 
-def _reference(world: int):
+def _reference(world: int, arch: str):
     """One process: each step the mean of the ranks' losses over their rows, as the ranks average gradients."""
-    model = build_moe()
+    model = build_moe(arch=arch)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses, aux, grads = [], [], {}
     for step, ids in enumerate(batches(STEPS)):
@@ -69,23 +79,22 @@ def _reference(world: int):
         loss = sum(o.loss for o in outs) / world
         loss.backward()
         if step == 0:
-            named = dict(model.named_parameters())
-            grads = {name: named[name].grad.detach().clone() for name in GRADS}
+            grads = {name: p.grad.detach().clone() for name, p in model.named_parameters()}
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-        aux.append((sum(o.aux_loss for o in outs) / world).item())
+        aux.append((sum(o.aux_loss for o in outs) / world).item() if outs[0].aux_loss is not None else None)
     return losses, grads, aux
 
 
-def _ep_rank(rank, world, ep_size, root=None):
-    model = build_moe()
+def _ep_rank(rank, world, ep_size, root=None, arch="qwen3_moe"):
+    model = build_moe(arch=arch)
     shard_model(model, FSDP2Config(ep_size=ep_size))
-    experts = model.model.layers[0].mlp.experts
+    experts = model.model.layers[-1].mlp.experts
     weight = experts.gate_up_proj
     layout = {"mesh": list(weight.device_mesh.mesh_dim_names), "shape": list(weight.device_mesh.shape),
               "local_experts": experts.num_experts, "local_rows": weight.to_local().shape[0],
-              "dense_mesh": list(model.model.layers[0].self_attn.q_proj.weight.device_mesh.mesh_dim_names)}
+              "dense_mesh": list(model.model.layers[-1].input_layernorm.weight.device_mesh.mesh_dim_names)}
     losses, grads, aux = _train(model, rank, world, root)
     out = {"layout": layout, "losses": losses, "grads": grads, "aux": aux}
     if root is not None:  # the trained weights, whole (test-only gather), to hold the files against
@@ -103,17 +112,19 @@ def _resume(rank, world, ep_size, directory, resave=None):
     return _train(model, rank, world, start=start, opt=opt)[0]
 
 
-@pytest.mark.parametrize("ep_size", [2, 4])
-def test_expert_parallel_trains_like_one_process(ep_size):
-    ref_losses, ref_grads, ref_aux = _reference(WORLD)
-    out = run_ranks(_ep_rank, WORLD, ep_size)
+@pytest.mark.parametrize("arch,ep_size", [("qwen3_moe", 2), ("qwen3_moe", 4), ("mixtral", 2), ("deepseek_v3", 4)])
+def test_expert_parallel_trains_like_one_process(arch, ep_size):
+    ref_losses, ref_grads, ref_aux = _reference(WORLD, arch)
+    out = run_ranks(_ep_rank, WORLD, ep_size, None, arch)
     layout = out[0]["layout"]
     assert layout["mesh"] == ["efsdp", "ep"] and layout["shape"] == [WORLD // ep_size, ep_size]
     assert layout["local_experts"] == 8 // ep_size  # E / ep experts per rank, as transformers sets it
     assert layout["dense_mesh"] == ["dp_shard"]  # attention, router, embeddings: sharded over all 4 ranks
     for rank in out:
         assert rank["losses"] == pytest.approx(ref_losses, rel=1e-5)
-        assert rank["aux"] == pytest.approx(ref_aux, rel=1e-5) and all(a > 0 for a in ref_aux)
+        if arch != "deepseek_v3":  # routed with an expert bias, no auxiliary loss
+            assert rank["aux"] == pytest.approx(ref_aux, rel=1e-5) and all(a > 0 for a in ref_aux)
+        assert rank["grads"].keys() == ref_grads.keys()
         for name, expected in ref_grads.items():
             torch.testing.assert_close(rank["grads"][name], expected, rtol=1e-5, atol=1e-7, msg=name)
 
