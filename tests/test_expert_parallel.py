@@ -147,6 +147,10 @@ def test_expert_parallel_checkpoints_load_in_stock_transformers_and_resume_on_an
     loaded = dict(AutoModelForCausalLM.from_pretrained(tmp_path / "final").named_parameters())
     assert all(torch.equal(loaded[name], value) for name, value in out["weights"].items())
 
+    # hf_fsdp2.from_pretrained splits the experts on the meta device and reads each rank's rows of the files
+    assert all(torch.equal(loaded[name], value) for name, value in run_ranks(
+        _from_pretrained, WORLD, 4, str(tmp_path / "final"))[1].items())
+
     plain = run_ranks(_resume, WORLD, 1, str(tmp_path / "state"), str(tmp_path / "plain-state"))[0]
     assert plain == pytest.approx(tail, rel=1e-5)
     assert run_ranks(_resume, WORLD, 4, str(tmp_path / "state"))[0] == pytest.approx(tail, rel=1e-5)
@@ -155,14 +159,13 @@ def test_expert_parallel_checkpoints_load_in_stock_transformers_and_resume_on_an
     assert ep_files.keys() == plain_files.keys() and all(torch.equal(ep_files[k], plain_files[k]) for k in ep_files)
 
 
-def _reference_steps(model, world: int) -> None:
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    for ids in batches(STEPS):
-        loss = sum(model(input_ids=local_rows(ids, r, world), labels=local_rows(ids, r, world)).loss
-                   for r in range(world)) / world
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
+def _from_pretrained(rank, world, ep_size, directory):
+    import hf_fsdp2
+    from transformers import AutoModelForCausalLM
+
+    model = hf_fsdp2.from_pretrained(AutoModelForCausalLM, directory, FSDP2Config(ep_size=ep_size), progress=False)
+    assert model.model.layers[0].mlp.experts.gate_up_proj.device_mesh.mesh_dim_names == ("efsdp", "ep")
+    return {name: _full(p).detach().clone() for name, p in model.named_parameters()}
 
 
 def _refusal(rank, world, config_fields, wrap):

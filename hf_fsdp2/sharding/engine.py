@@ -265,7 +265,7 @@ def shard_planned(
     config = _tensor_parallel(model, config, mesh, on_meta and init_weights)  # a loader fills meta weights (from_pretrained)
     plan = plan_groups(model, config)
     if config.ep_size > 1:
-        expert_parallel.refuse_unsupported(model, config, mesh, on_meta)
+        expert_parallel.refuse_unsupported(model, config, mesh)
         plan.experts, plan.experts_mesh = expert_parallel.apply_expert_parallel(model, config, mesh)
     if config.fp8:
         apply_fp8(model, plan)

@@ -27,8 +27,9 @@ already place (tests/test_expert_parallel.py: the files equal stock save_pretrai
 expert, and a training state resumes on plain FSDP and on another ep size).
 
 Not done, refused by name when asked for: HSDP replicas, tensor or context parallelism, 4-bit or FP8
-experts, PEFT (LoRA on experts or beside them), compile, CPU or activation offload, the auto layout,
-and a model on the meta device (hf_fsdp2.from_pretrained and the deferred load).
+experts, PEFT (LoRA on experts or beside them), compile, CPU or activation offload and the auto layout.
+A model on the meta device (`hf_fsdp2.from_pretrained`) is split the same way before anything is
+allocated, and each rank reads its experts' rows only.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ def resolved_plan(model: nn.Module, shard_size: int, ep_size: int) -> dict[str, 
     return ep_plan
 
 
-def refuse_unsupported(model: nn.Module, config, mesh: DeviceMesh, on_meta: bool) -> None:
+def refuse_unsupported(model: nn.Module, config, mesh: DeviceMesh) -> None:
     """What EP does not cover yet, refused by name before anything changes."""
     from ..quantization import quantized
 
@@ -70,8 +71,6 @@ def refuse_unsupported(model: nn.Module, config, mesh: DeviceMesh, on_meta: bool
     else:
         reason = next((f"`{field}`" for field in ("fp8", "compile", "cpu_offload", "activation_offload")
                        if getattr(config, field)), None)
-    if reason is None and on_meta:
-        reason = "a model on the meta device (build it with its weights first)"
     if reason:
         raise ValueError(f"`ep_size`={config.ep_size} (expert parallelism) is not done in hf_fsdp2 with {reason}.")
     shard = mesh.size()
