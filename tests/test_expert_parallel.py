@@ -168,6 +168,33 @@ def _from_pretrained(rank, world, ep_size, directory):
     return {name: _full(p).detach().clone() for name, p in model.named_parameters()}
 
 
+def test_accelerate_launch_with_hf_fsdp2_ep_size_matches_one_process(tmp_path):
+    """`accelerate launch` (fsdp2.yaml with the model's decoder layer class, 4 processes) of a plain Accelerate
+    loop over a hub-format Qwen3-MoE, HF_FSDP2_EP_SIZE=2 (Accelerate 1.15's ParallelismConfig has no EP):
+    the experts split over ep 2 x efsdp 2, `accelerator.clip_grad_norm_` over the dense and expert meshes,
+    losses equal one process's; the state it saves resumes on plain FSDP over 2 processes."""
+    import os
+
+    from transformers import AutoModelForCausalLM
+
+    from .launched_runs import CONFIGS, launch, reference_losses
+
+    model = build_moe()
+    model.config.output_router_logits = False  # the loss over the whole batch is one process's
+    model.save_pretrained(tmp_path / "src")
+    yaml = tmp_path / "fsdp2_moe.yaml"
+    yaml.write_text((CONFIGS / "fsdp2.yaml").read_text().replace("LlamaDecoderLayer", "Qwen3MoeDecoderLayer"))
+    env = {**os.environ, "HF_FSDP2_EP_SIZE": "2"}
+    out = launch(str(yaml), 4, tmp_path / "ep.json", "--steps", "3", "--from-pretrained", str(tmp_path / "src"),
+                 "--save-state", str(tmp_path / "state"), env=env)
+    assert out["expert_mesh"] == [[["efsdp", "ep"], [2, 2]]] and out["mesh"] == [4]
+    expected = reference_losses(4, model=AutoModelForCausalLM.from_pretrained(tmp_path / "src"))
+    assert out["losses"] == pytest.approx(expected[:3], rel=1e-5)
+    resumed = launch(str(yaml), 2, tmp_path / "resumed.json", "--start", "3", "--steps", "1", "--from-pretrained",
+                     str(tmp_path / "src"), "--load-state", str(tmp_path / "state"))
+    assert resumed["expert_mesh"] == [] and resumed["losses"] == pytest.approx(expected[3:], rel=1e-5)
+
+
 def _refusal(rank, world, config_fields, wrap):
     model = build_moe()
     if wrap:

@@ -189,6 +189,8 @@ report = {
                                   for m in model.modules() if type(m).__name__ == "Float8Linear"),
     "packed_4bit_rows": [[p.to_local().shape[0], p.shape[0]] for p in model.parameters() if p.dtype == torch.uint8],
     "mesh": list(getattr(getattr(record_of(model), "mesh", None), "shape", ())),
+    "expert_mesh": sorted({(p.device_mesh.mesh_dim_names, tuple(p.device_mesh.shape)) for p in model.parameters()
+                           if isinstance(p, DTensor) and "ep" in (p.device_mesh.mesh_dim_names or ())}),
     "ddp_reducer": is_replicated(model),  # shard size 1: DDP's reducer (sharding/replication.py)
     "compiled_collectives": is_traced(model),  # compile="model" (sharding/compiled_collectives.py)
     "compiled_modules": sum(getattr(m, "_compiled_call_impl", None) is not None for m in model.modules()),
