@@ -408,6 +408,14 @@ class FSDP2Config:
                 f"HSDP shape `replicate_size` x `shard_size` = {self.replicate_size} x {shard} = "
                 f"{self.replicate_size * shard} does not match the world size {world_size}."
             )
+        if self.ep_size > 1:
+            if self.replicate_size > 1:
+                raise ValueError(f"`ep_size`={self.ep_size} with HSDP (`replicate_size`={self.replicate_size}) is not "
+                                 "done in hf_fsdp2: the experts are split within one shard group; leave "
+                                 "replicate_size at 1.")
+            if shard % self.ep_size:
+                raise ValueError(f"`ep_size`={self.ep_size} must divide the shard size {shard}: the experts are split "
+                                 "over ep ranks and FSDP-sharded over the shard size / ep ranks holding the same ones.")
         if isinstance(self.reshard_after_forward, int) and not isinstance(self.reshard_after_forward, bool):
             if shard % self.reshard_after_forward:
                 raise ValueError(

@@ -195,6 +195,21 @@ def test_accelerate_launch_with_hf_fsdp2_ep_size_matches_one_process(tmp_path):
     assert resumed["expert_mesh"] == [] and resumed["losses"] == pytest.approx(expected[3:], rel=1e-5)
 
 
+def test_check_config_reads_the_ep_size_the_launch_environment_sets(monkeypatch):
+    """The yaml cannot carry ep_size (Accelerate's launcher drops keys it does not know): check-config reads
+    HF_FSDP2_EP_SIZE as the launch will, and names what cannot hold on the yaml's processes."""
+    from hf_fsdp2.tools.check_config import check_accelerate_config
+
+    from .launched_runs import CONFIGS
+
+    monkeypatch.setenv("HF_FSDP2_EP_SIZE", "2")
+    assert check_accelerate_config(CONFIGS / "fsdp2.yaml") == []  # 2 processes: ep 2 x efsdp 1
+    monkeypatch.setenv("HF_FSDP2_EP_SIZE", "4")
+    (finding,) = check_accelerate_config(CONFIGS / "fsdp2.yaml")
+    assert finding.level == "error" and "`ep_size`=4 must divide the shard size 2" in finding.message
+    assert "with HF_FSDP2_EP_SIZE" in finding.message
+
+
 def _refusal(rank, world, config_fields, wrap):
     model = build_moe()
     if wrap:
@@ -210,7 +225,7 @@ def _refusal(rank, world, config_fields, wrap):
 
 @pytest.mark.parametrize("fields,wrap,message", [
     (dict(ep_size=2), True, r"`ep_size`=2 \(expert parallelism\) is not done in hf_fsdp2 with a PEFT model"),
-    (dict(ep_size=2, replicate_size=2), False, r"not done in hf_fsdp2 with the mesh .*dp_replicate"),
+    (dict(ep_size=2, replicate_size=2), False, r"`ep_size`=2 with HSDP \(`replicate_size`=2\) is not done"),
     (dict(ep_size=3), False, r"`ep_size`=3 must divide the shard size 4"),
 ])
 def test_what_expert_parallelism_does_not_do_yet_is_refused_by_name(fields, wrap, message):

@@ -29,14 +29,13 @@ from ..config import FSDP2Config
 from ..checkpoint import loading
 from . import accelerator_checkpoint, deferred_load, fsdp1_configs, presharded
 from . import trl as trl_backend
-from .accelerate_settings import AccelerateSettings, fsdp2_values, layer_names
+from .accelerate_settings import ENV_PREFIX, AccelerateSettings, env_overrides, fsdp2_values, layer_names  # noqa: F401 (ENV_PREFIX: re-exported)
 from ..quantization import bnb_optimizers, fp8
 from ..shard import shard_model
 from ..sharding import is_sharded, unwrap_peft
 from ..sharding.adopt import sharded_by_transformers
 from ..runtime import upstream, versions
 
-ENV_PREFIX = "HF_FSDP2_"
 _USER_POLICY = "_hf_fsdp2_user_policy"  # set on a plugin whose mixed_precision_policy the user gave
 
 GROUP = "accelerate"
@@ -51,14 +50,6 @@ def check_version() -> None:
     if problem:
         raise RuntimeError(f"hf_fsdp2's Accelerate backend: {problem[0]}. Install a supported version "
                            "(e.g. `pip install 'accelerate==1.15.0'`).")
-
-
-def env_overrides(environ: dict[str, str] | None = None) -> dict[str, Any]:
-    """`HF_FSDP2_FROZEN_DTYPE=bf16` -> {"frozen_dtype": "bf16"}; unknown names raise, naming the variable."""
-    environ = os.environ if environ is None else environ
-    values = {k[len(ENV_PREFIX):].lower(): v for k, v in environ.items() if k.startswith(ENV_PREFIX)}
-    FSDP2Config.from_dict(values, source=f"{ENV_PREFIX}* environment variables")  # validates names and values
-    return values
 
 
 def is_registered() -> bool:

@@ -9,7 +9,12 @@ run cannot disagree.
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
+
+from ..config import FSDP2Config
+
+ENV_PREFIX = "HF_FSDP2_"
 
 # Compute dtype per Accelerate `mixed_precision`; gradients are reduced in fp32 whatever it is
 # (Accelerate would reduce in bf16). fp8: the layers' linears in FP8 (torchao), the rest in bf16.
@@ -29,6 +34,15 @@ class AccelerateSettings:
     shard_size: int = 1  # parallelism_config dp_shard_size
     tp_size: int = 1  # parallelism_config tp_size
     cp_size: int = 1  # parallelism_config cp_size: FSDP2 shards over dp_shard x cp (sharding/context_parallel.py)
+
+
+def env_overrides(environ: dict[str, str] | None = None) -> dict[str, Any]:
+    """`HF_FSDP2_FROZEN_DTYPE=bf16` -> {"frozen_dtype": "bf16"}; unknown names raise, naming the variable.
+    The settings Accelerate's yaml cannot carry (its launcher drops keys it does not know), e.g. `ep_size`."""
+    environ = os.environ if environ is None else environ
+    values = {k[len(ENV_PREFIX):].lower(): v for k, v in environ.items() if k.startswith(ENV_PREFIX)}
+    FSDP2Config.from_dict(values, source=f"{ENV_PREFIX}* environment variables")  # validates names and values
+    return values
 
 
 def layer_names(raw: Any) -> list[str] | None:

@@ -73,10 +73,7 @@ def refuse_unsupported(model: nn.Module, config, mesh: DeviceMesh) -> None:
                        if getattr(config, field)), None)
     if reason:
         raise ValueError(f"`ep_size`={config.ep_size} (expert parallelism) is not done in hf_fsdp2 with {reason}.")
-    shard = mesh.size()
-    if shard % config.ep_size:
-        raise ValueError(f"`ep_size`={config.ep_size} must divide the shard size {shard}: the experts are split over "
-                         "ep ranks and FSDP-sharded over the shard size / ep ranks that hold the same ones.")
+    config.replace(shard_size=mesh.size(), replicate_size=1).mesh_shape(mesh.size())  # ep divides the shard group
 
 
 def expert_mesh(mesh: DeviceMesh, ep_size: int) -> DeviceMesh:

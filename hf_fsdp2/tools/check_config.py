@@ -576,14 +576,18 @@ def fsdp2_values(cfg: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _check_fsdp2_config(cfg: Mapping[str, Any], fsdp: _Fsdp, parallel: _Parallel, out: list[Finding]) -> None:
-    """Run the file through the integration's mapping; anything FSDP2Config rejects is an error."""
+    """Run the file through the integration's mapping, with the HF_FSDP2_* variables of this environment (the
+    launch's: what the yaml cannot carry, e.g. `ep_size`) on top; anything FSDP2Config rejects is an error."""
+    via = ""
     try:
-        config = FSDP2Config.from_dict(fsdp2_values(cfg), source="the Accelerate config")
+        overrides = accelerate_settings.env_overrides()
+        via = "".join(f" with {accelerate_settings.ENV_PREFIX}{k.upper()}={v}" for k, v in sorted(overrides.items()))
+        config = FSDP2Config.from_dict({**fsdp2_values(cfg), **overrides}, source="the Accelerate config" + via)
         procs = _int(cfg.get("num_processes"))
         if procs:
             config.mesh_shape(procs)
     except (ValueError, TypeError) as e:
-        _error(out, "parallelism_config" if parallel.given else "fsdp_config", f"hf_fsdp2 would reject this: {e}")
+        _error(out, "parallelism_config" if parallel.given else "fsdp_config", f"hf_fsdp2 would reject this{via}: {e}")
 
 
 # ---------------------------------------------------------------------------------------------
