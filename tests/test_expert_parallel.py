@@ -41,6 +41,17 @@ def build_moe(seed: int = 0, arch: str = "qwen3_moe"):
     return transformers.DeepseekV3ForCausalLM(config).float()
 
 
+def with_lora(model, arch: str):
+    """PEFT LoRA on the attention projections, random B so it counts from step 0 (an MLP name such as down_proj
+    would also reach the fused experts: PEFT converts it to their parameter, which EP refuses)."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(1)
+    targets = ["q_proj", "v_proj"] if arch != "deepseek_v3" else ["q_b_proj", "kv_b_proj", "o_proj"]
+    return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0,
+                                            init_lora_weights=False))
+
+
 def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
@@ -50,7 +61,7 @@ def _train(model, rank: int, world: int, root: str | None = None, start: int = 0
     """AdamW steps `start`.. on this rank's rows (the reference averages the ranks' losses the same way); the
     first step's gradients, whole; the router auxiliary loss of each step. `root`: the training state saved
     after SPLIT steps (`root/state`), the model at the end (`root/final`)."""
-    opt = opt if opt is not None else torch.optim.AdamW(model.parameters(), lr=1e-2)
+    opt = opt if opt is not None else torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     losses, aux, grads = [], [], {}
     for step, ids in enumerate(batches(STEPS)[start:], start):
         if root is not None and step == SPLIT:
@@ -59,7 +70,7 @@ def _train(model, rank: int, world: int, root: str | None = None, start: int = 0
         out = model(input_ids=ids, labels=ids)
         out.loss.backward()
         if step == 0:
-            grads = {name: _full(p.grad).detach().clone() for name, p in model.named_parameters()}
+            grads = {name: _full(p.grad).detach().clone() for name, p in model.named_parameters() if p.requires_grad}
         opt.step()
         opt.zero_grad()
         losses.append(global_mean(out.loss))
@@ -69,17 +80,18 @@ def _train(model, rank: int, world: int, root: str | None = None, start: int = 0
     return losses, grads, aux
 
 
-def _reference(world: int, arch: str):
+def _reference(world: int, arch: str, use_lora: bool = False):
     """One process: each step the mean of the ranks' losses over their rows, as the ranks average gradients."""
     model = build_moe(arch=arch)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model = with_lora(model, arch) if use_lora else model
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     losses, aux, grads = [], [], {}
     for step, ids in enumerate(batches(STEPS)):
         outs = [model(input_ids=local_rows(ids, r, world), labels=local_rows(ids, r, world)) for r in range(world)]
         loss = sum(o.loss for o in outs) / world
         loss.backward()
         if step == 0:
-            grads = {name: p.grad.detach().clone() for name, p in model.named_parameters()}
+            grads = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
@@ -87,14 +99,16 @@ def _reference(world: int, arch: str):
     return losses, grads, aux
 
 
-def _ep_rank(rank, world, ep_size, root=None, arch="qwen3_moe"):
+def _ep_rank(rank, world, ep_size, root=None, arch="qwen3_moe", use_lora=False):
     model = build_moe(arch=arch)
+    model = with_lora(model, arch) if use_lora else model
     shard_model(model, FSDP2Config(ep_size=ep_size))
-    experts = model.model.layers[-1].mlp.experts
+    experts = (model.get_base_model() if use_lora else model).model.layers[-1].mlp.experts
     weight = experts.gate_up_proj
     layout = {"mesh": list(weight.device_mesh.mesh_dim_names), "shape": list(weight.device_mesh.shape),
               "local_experts": experts.num_experts, "local_rows": weight.to_local().shape[0],
-              "dense_mesh": list(model.model.layers[-1].input_layernorm.weight.device_mesh.mesh_dim_names)}
+              "dense_mesh": list((model.get_base_model() if use_lora else model).model.layers[-1]
+                                 .input_layernorm.weight.device_mesh.mesh_dim_names)}
     losses, grads, aux = _train(model, rank, world, root)
     out = {"layout": layout, "losses": losses, "grads": grads, "aux": aux}
     if root is not None:  # the trained weights, whole (test-only gather), to hold the files against
@@ -112,10 +126,13 @@ def _resume(rank, world, ep_size, directory, resave=None):
     return _train(model, rank, world, start=start, opt=opt)[0]
 
 
-@pytest.mark.parametrize("arch,ep_size", [("qwen3_moe", 2), ("qwen3_moe", 4), ("mixtral", 2), ("deepseek_v3", 4)])
-def test_expert_parallel_trains_like_one_process(arch, ep_size):
-    ref_losses, ref_grads, ref_aux = _reference(WORLD, arch)
-    out = run_ranks(_ep_rank, WORLD, ep_size, None, arch)
+@pytest.mark.parametrize("arch,ep_size,use_lora", [("qwen3_moe", 2, False), ("qwen3_moe", 4, False),
+                                                   ("mixtral", 2, False), ("deepseek_v3", 4, False),
+                                                   ("qwen3_moe", 2, True), ("deepseek_v3", 2, True)])
+def test_expert_parallel_trains_like_one_process(arch, ep_size, use_lora):
+    """Full fine-tune, or PEFT LoRA on the linear layers with the experts frozen in their EP groups."""
+    ref_losses, ref_grads, ref_aux = _reference(WORLD, arch, use_lora)
+    out = run_ranks(_ep_rank, WORLD, ep_size, None, arch, use_lora)
     layout = out[0]["layout"]
     assert layout["mesh"] == ["efsdp", "ep"] and layout["shape"] == [WORLD // ep_size, ep_size]
     assert layout["local_experts"] == 8 // ep_size  # E / ep experts per rank, as transformers sets it
@@ -215,7 +232,8 @@ def _refusal(rank, world, config_fields, wrap):
     if wrap:
         from peft import LoraConfig, get_peft_model
 
-        model = get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj"]))
+        model = get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj"],
+                                                 target_parameters=["mlp.experts.gate_up_proj"]))
     try:
         shard_model(model, FSDP2Config(**config_fields))
     except ValueError as error:
@@ -224,7 +242,8 @@ def _refusal(rank, world, config_fields, wrap):
 
 
 @pytest.mark.parametrize("fields,wrap,message", [
-    (dict(ep_size=2), True, r"`ep_size`=2 \(expert parallelism\) is not done in hf_fsdp2 with a PEFT model"),
+    (dict(ep_size=2), True, r"`ep_size`=2 \(expert parallelism\) is not done in hf_fsdp2 with LoRA on a parameter "
+                            r"\(base_model.model.model.layers.0.mlp.experts, PEFT's `target_parameters`"),
     (dict(ep_size=2, replicate_size=2), False, r"`ep_size`=2 with HSDP \(`replicate_size`=2\) is not done"),
     (dict(ep_size=3), False, r"`ep_size`=3 must divide the shard size 4"),
 ])

@@ -26,8 +26,11 @@ Checkpoints need nothing of their own: an expert tensor is a DTensor on the expe
 already place (tests/test_expert_parallel.py: the files equal stock save_pretrained's, one tensor per
 expert, and a training state resumes on plain FSDP and on another ep size).
 
+PEFT LoRA on the linear layers (attention, a shared expert, dense MLPs) trains with the experts frozen
+in their own groups; LoRA on the fused experts themselves (`target_parameters`) is not done.
+
 Not done, refused by name when asked for: HSDP replicas, tensor or context parallelism, 4-bit or FP8
-experts, PEFT (LoRA on experts or beside them), compile, CPU or activation offload and the auto layout.
+experts, LoRA on the experts' fused parameters, compile, CPU or activation offload and the auto layout.
 A model on the meta device (`hf_fsdp2.from_pretrained`) is split the same way before anything is
 allocated, and each rank reads its experts' rows only.
 """
@@ -62,8 +65,10 @@ def refuse_unsupported(model: nn.Module, config, mesh: DeviceMesh) -> None:
 
     names = mesh.mesh_dim_names or ()
     reason = None
-    if unwrap_peft(model) is not model:
-        reason = "a PEFT model (LoRA on or beside the experts)"
+    adapted = _parameter_adapters(model)
+    if adapted:
+        reason = (f"LoRA on a parameter ({adapted[0]}, PEFT's `target_parameters`: on fused experts its rows span "
+                  "every expert, not one rank's; LoRA on linear layers works with EP)")
     elif len(names) > 1:
         reason = f"the mesh {dict(zip(names, mesh.shape))} (HSDP replicas, tensor or context parallelism)"
     elif quantized.has_quantized_layers(model):
@@ -74,6 +79,11 @@ def refuse_unsupported(model: nn.Module, config, mesh: DeviceMesh) -> None:
     if reason:
         raise ValueError(f"`ep_size`={config.ep_size} (expert parallelism) is not done in hf_fsdp2 with {reason}.")
     config.replace(shard_size=mesh.size(), replicate_size=1).mesh_shape(mesh.size())  # ep divides the shard group
+
+
+def _parameter_adapters(model: nn.Module) -> list[str]:
+    """Modules PEFT wrapped for LoRA on a parameter (`target_parameters`: its `ParamWrapper`)."""
+    return [name for name, module in model.named_modules() if type(module).__name__ == "ParamWrapper"]
 
 
 def expert_mesh(mesh: DeviceMesh, ep_size: int) -> DeviceMesh:
