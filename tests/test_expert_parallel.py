@@ -56,7 +56,7 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-def _train(model, rank: int, world: int, root: str | None = None, start: int = 0, opt=None
+def _train(model, rank: int, world: int, root: str | None = None, start: int = 0, opt=None, mean=global_mean
            ) -> tuple[list[float], dict[str, torch.Tensor], list[float]]:
     """AdamW steps `start`.. on this rank's rows (the reference averages the ranks' losses the same way); the
     first step's gradients, whole; the router auxiliary loss of each step. `root`: the training state saved
@@ -73,8 +73,8 @@ def _train(model, rank: int, world: int, root: str | None = None, start: int = 0
             grads = {name: _full(p.grad).detach().clone() for name, p in model.named_parameters() if p.requires_grad}
         opt.step()
         opt.zero_grad()
-        losses.append(global_mean(out.loss))
-        aux.append(global_mean(out.aux_loss) if out.aux_loss is not None else None)
+        losses.append(mean(out.loss))
+        aux.append(mean(out.aux_loss) if out.aux_loss is not None else None)
     if root is not None:
         save_pretrained(model, f"{root}/final")
     return losses, grads, aux
@@ -99,7 +99,7 @@ def _reference(world: int, arch: str, use_lora: bool = False):
     return losses, grads, aux
 
 
-def _ep_rank(rank, world, ep_size, root=None, arch="qwen3_moe", use_lora=False):
+def _ep_rank(rank, world, ep_size, root=None, arch="qwen3_moe", use_lora=False, local_losses=False):
     model = build_moe(arch=arch)
     model = with_lora(model, arch) if use_lora else model
     shard_model(model, FSDP2Config(ep_size=ep_size))
@@ -109,7 +109,8 @@ def _ep_rank(rank, world, ep_size, root=None, arch="qwen3_moe", use_lora=False):
               "local_experts": experts.num_experts, "local_rows": weight.to_local().shape[0],
               "dense_mesh": list((model.get_base_model() if use_lora else model).model.layers[-1]
                                  .input_layernorm.weight.device_mesh.mesh_dim_names)}
-    losses, grads, aux = _train(model, rank, world, root)
+    # local_losses: this rank's own (the test averages them), for a default group that refuses CPU tensors
+    losses, grads, aux = _train(model, rank, world, root, mean=(lambda t: t.item()) if local_losses else global_mean)
     out = {"layout": layout, "losses": losses, "grads": grads, "aux": aux}
     if root is not None:  # the trained weights, whole (test-only gather), to hold the files against
         out["weights"] = {name: _full(p).detach().clone() for name, p in model.named_parameters()}
@@ -174,6 +175,19 @@ def test_expert_parallel_checkpoints_load_in_stock_transformers_and_resume_on_an
     assert run_ranks(_resume, WORLD, 2, str(tmp_path / "plain-state"))[0] == pytest.approx(tail, rel=1e-5)
     ep_files, plain_files = saved_tensors(tmp_path / "state"), saved_tensors(tmp_path / "plain-state")
     assert ep_files.keys() == plain_files.keys() and all(torch.equal(ep_files[k], plain_files[k]) for k in ep_files)
+
+
+def test_expert_parallel_with_a_default_group_that_refuses_cpu_tensors(tmp_path):
+    """GPU semantics on CPU (tests/dist_harness.py NCCL_LIKE): the token all-to-alls, the efsdp reductions and the
+    checkpoint's collectives all run on the expert and training meshes' own groups, none on the default group."""
+    from .dist_harness import NCCL_LIKE
+
+    ref_losses, _, _ = _reference(WORLD, "qwen3_moe")
+    outs = run_ranks(_ep_rank, WORLD, 2, str(tmp_path), local_losses=True, backend=NCCL_LIKE)
+    assert [sum(step) / WORLD for step in zip(*(o["losses"] for o in outs))] == pytest.approx(ref_losses, rel=1e-5)
+    final = saved_tensors(tmp_path / "final")  # written by the ranks, equal to their trained weights
+    stock_names = {name for name in final if ".experts." in name}
+    assert len(stock_names) == 2 * 8 * 3  # 2 layers x 8 experts x gate, up, down
 
 
 def _from_pretrained(rank, world, ep_size, directory):
