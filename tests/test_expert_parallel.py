@@ -190,6 +190,33 @@ def test_expert_parallel_with_a_default_group_that_refuses_cpu_tensors(tmp_path)
     assert len(stock_names) == 2 * 8 * 3  # 2 layers x 8 experts x gate, up, down
 
 
+def _adopt(rank, world, directory, root):
+    from transformers import AutoModelForCausalLM
+    from transformers.distributed import DistributedConfig
+
+    from hf_fsdp2.sharding import record_of
+
+    model = AutoModelForCausalLM.from_pretrained(directory, distributed_config=DistributedConfig(fsdp_size=4, ep_size=2))
+    shard_model(model)  # taken as transformers sharded it
+    losses = _train(model, rank, world, root)[0]
+    return {"losses": losses, "ep_size": record_of(model).config.ep_size,
+            "weights": {name: _full(p).detach().clone() for name, p in model.named_parameters()}}
+
+
+def test_a_model_transformers_split_with_ep_at_load_is_adopted(tmp_path):
+    """`from_pretrained(distributed_config=DistributedConfig(fsdp_size=4, ep_size=2))`: transformers' own EP x
+    FSDP2, taken as it is (its ep size recorded); it trains like one process and gets our gather-free files."""
+    build_moe().save_pretrained(tmp_path / "src")
+    out = run_ranks(_adopt, WORLD, str(tmp_path / "src"), str(tmp_path))[0]
+    assert out["ep_size"] == 2
+    assert out["losses"] == pytest.approx(_reference(WORLD, "qwen3_moe")[0], rel=1e-5)
+    stock_model = build_moe(seed=7)
+    stock_model.load_state_dict(out["weights"])
+    stock_model.save_pretrained(tmp_path / "stock")
+    ours, stock = saved_tensors(tmp_path / "final"), saved_tensors(tmp_path / "stock")
+    assert ours.keys() == stock.keys() and all(torch.equal(ours[k], stock[k]) for k in stock)
+
+
 def _from_pretrained(rank, world, ep_size, directory):
     import hf_fsdp2
     from transformers import AutoModelForCausalLM

@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor
 
 from ..config import FSDP2Config
 from ..runtime.distributed import REPLICATE_DIM, TP_DIM
+from .expert_parallel import EP_DIM
 
 TRANSFORMERS_SHARD_DIM = "fsdp"  # transformers' name for the dimension FSDP2 shards over
 
@@ -46,13 +47,23 @@ def _parameter_mesh(model: nn.Module) -> DeviceMesh | None:
     return next((p.device_mesh for p in model.parameters() if isinstance(p, DTensor)), None)
 
 
+def _expert_parallel_size(model: nn.Module) -> int:
+    """The "ep" dimension of the experts' own mesh (`DistributedConfig(ep_size=...)`: transformers keeps a dense
+    and an expert mesh, transformers/distributed/utils.py TransformersDeviceMesh), 1 without one."""
+    for p in model.parameters():
+        names = p.device_mesh.mesh_dim_names or () if isinstance(p, DTensor) else ()
+        if EP_DIM in names:
+            return p.device_mesh.shape[names.index(EP_DIM)]
+    return 1
+
+
 def adopted_config(model: nn.Module, config: FSDP2Config) -> tuple[FSDP2Config, DeviceMesh]:
     """The config that describes the sharding transformers applied (the caller's non-sharding fields,
     e.g. `async_save`, kept) and the model's mesh; refuses what can no longer be applied."""
     mesh = _parameter_mesh(model)
     sizes = dict(zip(mesh.mesh_dim_names, mesh.shape))
     actual = {"replicate_size": sizes.get(REPLICATE_DIM, 1), "shard_size": sizes[TRANSFORMERS_SHARD_DIM],
-              "tp_size": sizes.get(TP_DIM, 1)}
+              "tp_size": sizes.get(TP_DIM, 1), "ep_size": _expert_parallel_size(model)}
     defaults = FSDP2Config()
     changed = [f"`{name}`={getattr(config, name)!r}" for name in _SHARDING_FIELDS
                if getattr(config, name) != getattr(defaults, name)]
@@ -63,7 +74,7 @@ def adopted_config(model: nn.Module, config: FSDP2Config) -> tuple[FSDP2Config, 
                                 for m in model.modules()):
             changed.append(f"`layer_cls_names`={config.layer_cls_names!r} (transformers grouped other modules)")
     changed += [f"`{name}`={getattr(config, name)!r} (the model's mesh has {actual[name]})"
-                for name in ("replicate_size", "tp_size") if getattr(config, name) not in (1, actual[name])]
+                for name in ("replicate_size", "tp_size", "ep_size") if getattr(config, name) not in (1, actual[name])]
     if config.shard_size not in (None, actual["shard_size"]):
         changed.append(f"`shard_size`={config.shard_size!r} (the model's mesh has {actual['shard_size']})")
     if changed:
