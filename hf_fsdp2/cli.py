@@ -265,7 +265,8 @@ def _flag_names(e: ValueError) -> ValueError:
     """The library names its arguments; say which flag they came from."""
     message = str(e)
     for name, flag in (("model", "--model"), ("lora_targets", "--lora-targets"), ("lora_r", "--lora-r"),
-                       ("tp_size", "--tp-size"), ("cp_size", "--cp-size"), ("seq_len", "--seq-len"),
+                       ("tp_size", "--tp-size"), ("cp_size", "--cp-size"), ("ep_size", "--ep-size"),
+                       ("seq_len", "--seq-len"),
                        ("load_in_4bit", "--load-in-4bit"), ("bnb_4bit_use_double_quant", "--double-quant"),
                        ("gradient_accumulation_steps", "--gradient-accumulation-steps")):
         message = message.replace(f"`{name}`", f"`{flag}`")
@@ -303,6 +304,9 @@ def _add_estimate_memory(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--gradient-accumulation-steps", type=_positive_int, default=1, metavar="G",
                    help="micro-batches per optimizer step; above 1 the gradients stay alive through forward "
                         "(default 1)")
+    p.add_argument("--ep-size", type=_positive_int, default=1, metavar="E",
+                   help="expert parallelism (MoE models): each layer's experts split over E of the shard ranks with "
+                        "the model's own EP plan, FSDP-sharded over the shard size / E ranks holding the same ones")
     p.set_defaults(handler=_run_estimate_memory)
 
 
@@ -319,7 +323,7 @@ def _run_estimate_memory(args: argparse.Namespace) -> int:
     config, setup = _model_setup(args, cpu_offload=args.offload, activation_checkpointing=args.activation_checkpointing,
                                  checkpoint_every=args.checkpoint_every, replicate_size=replicate, shard_size=shard,
                                  checkpoint_save_matmuls=args.checkpoint_save_matmuls,
-                                 tp_size=args.tp_size)
+                                 tp_size=args.tp_size, ep_size=args.ep_size)
     try:
         estimate = estimate_memory(args.model, args.world_size, config, batch_size=args.batch_size,
                                    seq_len=args.seq_len, cp_size=args.cp_size,

@@ -299,3 +299,55 @@ def test_ep_with_the_auto_layout_or_another_wrap_policy_is_refused_by_name():
         FSDP2Config(ep_size=2, shard_size="auto")
     with pytest.raises(ValueError, match=r"`ep_size`=2 makes each decoder layer's experts a group"):
         FSDP2Config(ep_size=2, wrap_policy="size")
+
+
+def test_moe_bench_tiny_mode_runs_every_contestant():
+    """benchmarks/moe_bench.py on tiny shapes, so it cannot rot: every contestant trains the same losses, EP
+    all-gathers less than FSDP2 alone and moves tokens by all-to-all (the real shape is run by hand)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, str(repo / "benchmarks" / "moe_bench.py"), "--tiny"], capture_output=True,
+                          text=True, timeout=600, cwd=repo)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    path = repo / proc.stdout.strip().splitlines()[-1].removeprefix("results: ")
+    try:
+        results = json.loads(path.read_text())["results"]
+    finally:
+        path.unlink()  # a tiny run's numbers are no result
+    assert set(results) == {"fsdp2", "ep2", "ep4", "transformers"}
+    base = results["fsdp2"]
+    for name, r in results.items():
+        assert r["losses"] == pytest.approx(base["losses"], rel=1e-5), name
+    assert results["ep4"]["all_gather_bytes"] < results["ep2"]["all_gather_bytes"] < base["all_gather_bytes"]
+    assert base["all_to_all_bytes"] == 0 < results["ep2"]["all_to_all_bytes"]
+
+
+def test_estimate_counts_each_ranks_experts_and_the_token_exchange(tmp_path, capsys):
+    """estimate-memory with ep_size: the same bytes per rank at rest (rows / shard either way), a layer's
+    gather holds only its rank's E / ep experts, and one token exchange (tokens x top-k x hidden, sent and
+    received) joins the backward-start point; ep must divide the shard group (named)."""
+    from hf_fsdp2.cli import main
+    from hf_fsdp2.planner.memory import estimate_memory
+
+    config = build_moe().config
+    plain = estimate_memory(config, WORLD, FSDP2Config(), batch_size=2, seq_len=16)
+    ep2 = estimate_memory(config, WORLD, FSDP2Config(ep_size=2), batch_size=2, seq_len=16)
+    assert ep2.param_bytes == plain.param_bytes and ep2.optimizer_bytes == plain.optimizer_bytes
+    hidden, inter, experts = config.hidden_size, config.moe_intermediate_size, config.num_experts
+    expert_bytes = experts * 3 * hidden * inter * 4  # gate_up_proj [E, 2I, H] + down_proj [E, H, I], fp32
+    layer = next(g for g in plain.groups if g.name.endswith("layers.0"))
+    layer_ep = next(g for g in ep2.groups if g.name.endswith("layers.0"))
+    assert layer.gathered_bytes - layer_ep.gathered_bytes == expert_bytes // 2
+    assert ep2.all_to_all_bytes == 2 * 2 * 16 * config.num_experts_per_tok * hidden * 4 and plain.all_to_all_bytes == 0
+    assert ep2.backward_start_bytes - plain.backward_start_bytes == ep2.all_to_all_bytes
+    with pytest.raises(ValueError, match="`ep_size`=3 must divide the shard size 4"):
+        estimate_memory(config, WORLD, FSDP2Config(ep_size=3), batch_size=2, seq_len=16)
+    config.to_json_file(tmp_path / "config.json")
+    assert main(["estimate-memory", "--model", str(tmp_path / "config.json"), "--world-size", "4", "--ep-size", "2",
+                 "--seq-len", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "experts over ep 2 x efsdp 2" in out and "all-to-all: one token exchange" in out

@@ -34,7 +34,27 @@ class _FusedAttention(torch.autograd.Function):
         raise NotImplementedError("shape-only attention used by the memory estimate")
 
 
+class _GroupedMm(torch.autograd.Function):
+    """Shapes-only stand-in for `grouped_mm` (mixture-of-experts layers, transformers/integrations/moe.py): its
+    meta kernel takes bf16 only, so an fp32 trace could not run it. [S, K] x [E, K, N] -> [S, N], saving both
+    inputs as the real op's backward does (the weight is a parameter: not counted)."""
+
+    @staticmethod
+    def forward(ctx, x, weight):  # noqa: D401
+        ctx.save_for_backward(x, weight)
+        return x.new_empty((x.shape[0], weight.shape[-1]))
+
+    @staticmethod
+    def backward(ctx, grad):  # pragma: no cover - the trace never runs backward
+        raise NotImplementedError("shape-only grouped_mm used by the memory estimate")
+
+
+_GROUPED_MM = tuple(f for f in (getattr(F, "grouped_mm", None), getattr(torch, "_grouped_mm", None)) if f is not None)
+
+
 class _FusedAttentionMode(TorchFunctionMode):
+    """The trace's stand-ins for fused kernels: SDPA (as flash attention) and MoE's grouped_mm."""
+
     def __init__(self, op_outputs: list):
         super().__init__()
         self.op_outputs = op_outputs
@@ -43,6 +63,8 @@ class _FusedAttentionMode(TorchFunctionMode):
         if func is F.scaled_dot_product_attention:
             q, k, v = args[:3]
             return _FusedAttention.apply(q, k, v, self.op_outputs)
+        if func in _GROUPED_MM:
+            return _GroupedMm.apply(args[0], args[1])
         return func(*args, **(kwargs or {}))
 
 

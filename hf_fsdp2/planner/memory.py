@@ -210,6 +210,17 @@ class MetaTrainingModel:
     _activations: dict = field(default_factory=dict)
     _tp_shapes: dict = field(default_factory=dict)
 
+    def expert_params(self, shard_size: int, ep_size: int) -> dict[int, int]:
+        """id(param) -> ep_size for the expert tensors the model's EP plan splits (sharding/expert_parallel.py)."""
+        if ep_size == 1:
+            return {}
+        from ..sharding import expert_parallel
+
+        inner = unwrap_peft(self.model)
+        named = dict(inner.named_parameters())
+        plan = expert_parallel.resolved_plan(inner, shard_size, ep_size)
+        return {id(named[name]): ep_size for name in plan if name in named}
+
     def tp_shapes(self, tp_size: int) -> dict[int, tuple[torch.Size, bool]]:
         """id(param) -> its TP rank-0 block's shape (parallel_shapes.tp_local_shapes), once per size."""
         if tp_size not in self._tp_shapes:
@@ -317,7 +328,13 @@ def _estimate(prepared: MetaTrainingModel, world_size: int, config: FSDP2Config,
     # Frozen weights of a one-rank shard group stay out of FSDP (groups.replicated_frozen_parameters):
     # stored as above, never all-gathered.
     outside = replicated_frozen_parameters(model, config, shard)
-    groups = _group_memory(model, plan, config, shard, quantized, fp8_weights, outside, tp_shapes=tp_shapes)
+    # EP: an expert tensor's rank holds rows / ep of it, FSDP-sharded over shard / ep ranks: the same bytes per
+    # rank at rest (rows / shard), but its group gathers only the rank's experts (sharding/expert_parallel.py).
+    if config.ep_size > 1:
+        expert_parallel_check(config, shard)
+    experts = prepared.expert_params(shard, config.ep_size)
+    groups = _group_memory(model, plan, config, shard, quantized, fp8_weights, outside, tp_shapes=tp_shapes,
+                           experts=experts)
     dequantized = _dequantized_peak(model, config.param_dtype)
     window = 1 + max(1, config.forward_prefetch or 0, config.backward_prefetch)
     gathered_peak, peak_names, copy_out = _gathered_peak(groups, plan, config, window)
@@ -344,6 +361,8 @@ def _estimate(prepared: MetaTrainingModel, world_size: int, config: FSDP2Config,
     if activations is not None and activations.saved_bytes:  # the heap-served share of what the step saves
         heap_kept += activations.peak_bytes * activations.heap_saved_bytes // activations.saved_bytes
     loss_backward = _loss_backward_bytes(model, batch_size, seq_len, cp_size) if activations is not None else 0
+    all_to_all = (_all_to_all_bytes(model, batch_size, seq_len // cp_size, config.param_dtype)
+                  if experts and batch_size is not None else 0)
     # The head's own backward receives the logits' gradient in the logits' (compute) dtype.
     head_grad = loss_backward * _itemsize(config.param_dtype) // 4 if config.param_dtype else loss_backward
 
@@ -398,7 +417,7 @@ def _estimate(prepared: MetaTrainingModel, world_size: int, config: FSDP2Config,
         activations=activations, activations_error=act_error, notes=tuple(notes),
         load_in_4bit=prepared.load_in_4bit, double_quant=prepared.double_quant, dequantized_peak_bytes=dequantized,
         tp_size=config.tp_size, cp_size=cp_size, heap_kept_bytes=heap_kept,
-        loss_backward_bytes=loss_backward, head_grad_bytes=head_grad, copy_out_bytes=copy_out, grads_kept=accumulation is None or accumulation > 1,
+        loss_backward_bytes=loss_backward, head_grad_bytes=head_grad, all_to_all_bytes=all_to_all, ep_size=config.ep_size, copy_out_bytes=copy_out, grads_kept=accumulation is None or accumulation > 1,
     )
 
 
@@ -413,6 +432,22 @@ def _loss_backward_bytes(model: nn.Module, batch_size: int, seq_len: int, cp_siz
     if weight is None:
         return 0
     return batch_size * (seq_len // cp_size) * weight.shape[0] * 4
+
+
+def _all_to_all_bytes(model: nn.Module, batch_size: int, tokens: int, compute: torch.dtype | None) -> int:
+    """One token exchange of an EP layer (transformers' AllToAllEP): each (token, expert) pair's hidden state
+    sent and an equal share received, [tokens x top-k, hidden] each in the compute dtype (balanced routing)."""
+    config = getattr(unwrap_peft(model), "config", None)
+    top_k = getattr(config, "num_experts_per_tok", None) or 1
+    hidden = getattr(config, "hidden_size", 0)
+    itemsize = _itemsize(compute) if compute is not None else next(
+        (p.element_size() for p in model.parameters() if p.is_floating_point()), 4)
+    return 2 * batch_size * tokens * top_k * hidden * itemsize
+
+
+def expert_parallel_check(config: FSDP2Config, shard: int) -> None:
+    """ep divides the shard group, within one replica (FSDP2Config.mesh_shape's rule, for a given shard size)."""
+    config.replace(shard_size=shard, replicate_size=1).mesh_shape(shard * config.tp_size)
 
 
 def _check_cp(cp_size: int, shard: int, seq_len: int | None) -> None:
@@ -456,7 +491,7 @@ def _dequantized_peak(model: nn.Module, param_dtype: torch.dtype | None) -> int:
 def _group_memory(model: nn.Module, plan: ShardPlan, config: FSDP2Config, shard: int,
                   quantized: dict[int, tuple[str, int]] | None = None,
                   fp8_weights: set[int] = frozenset(), outside: set = frozenset(), *,
-                  tp_shapes: dict) -> list[GroupMemory]:
+                  tp_shapes: dict, experts: dict[int, int] | None = None) -> list[GroupMemory]:
     """Unsharded sizes of each `fully_shard` group, in forward order: [embedding], layers, head, root."""
     names = {id(m): n or "<root>" for n, m in model.named_modules()}
     members: list[tuple[str, list[nn.Module]]] = []
@@ -473,15 +508,17 @@ def _group_memory(model: nn.Module, plan: ShardPlan, config: FSDP2Config, shard:
             if id(p) not in seen:  # a tied weight is one parameter, in one group, once
                 seen.add(id(p))
                 ps.append(p)
-        groups.append(_one_group(name, ps, config, shard, quantized or {}, fp8_weights, tp_shapes))
+        groups.append(_one_group(name, ps, config, shard, quantized or {}, fp8_weights, tp_shapes, experts or {}))
     rest = [p for p in model.parameters() if id(p) not in seen]
     if rest:
-        groups.append(_one_group("<root>", rest, config, shard, quantized or {}, fp8_weights, tp_shapes))
+        groups.append(_one_group("<root>", rest, config, shard, quantized or {}, fp8_weights, tp_shapes, experts or {}))
     return groups
 
 
 def _one_group(name: str, params: Iterable[nn.Parameter], config: FSDP2Config, shard: int,
-               quantized: dict[int, tuple[str, int]], fp8_weights: set[int], tp_shapes: dict) -> GroupMemory:
+               quantized: dict[int, tuple[str, int]], fp8_weights: set[int], tp_shapes: dict,
+               experts: dict[int, int]) -> GroupMemory:
+    """A layer's experts (their own FSDP2 group under EP, gathered while the layer is) are counted with it."""
     numel = trainable = gathered = grads = rs_input = cast = 0
     heap_params = heap_grads = heap_cast = 0  # per-parameter tensors glibc's heap serves
 
@@ -490,8 +527,11 @@ def _one_group(name: str, params: Iterable[nn.Parameter], config: FSDP2Config, s
 
     for p in params:
         local = _local_shape(p, tp_shapes)
+        group_shard = shard
+        if id(p) in experts:  # this rank's experts, FSDP-sharded over the efsdp ranks
+            local, group_shard = torch.Size((local[0] // experts[id(p)], *local[1:])), shard // experts[id(p)]
         rows, row_numel = _rows_and_row_numel(local)
-        padded = -(-rows // shard) * shard * row_numel
+        padded = -(-rows // group_shard) * group_shard * row_numel
         # FSDP2 (_fsdp_param.init_dtype_attrs): param_dtype applies to floating params of another dtype;
         # 4-bit weights (uint8 packed values and absmax) are gathered as their own bytes.
         compute = config.param_dtype if (config.param_dtype is not None and p.is_floating_point()) else p.dtype

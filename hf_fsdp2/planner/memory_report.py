@@ -128,6 +128,9 @@ class MemoryEstimate:
     head_grad_bytes: int = 0
     # Of gathered_peak_bytes, the flat all-gather output alive only while a group is being gathered.
     copy_out_bytes: int = 0
+    # Expert parallelism: experts split over ep ranks of the shard group; one token exchange's send and receive.
+    ep_size: int = 1
+    all_to_all_bytes: int = 0
     # Gradients alive through forward (gradient accumulation, or unknown): the conservative default.
     grads_kept: bool = True
 
@@ -177,7 +180,8 @@ class MemoryEstimate:
         """What joins the resident state and the all-gather window as backward starts: activations + the
         loss's step (`loss_step_bytes`) (+ gradients kept from the previous micro-batch)."""
         grads = self._device_grad_bytes if self.grads_kept else 0
-        return self.activation_bytes + (self.loss_step_bytes if self.activations is not None else 0) + grads
+        return (self.activation_bytes + (self.loss_step_bytes if self.activations is not None else 0) + grads
+                + self.all_to_all_bytes)
 
     @property
     def backward_end_bytes(self) -> int:
@@ -239,6 +243,9 @@ class MemoryEstimate:
             split = (f", the heads and MLP features 1/{self.tp_size}" if self.tp_size > 1 else "")
             rows.append((f"activations: batch {a.batch_size} x seq {a.seq_len}{split}, {ac}", a.peak_bytes,
                          a.host_bytes))
+            if self.all_to_all_bytes:
+                rows.append((f"all-to-all: one token exchange to the experts' ranks (ep {self.ep_size})",
+                             self.all_to_all_bytes, 0))
             if self.loss_backward_bytes:
                 rows.append(("loss backward: the logits' fp32 gradient (tokens x vocab) less the window's copy-out, "
                              "or the head's gradient less the loss's saved fp32", self.loss_step_bytes, 0))
@@ -253,6 +260,9 @@ class MemoryEstimate:
             mesh += f", tensor parallel over {self.tp_size}"
         if self.cp_size > 1:
             mesh += f", context parallel over {self.cp_size} (in the {self.shard_size} shards)"
+        if self.ep_size > 1:
+            mesh += (f", experts over ep {self.ep_size} x efsdp {self.shard_size // self.ep_size} (in the "
+                     f"{self.shard_size} shards)")
         lora = f", LoRA r={self.lora_r} on {','.join(self.lora_targets or ())}" if self.lora_r else ""
         if self.load_in_4bit:
             lora += f" over a 4-bit base{' (double quantization)' if self.double_quant else ''}"

@@ -104,8 +104,13 @@ def apply_fsdp(model: nn.Module, plan: ShardPlan, config: FSDP2Config, mesh: Dev
         kwargs["ignored_params"] = ignored
     reshard = config.reshard_after_forward
     if plan.experts:  # inside the layers: sharded first, each its own group (sharding/expert_parallel.py)
-        expert_parallel.shard_experts(plan.experts, plan.experts_mesh, mesh.size(), fully_shard,
-                                      **{k: v for k, v in kwargs.items() if k != "mesh"}, reshard_after_forward=reshard)
+        # as its layer: the last one's backward runs right after forward, so its experts stay gathered too
+        last = {id(m) for m in plan.layers[-1].modules()} if plan.layers and plan.in_forward_order else set()
+        for experts in plan.experts:
+            expert_parallel.shard_experts([experts], plan.experts_mesh, mesh.size(), fully_shard,
+                                          **{k: v for k, v in kwargs.items() if k != "mesh"},
+                                          reshard_after_forward=False if (id(experts) in last and reshard is True)
+                                          else reshard)
     for index, layer in enumerate(plan.layers):
         # The last layer's backward runs right after forward: resharding it would only re-gather it.
         last = index == len(plan.layers) - 1 and plan.in_forward_order

@@ -1,0 +1,150 @@
+"""Expert parallelism against FSDP2 alone on a mixture-of-experts model whose experts dominate its bytes (issue 49).
+
+    python benchmarks/moe_bench.py            # 4 gloo ranks, Qwen3-MoE-shaped, fp32 + AdamW
+    python benchmarks/moe_bench.py --tiny     # the same contestants in seconds (the suite runs it)
+
+Contestants, side by side in one run, each loading the same hub-format checkpoint:
+  fsdp2         hf_fsdp2.from_pretrained, FSDP2Config()            every expert all-gathered by every rank
+  ep2, ep4      hf_fsdp2.from_pretrained, FSDP2Config(ep_size=E)   E/ep experts per rank, tokens by all-to-all
+  transformers  from_pretrained(distributed_config=DistributedConfig(fsdp_size=4, ep_size=2)), adopted by
+                hf_fsdp2.shard_model: transformers' own EP x FSDP2
+
+Per contestant: all-gathered and all-to-all bytes of one training step (torch.profiler's c10d events: the
+output buffers' numel x 4 bytes, fp32), tokens/s over the timed steps, peak RSS per rank over the steps
+(max over ranks), and the losses (equal across contestants: EP changes where experts run, not the math).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import shutil
+import time
+from pathlib import Path
+
+import harness
+
+SHAPE = dict(vocab_size=4096, hidden_size=512, intermediate_size=1024, moe_intermediate_size=512, num_experts=16,
+             num_experts_per_tok=2, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
+             max_position_embeddings=512, tie_word_embeddings=False)
+TINY = dict(SHAPE, vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_experts=8,
+            num_hidden_layers=2, num_attention_heads=4)
+CONTESTANTS = ("fsdp2", "ep2", "ep4", "transformers")
+
+
+def _config(tiny: bool):
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(**(TINY if tiny else SHAPE))
+
+
+def _collective_bytes(prof) -> dict[str, int]:
+    """Bytes into the output buffers of the step's all-gathers and all-to-alls (fp32: 4 bytes a value)."""
+    out = {"all_gather": 0, "all_to_all": 0}
+    for event in prof.events():
+        kind = {"c10d::_allgather_base_": "all_gather", "c10d::alltoall_base_": "all_to_all"}.get(event.name)
+        if kind and event.input_shapes and event.input_shapes[0]:
+            out[kind] += 4 * math.prod(event.input_shapes[0])
+    return out
+
+
+def run_rank(rank: int, world: int, job: dict) -> dict:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    from transformers import AutoModelForCausalLM
+
+    import hf_fsdp2
+
+    name = job["contestant"]
+    if name == "transformers":
+        from transformers.distributed import DistributedConfig
+
+        model = AutoModelForCausalLM.from_pretrained(job["src"], distributed_config=DistributedConfig(
+            fsdp_size=world, ep_size=2))
+        hf_fsdp2.shard_model(model)  # adopted as transformers sharded it
+    else:
+        ep = int(name[2:]) if name.startswith("ep") else 1
+        model = hf_fsdp2.from_pretrained(AutoModelForCausalLM, job["src"], hf_fsdp2.FSDP2Config(ep_size=ep),
+                                         progress=False)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    g = torch.Generator().manual_seed(1 + rank)
+    vocab = model.config.vocab_size
+    data = [torch.randint(0, vocab, (job["batch"], job["seq"]), generator=g) for _ in range(job["warmup"] + job["steps"])]
+
+    def step(ids):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.item()
+
+    losses = [step(ids) for ids in data[:job["warmup"]]]
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        losses.append(step(data[job["warmup"]]))
+    collective = _collective_bytes(prof)
+    import torch.distributed as dist
+
+    harness.malloc_trim()
+    dist.barrier()
+    harness.reset_hwm()
+    start = time.perf_counter()
+    losses += [step(ids) for ids in data[job["warmup"] + 1:]]
+    dist.barrier()
+    seconds = time.perf_counter() - start
+    return {"losses": losses, "seconds": seconds, "peak_rss": harness.hwm_bytes(), **collective,
+            "tokens": (job["steps"] - 1) * job["batch"] * job["seq"]}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tiny", action="store_true")
+    p.add_argument("--contestants", nargs="+", choices=CONTESTANTS, default=list(CONTESTANTS))
+    p.add_argument("--steps", type=int, default=4, help="timed steps (the first of them profiled, not timed)")
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--seq", type=int, default=256)
+    args = p.parse_args(argv)
+    world = 4
+    root = harness.TMP_ROOT / "moe_bench"
+    shutil.rmtree(root, ignore_errors=True)
+    import torch
+    from transformers import Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(_config(args.tiny))
+    expert_bytes = sum(p.numel() * 4 for n, p in model.named_parameters() if ".experts." in n)
+    total_bytes = sum(p.numel() * 4 for p in model.parameters())
+    model.save_pretrained(root / "src")
+    del model
+    seq = 16 if args.tiny else args.seq
+    steps = 2 if args.tiny else args.steps
+    results = {}
+    for name in args.contestants:
+        job = {"contestant": name, "src": str(root / "src"), "batch": args.batch, "seq": seq, "warmup": 1,
+               "steps": steps}
+        ranks = harness.run_ranks(run_rank, world, job, timeout=3600, threads=1)
+        seconds = max(r["seconds"] for r in ranks)
+        results[name] = {
+            "losses": ranks[0]["losses"], "rank_losses": [r["losses"] for r in ranks],
+            "all_gather_bytes": max(r["all_gather"] for r in ranks), "all_to_all_bytes": max(r["all_to_all"] for r in ranks),
+            "peak_rss": max(r["peak_rss"] for r in ranks), "tokens_per_s": world * ranks[0]["tokens"] / seconds,
+        }
+    shutil.rmtree(root, ignore_errors=True)
+    base = results.get("fsdp2")
+    lines = [f"Qwen3-MoE shape {'(tiny)' if args.tiny else ''} {total_bytes / 2**20:.0f} MiB fp32, experts "
+             f"{expert_bytes / total_bytes:.0%} of it; {world} ranks, batch {args.batch} x seq {seq} per rank",
+             f"{'contestant':14s} {'all-gather/step':>16s} {'all-to-all/step':>16s} {'peak RSS':>10s} {'tokens/s':>9s}  loss diff"]
+    for name, r in results.items():
+        rel = (f" ({r['all_gather_bytes'] / base['all_gather_bytes']:.2f}x)" if base else "")
+        speed = (f" ({r['tokens_per_s'] / base['tokens_per_s']:.2f}x)" if base else "")
+        diff = max(abs(a - b) for a, b in zip(r["losses"], base["losses"])) if base else float("nan")
+        lines.append(f"{name:14s} {r['all_gather_bytes'] / 2**20:9.1f} MiB{rel:>8s} {r['all_to_all_bytes'] / 2**20:8.1f} MiB "
+                     f"{r['peak_rss'] / 2**30:7.2f} GiB {r['tokens_per_s']:8.0f}{speed}  {diff:.1e}")
+    print("\n".join(lines))
+    path = harness.write_results("moe_bench", argv, world_size=world, tiny=args.tiny, shape=TINY if args.tiny else SHAPE,
+                                 expert_fraction=expert_bytes / total_bytes, results=results)
+    print(f"results: {path.relative_to(harness.REPO)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
