@@ -351,9 +351,6 @@ class FSDP2Config:
         if self.shard_size == "auto" and self.replicate_size != 1:
             raise ValueError(f"`shard_size`='auto' picks the replicas too; leave `replicate_size` at 1 "
                              f"(got {self.replicate_size}).")
-        if self.ep_size > 1 and self.shard_size == "auto":
-            raise ValueError(f"`ep_size`={self.ep_size} with `shard_size`='auto' is not done in hf_fsdp2: the layout "
-                             "planner does not cost expert parallelism yet; give shard_size (or leave it None).")
         if self.memory_budget is not None and self.shard_size != "auto":
             raise ValueError("`memory_budget` is what the auto layout must fit; set `shard_size`='auto' "
                              "with it, or remove it.")

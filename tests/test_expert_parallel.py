@@ -294,11 +294,27 @@ def test_what_expert_parallelism_does_not_do_yet_is_refused_by_name(fields, wrap
     assert re.search(message, errors[0]), errors[0]
 
 
-def test_ep_with_the_auto_layout_or_another_wrap_policy_is_refused_by_name():
-    with pytest.raises(ValueError, match=r"`ep_size`=2 with `shard_size`='auto' is not done"):
-        FSDP2Config(ep_size=2, shard_size="auto")
+def test_ep_with_another_wrap_policy_is_refused_by_name():
     with pytest.raises(ValueError, match=r"`ep_size`=2 makes each decoder layer's experts a group"):
         FSDP2Config(ep_size=2, wrap_policy="size")
+
+
+def _auto(rank, world):
+    from hf_fsdp2.sharding import record_of
+
+    model = build_moe()
+    shard_model(model, FSDP2Config(ep_size=2, shard_size="auto", memory_budget="20GB", plan_seq_len=16))
+    record = record_of(model)
+    return {"losses": _train(model, rank, world)[0], "shard_size": record.config.shard_size,
+            "candidates": sorted({(c.shard_size, c.cpu_offload) for c in record.layout.candidates})}
+
+
+def test_the_auto_layout_plans_with_the_ep_size_given():
+    """shard_size="auto" with ep_size: every candidate one shard group over all ranks (EP splits the experts
+    within it), none offloaded (not done with EP); the chosen one trains like one process."""
+    out = run_ranks(_auto, WORLD)[0]
+    assert out["shard_size"] == WORLD and out["candidates"] == [(WORLD, False)]
+    assert out["losses"] == pytest.approx(_reference(WORLD, "qwen3_moe")[0], rel=1e-5)
 
 
 def test_moe_bench_tiny_mode_runs_every_contestant():

@@ -266,10 +266,14 @@ def plan_layout(prepared: MetaTrainingModel, world_size: int, config: FSDP2Confi
                          (True, 1, False, False)]
         if device_type != "cpu":
             checkpointing.append((False, 1, False, True))
+    ep = config.ep_size
+    if ep > 1:  # expert parallelism: one shard group over every rank, no offload (sharding/expert_parallel.py)
+        offloads, checkpointing = [False], [c for c in checkpointing if not c[3]]
     layouts = [(offload, tp, cp, activations, reshard, shard)
                for offload in offloads for tp, cp in _parallel_options(world_size, tp_sizes, cp_sizes)
                for activations in checkpointing for reshard in (False, True)
-               for shard in _shard_sizes(world_size // tp, cp, mesh_shape)]
+               for shard in _shard_sizes(world_size // tp, cp, mesh_shape)
+               if ep == 1 or (shard == world_size // tp and shard % ep == 0)]
     candidates = []
     for offload, tp, cp, (ac, every, save_matmuls, act_offload), reshard, shard in layouts:
         replicate = world_size // tp // shard
