@@ -294,6 +294,18 @@ def test_what_expert_parallelism_does_not_do_yet_is_refused_by_name(fields, wrap
     assert re.search(message, errors[0]), errors[0]
 
 
+def test_ep_without_transformers_expert_parallelism_is_refused_by_name(monkeypatch):
+    """transformers before its expert_parallel module (e.g. the GPU image's 5.17): one error naming the setting."""
+    import sys
+
+    from hf_fsdp2.planner.memory import estimate_memory
+
+    monkeypatch.setitem(sys.modules, "transformers.distributed.expert_parallel", None)  # import raises ImportError
+    with pytest.raises(ValueError, match=r"`ep_size`=2 applies the model's EP plan with transformers' expert "
+                                         r"parallelism .* install transformers 5.23 or later"):
+        estimate_memory(build_moe().config, WORLD, FSDP2Config(ep_size=2), batch_size=None)
+
+
 def test_ep_with_another_wrap_policy_is_refused_by_name():
     with pytest.raises(ValueError, match=r"`ep_size`=2 makes each decoder layer's experts a group"):
         FSDP2Config(ep_size=2, wrap_policy="size")
@@ -362,6 +374,8 @@ def test_estimate_counts_each_ranks_experts_and_the_token_exchange(tmp_path, cap
     assert ep2.backward_start_bytes - plain.backward_start_bytes == ep2.all_to_all_bytes
     with pytest.raises(ValueError, match="`ep_size`=3 must divide the shard size 4"):
         estimate_memory(config, WORLD, FSDP2Config(ep_size=3), batch_size=2, seq_len=16)
+    with pytest.raises(ValueError, match="`ep_size`=2 with `cp_size` > 1 is not done"):
+        estimate_memory(config, WORLD, FSDP2Config(ep_size=2), batch_size=2, seq_len=16, cp_size=2)
     config.to_json_file(tmp_path / "config.json")
     assert main(["estimate-memory", "--model", str(tmp_path / "config.json"), "--world-size", "4", "--ep-size", "2",
                  "--seq-len", "16"]) == 0

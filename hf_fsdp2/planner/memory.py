@@ -216,6 +216,8 @@ class MetaTrainingModel:
             return {}
         from ..sharding import expert_parallel
 
+        expert_parallel.require_available(ep_size)
+        expert_parallel.check_shard_group(FSDP2Config(ep_size=ep_size), shard_size)
         inner = unwrap_peft(self.model)
         named = dict(inner.named_parameters())
         plan = expert_parallel.resolved_plan(inner, shard_size, ep_size)
@@ -330,8 +332,9 @@ def _estimate(prepared: MetaTrainingModel, world_size: int, config: FSDP2Config,
     outside = replicated_frozen_parameters(model, config, shard)
     # EP: an expert tensor's rank holds rows / ep of it, FSDP-sharded over shard / ep ranks: the same bytes per
     # rank at rest (rows / shard), but its group gathers only the rank's experts (sharding/expert_parallel.py).
-    if config.ep_size > 1:
-        expert_parallel_check(config, shard)
+    if config.ep_size > 1 and (config.tp_size > 1 or cp_size > 1):  # as sharding/expert_parallel.py refuses it
+        raise ValueError(f"`ep_size`={config.ep_size} with {'`tp_size`' if config.tp_size > 1 else '`cp_size`'} > 1 "
+                         "is not done in hf_fsdp2 (expert parallelism within one data-parallel shard group only).")
     experts = prepared.expert_params(shard, config.ep_size)
     groups = _group_memory(model, plan, config, shard, quantized, fp8_weights, outside, tp_shapes=tp_shapes,
                            experts=experts)
@@ -443,11 +446,6 @@ def _all_to_all_bytes(model: nn.Module, batch_size: int, tokens: int, compute: t
     itemsize = _itemsize(compute) if compute is not None else next(
         (p.element_size() for p in model.parameters() if p.is_floating_point()), 4)
     return 2 * batch_size * tokens * top_k * hidden * itemsize
-
-
-def expert_parallel_check(config: FSDP2Config, shard: int) -> None:
-    """ep divides the shard group, within one replica (FSDP2Config.mesh_shape's rule, for a given shard size)."""
-    config.replace(shard_size=shard, replicate_size=1).mesh_shape(shard * config.tp_size)
 
 
 def _check_cp(cp_size: int, shard: int, seq_len: int | None) -> None:

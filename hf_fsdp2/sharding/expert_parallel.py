@@ -59,10 +59,30 @@ def resolved_plan(model: nn.Module, shard_size: int, ep_size: int) -> dict[str, 
     return ep_plan
 
 
+def require_available(ep_size: int) -> None:
+    """transformers' EP machinery (`transformers.distributed.expert_parallel`, which this module was built on
+    with transformers 5.23) is installed, or an error naming the setting and the installed version."""
+    try:
+        import transformers.distributed.expert_parallel  # noqa: F401
+    except ImportError:
+        import transformers
+
+        raise ValueError(f"`ep_size`={ep_size} applies the model's EP plan with transformers' expert parallelism "
+                         f"(transformers.distributed.expert_parallel), which the installed transformers "
+                         f"{transformers.__version__} does not have: install transformers 5.23 or later, or leave "
+                         "ep_size at 1.") from None
+
+
+def check_shard_group(config, shard_size: int) -> None:
+    """ep divides the shard group, within one replica (FSDP2Config.mesh_shape's rule for this shard size)."""
+    config.replace(shard_size=shard_size, replicate_size=1).mesh_shape(shard_size * config.tp_size)
+
+
 def refuse_unsupported(model: nn.Module, config, mesh: DeviceMesh) -> None:
     """What EP does not cover yet, refused by name before anything changes."""
     from ..quantization import quantized
 
+    require_available(config.ep_size)
     names = mesh.mesh_dim_names or ()
     reason = None
     adapted = _parameter_adapters(model)
@@ -78,7 +98,7 @@ def refuse_unsupported(model: nn.Module, config, mesh: DeviceMesh) -> None:
                        if getattr(config, field)), None)
     if reason:
         raise ValueError(f"`ep_size`={config.ep_size} (expert parallelism) is not done in hf_fsdp2 with {reason}.")
-    config.replace(shard_size=mesh.size(), replicate_size=1).mesh_shape(mesh.size())  # ep divides the shard group
+    check_shard_group(config, mesh.size())
 
 
 def _parameter_adapters(model: nn.Module) -> list[str]:
@@ -131,5 +151,5 @@ def shard_experts(experts: list[nn.Module], experts_mesh: DeviceMesh, data_paral
             module.set_force_sum_reduction_for_comms(True)
 
 
-__all__ = ["DISPATCH_STYLE", "EFSDP_DIM", "EP_DIM", "apply_expert_parallel", "expert_mesh", "refuse_unsupported",
-           "resolved_plan", "shard_experts"]
+__all__ = ["DISPATCH_STYLE", "EFSDP_DIM", "EP_DIM", "apply_expert_parallel", "check_shard_group", "expert_mesh",
+           "refuse_unsupported", "require_available", "resolved_plan", "shard_experts"]
