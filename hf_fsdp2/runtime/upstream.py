@@ -245,6 +245,8 @@ PRIVATE: tuple[Private, ...] = (
     Private("torch.distributed.distributed_c10d", "ProcessGroup._get_backend", "runtime/collectives.py"),
     Private("torch.distributed", "ProcessGroupGloo._Options._timeout", "runtime/collectives.py", optional=True),
     Private("torch.distributed.device_mesh", "DeviceMesh._flatten", "runtime/distributed.py"),
+    # the memory estimate's shapes-only stand-in intercepts it where F.grouped_mm is absent (MoE layers)
+    Private("torch", "_grouped_mm", "planner/activation_trace.py", optional=True),
     Private("torch.distributed.tensor._utils", "compute_local_shape_and_global_offset", "checkpoint/tensor_export.py"),
     Private("torch.distributed.tensor.placement_types", "_StridedShard", "checkpoint/tensor_export.py"),
     Private("torch.distributed.checkpoint.filesystem", "_StorageInfo", "checkpoint/convert.py"),
