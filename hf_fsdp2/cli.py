@@ -380,7 +380,7 @@ def _run_plan(args: argparse.Namespace) -> int:
     import json
 
     from .config import parse_bytes
-    from .planner.layout import parallel_sizes, plan_layout
+    from .planner.layout import expert_parallel_options, parallel_sizes, plan_layout
     from .planner.memory import prepare_meta_model
 
     try:
@@ -400,6 +400,7 @@ def _run_plan(args: argparse.Namespace) -> int:
         plan = plan_layout(prepared, args.world_size, config, budget_bytes=budget, budget_source="--memory",
                            device_type=args.device, batch_size=args.batch_size, seq_len=args.seq_len,
                            tp_sizes=tp_sizes, cp_sizes=cp_sizes)
+        proposals = expert_parallel_options(prepared, plan, config, batch_size=args.batch_size, seq_len=args.seq_len)
     except ValueError as e:
         raise _flag_names(e) from None
     if args.json:
@@ -416,9 +417,23 @@ def _run_plan(args: argparse.Namespace) -> int:
                           "chosen": row(plan.chosen) if plan.chosen else None,
                           "returns_freed_memory": plan.returns_freed_memory,
                           "smallest_workable_budget": plan.smallest_workable_budget,
-                          "candidates": [row(c) for c in plan.candidates]}, indent=2))
+                          "candidates": [row(c) for c in plan.candidates],
+                          "expert_parallel": [{"ep_size": ep, "device_bytes": e.device_bytes,
+                                               "gathered_peak_bytes": e.gathered_peak_bytes,
+                                               "all_to_all_bytes": e.all_to_all_bytes} for ep, e in proposals]},
+                         indent=2))
     else:
         print(plan.format_table())
+        if proposals:
+            from .planner.memory_report import format_bytes
+
+            chosen = plan.chosen.estimate
+            print(f"mixture of experts: expert parallelism splits each layer's experts over ep ranks of the shard group "
+                  f"(FSDP2Config(ep_size=E), or HF_FSDP2_EP_SIZE=E under accelerate launch); with the chosen layout "
+                  f"(all-gather peak {format_bytes(chosen.gathered_peak_bytes)}, peak {format_bytes(chosen.device_bytes)}):")
+            for ep, e in proposals:
+                print(f"  ep_size={ep}: all-gather peak {format_bytes(e.gathered_peak_bytes)}, one token exchange "
+                      f"{format_bytes(e.all_to_all_bytes)}, peak {format_bytes(e.device_bytes)}")
     return 0 if plan.chosen else 1
 
 

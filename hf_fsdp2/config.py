@@ -203,6 +203,10 @@ class FSDP2Config:
             device). An alternative to `activation_checkpointing`: no recomputation, two copies.
         cpu_offload: keep sharded params, grads and optimizer states in CPU memory.
         replicate_size: HSDP replicas (1 = plain FSDP).
+        cp_size: context parallelism (sharding/context_parallel.py): this many of the shard ranks split every
+            sequence (torch's `context_parallel`, entered by Accelerate's `maybe_context_parallel`); FSDP2 shards
+            over dp_shard x cp. Set from Accelerate's `parallelism_config` (whose mesh has the "cp" dimension);
+            hf_fsdp2 builds no cp mesh of its own (refused by name without one). Must divide the shard size.
         ep_size: expert parallelism for mixture-of-experts models (sharding/expert_parallel.py): the model's
             own EP plan (transformers' `base_model_ep_plan`), each layer's experts split over `ep_size` ranks of
             the shard group (tokens sent to them by all-to-all) and FSDP-sharded over the shard size / ep_size
@@ -275,6 +279,7 @@ class FSDP2Config:
     replicate_size: int = 1
     shard_size: int | Literal["auto"] | None = None
     tp_size: int = 1
+    cp_size: int = 1
     ep_size: int = 1
     frozen_dtype: torch.dtype | None = None
     async_save: bool = False
@@ -308,7 +313,8 @@ class FSDP2Config:
             "reshard_after_forward": self._parse_reshard(self.reshard_after_forward),
             **{name: _parse_int(getattr(self, name), name, low)
                for name, low in (("min_num_params", 0), ("backward_prefetch", 0), ("checkpoint_every", 1),
-                                 ("replicate_size", 1), ("tp_size", 1), ("ep_size", 1), ("plan_batch_size", 1))},
+                                 ("replicate_size", 1), ("tp_size", 1), ("cp_size", 1), ("ep_size", 1),
+                                 ("plan_batch_size", 1))},
             **optional_int,
             **{name: parse_bool(getattr(self, name), name)
                for name in ("activation_checkpointing", "checkpoint_save_matmuls", "activation_offload", "cpu_offload",
@@ -405,6 +411,9 @@ class FSDP2Config:
                 f"HSDP shape `replicate_size` x `shard_size` = {self.replicate_size} x {shard} = "
                 f"{self.replicate_size * shard} does not match the world size {world_size}."
             )
+        if shard % self.cp_size:
+            raise ValueError(f"`cp_size`={self.cp_size} must divide the shard size {shard}: FSDP2 shards over "
+                             "dp_shard x cp, so the cp ranks are part of each shard group.")
         if self.ep_size > 1:
             if self.replicate_size > 1:
                 raise ValueError(f"`ep_size`={self.ep_size} with HSDP (`replicate_size`={self.replicate_size}) is not "

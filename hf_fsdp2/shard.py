@@ -25,14 +25,13 @@ class Layout:
     mesh: DeviceMesh
 
 
-def plan(model: nn.Module, config: FSDP2Config, *, mesh: DeviceMesh | None = None, cp_size: int = 1,
-         to_device: bool = True) -> Layout:
+def plan(model: nn.Module, config: FSDP2Config, *, mesh: DeviceMesh | None = None, to_device: bool = True) -> Layout:
     """The model prepared for planning (refusals, its device unless `to_device=False`, quantized layers in
     the row layout FSDP2 shards), the auto layout resolved (a given mesh keeps its data-parallel shape:
     Accelerate's, with TP or CP), and the mesh built unless given. Collective: call on every rank."""
     engine.prepare_for_planning(model, to_device=to_device)
     shape = data_parallel_shape(mesh) if mesh is not None and config.is_auto_layout else None
-    config = resolve_auto_layout(model, config, cp_size=cp_size, mesh_shape=shape)
+    config = resolve_auto_layout(model, config, mesh_shape=shape)
     return Layout(config, mesh if mesh is not None else build_mesh(config))
 
 

@@ -127,3 +127,25 @@ def test_a_sequence_length_cp_size_does_not_divide_is_refused_by_name():
     with pytest.raises(ValueError, match=r"lengths \[8, 16\]"):
         context(buffers=[torch.zeros(2, 16), torch.zeros(2, 8)], buffer_seq_dims=[1, 1])
     assert len(entered) == 1
+
+
+def _shard_with(rank, world, fields):
+    from hf_fsdp2 import FSDP2Config, shard_model
+
+    try:
+        shard_model(build_model(), FSDP2Config(**fields))
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+def test_cp_size_is_a_config_field_a_mesh_must_carry():
+    """`cp_size` is FSDP2Config's (Accelerate's parallelism_config sets it, with the "cp" mesh dimension it builds):
+    without such a mesh it is refused by name, never run as plain data parallelism; it must divide the shard size."""
+    from hf_fsdp2 import FSDP2Config
+
+    assert FSDP2Config.from_dict({"cp_size": "2"}).cp_size == 2
+    with pytest.raises(ValueError, match=r"`cp_size`=3 must divide the shard size 4"):
+        FSDP2Config(cp_size=3).mesh_shape(4)
+    error = run_ranks(_shard_with, 2, {"cp_size": 2})[0]
+    assert error and "`cp_size`=2 needs a device mesh with a 'cp' dimension" in error and "parallelism_config" in error

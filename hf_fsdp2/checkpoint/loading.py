@@ -54,14 +54,14 @@ class Deferred:
 Fill = str | FromRank0 | FromDirectory | Deferred
 
 
-def plan_for(model: nn.Module, config: FSDP2Config, fill: Fill, *, mesh=None, cp_size: int = 1) -> Layout:
+def plan_for(model: nn.Module, config: FSDP2Config, fill: Fill, *, mesh=None) -> Layout:
     """`plan` for a model `fill` will fill. From rank 0: its quantized layers set the others' row layout first
     (their meta layers have no quantization state to read it from), and its weights stay where they are
     (broadcast from there, never moved whole to the device). Collective: call on every rank."""
     from_rank0 = isinstance(fill, FromRank0)
     if from_rank0:
         _prepare_quantized_from_rank0(model, collectives.rank() == 0)
-    return plan(model, config, mesh=mesh, cp_size=cp_size, to_device=not from_rank0)
+    return plan(model, config, mesh=mesh, to_device=not from_rank0)
 
 
 def shard_and_fill(model: nn.Module, layout: Layout, fill: Fill) -> nn.Module:

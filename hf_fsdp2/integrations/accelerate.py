@@ -464,7 +464,7 @@ def _fsdp2_prepare_model(accelerator, model: nn.Module) -> nn.Module:
     # With rank-0 loading the other ranks hold the model on meta: the planner needs only its shapes
     # (it costs a meta copy), so every rank makes the same plan.
     from_rank0 = getattr(accelerator.state.fsdp_plugin, "cpu_ram_efficient_loading", False)
-    cp_size = _cp_size(accelerator)
+    cp_size = config.cp_size  # Accelerate's parallelism_config cp_size (accelerate_settings.fsdp2_values)
     # With TP, the accelerator's own mesh ("dp_replicate", "dp_shard", "tp"): a model transformers split
     # at load (`device_mesh=accelerator.torch_device_mesh`) is on its "tp" dimension already. With CP,
     # too: `maybe_context_parallel` splits sequences over its "cp" dimension, FSDP2 shards over
@@ -475,7 +475,7 @@ def _fsdp2_prepare_model(accelerator, model: nn.Module) -> nn.Module:
         fill = loading.Deferred(directory)
     else:  # fsdp_cpu_ram_efficient_loading: rank 0's weights; else the model's own
         fill = loading.FromRank0() if from_rank0 else loading.INITIALISE
-    layout = loading.plan_for(model, config, fill, mesh=given, cp_size=cp_size)
+    layout = loading.plan_for(model, config, fill, mesh=given)
     if cp_size > 1 and getattr(accelerator, "_cp_context", None) is not None:
         upstream.wrap_instance_method(accelerator, "_cp_context", "accelerate.accelerator.Accelerator._prepare_cp",
                                       lambda original: _checked_cp_context(original, cp_size))
@@ -497,6 +497,3 @@ def _checked_cp_context(original, cp_size: int):
     return context
 
 
-def _cp_size(accelerator) -> int:
-    pc = getattr(accelerator, "parallelism_config", None)
-    return (getattr(pc, "cp_size", 1) or 1) if pc is not None else 1

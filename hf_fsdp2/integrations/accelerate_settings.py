@@ -77,4 +77,6 @@ def fsdp2_values(settings: AccelerateSettings) -> dict[str, Any]:
         values["shard_size"] = shard if shard > 1 else None
     if settings.tp_size > 1:  # TP on the accelerator's "tp" mesh dimension (sharding/tensor_parallel.py)
         values["tp_size"] = settings.tp_size
+    if settings.cp_size > 1:  # CP on the accelerator's "cp" mesh dimension (sharding/context_parallel.py)
+        values["cp_size"] = settings.cp_size
     return values

@@ -117,6 +117,7 @@ class LayoutPlan:
         if chosen is None:
             raise ValueError(self.failure())
         return base.replace(shard_size=chosen.shard_size, replicate_size=chosen.replicate_size, tp_size=chosen.tp_size,
+                            cp_size=chosen.cp_size,
                             reshard_after_forward=chosen.reshard_after_forward,
                             activation_checkpointing=chosen.activation_checkpointing,
                             checkpoint_every=chosen.checkpoint_every, activation_offload=chosen.activation_offload,
@@ -233,6 +234,31 @@ def parallel_sizes(prepared: MetaTrainingModel, world_size: int, seq_len: int) -
     return tp_sizes, cp_sizes
 
 
+def expert_parallel_options(prepared: MetaTrainingModel, plan: "LayoutPlan", base: FSDP2Config, *,
+                            batch_size: int, seq_len: int) -> list[tuple[int, MemoryEstimate]]:
+    """For a mixture-of-experts model, the chosen layout again with each ep_size that could split its experts
+    (dividing the shard group and the expert count; one replica, no TP, CP or offload: what EP does), each with
+    its estimate: what `hf-fsdp2 plan` proposes. Empty for a dense model or a layout EP does not combine with."""
+    chosen = plan.chosen
+    if chosen is None or base.ep_size > 1 or chosen.replicate_size > 1 or chosen.tp_size > 1 \
+            or chosen.cp_size > 1 or chosen.cpu_offload or chosen.activation_offload:
+        return []
+    config = getattr(unwrap_peft(prepared.model), "config", None)
+    experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None) or getattr(
+        config, "n_routed_experts", None)
+    if not experts or not (getattr(config, "base_model_ep_plan", None) or {}):
+        return []
+    out = []
+    for ep in divisors(chosen.shard_size):
+        if ep > 1 and experts % ep == 0:
+            try:
+                layout = plan.config(base).replace(ep_size=ep)
+                out.append((ep, prepared.estimate(plan.world_size, layout, batch_size=batch_size, seq_len=seq_len)))
+            except ValueError:  # transformers without its EP machinery, a model without an EP plan
+                return []
+    return out
+
+
 def _parallel_options(world_size: int, tp_sizes, cp_sizes) -> list[tuple[int, int]]:
     """(tp, cp) in cost order: neither, CP, TP, both (each by size)."""
     options = [(t, c) for t in sorted(set(tp_sizes)) for c in sorted(set(cp_sizes)) if world_size % (t * c) == 0]
@@ -277,7 +303,7 @@ def plan_layout(prepared: MetaTrainingModel, world_size: int, config: FSDP2Confi
     candidates = []
     for offload, tp, cp, (ac, every, save_matmuls, act_offload), reshard, shard in layouts:
         replicate = world_size // tp // shard
-        layout = config.replace(shard_size=shard, replicate_size=replicate, tp_size=tp, memory_budget=None,
+        layout = config.replace(shard_size=shard, replicate_size=replicate, tp_size=tp, cp_size=cp, memory_budget=None,
                                 reshard_after_forward=reshard, activation_checkpointing=ac, checkpoint_every=every,
                                 checkpoint_save_matmuls=save_matmuls, activation_offload=act_offload,
                                 cpu_offload=offload)
@@ -322,7 +348,7 @@ def _shard_sizes(dp: int, cp: int, mesh_shape: tuple[int, int] | None) -> list[i
     return [s for s in divisors(dp) if s % cp == 0]
 
 
-def resolve_auto_layout(model: nn.Module, config: FSDP2Config, *, cp_size: int = 1,
+def resolve_auto_layout(model: nn.Module, config: FSDP2Config, *,
                         mesh_shape: tuple[int, int] | None = None) -> FSDP2Config:
     """`config` with `shard_size="auto"` resolved for `model` on this process group (else unchanged).
 
@@ -354,7 +380,7 @@ def resolve_auto_layout(model: nn.Module, config: FSDP2Config, *, cp_size: int =
                        host_budget_bytes=host_budget, batch_size=config.plan_batch_size,
                        seq_len=plan_seq_len(model, config),
                        checkpointing_fixed=any(isinstance(m, CheckpointWrapper) for m in model.modules()),
-                       tp_sizes=(config.tp_size,), cp_sizes=(cp_size,), mesh_shape=mesh_shape)
+                       tp_sizes=(config.tp_size,), cp_sizes=(config.cp_size,), mesh_shape=mesh_shape)
     if plan.returns_freed_memory and not host_allocator.return_freed_blocks(model) and collectives.rank() == 0:
         logger.warning("hf_fsdp2: the C library is not glibc; its freed memory may keep RSS over the budget.")
     if collectives.rank() == 0:

@@ -137,7 +137,7 @@ def estimate_memory(
     seq_len: int | None = 2048,
     load_in_4bit: bool = False,
     bnb_4bit_use_double_quant: bool = False,
-    cp_size: int = 1,
+    cp_size: int | None = None,
     gradient_accumulation_steps: int | None = 1,
 ) -> MemoryEstimate:
     """Per-rank memory of training `model_or_config` with `shard_model(model, fsdp_config)` and AdamW
@@ -149,7 +149,7 @@ def estimate_memory(
     quantizes become bitsandbytes 4-bit (NF4) weights as `from_pretrained(..., quantization_config=
     BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_use_double_quant=...))` shards them, quantized from
     `dtype`; needs `lora_r` and bitsandbytes. `fsdp_config.tp_size` > 1: tensor parallelism with the
-    model's own TP plan, `cp_size` > 1: context parallelism over `cp_size` of the shard ranks
+    model's own TP plan, `cp_size` > 1 (None: the config's): context parallelism over `cp_size` of the shard ranks
     (planner/parallel_shapes.py). `gradient_accumulation_steps` > 1 keeps the sharded gradients alive
     through the next micro-batch's forward; None (unknown, as the layout planner costs) counts them so.
     See the module docstring for the accounting.
@@ -258,12 +258,13 @@ class MetaTrainingModel:
         return traced.with_checkpointing(checkpointing, every, save_matmuls), None
 
     def estimate(self, world_size: int, config: FSDP2Config, *, batch_size: int | None = 1,
-                 seq_len: int | None = 2048, cp_size: int = 1,
+                 seq_len: int | None = 2048, cp_size: int | None = None,
                  gradient_accumulation_steps: int | None = None) -> MemoryEstimate:
         """Per-rank memory of this model sharded with `config` on `world_size` ranks (`cp_size` of
         each shard group's ranks splitting the sequences; `gradient_accumulation_steps` None: unknown,
         gradients counted as kept through forward)."""
-        return _estimate(self, world_size, config, batch_size, seq_len, cp_size, gradient_accumulation_steps)
+        return _estimate(self, world_size, config, batch_size, seq_len, config.cp_size if cp_size is None else cp_size,
+                         gradient_accumulation_steps)
 
 
 def prepare_meta_model(model_or_config: Any, config: FSDP2Config, *, dtype: torch.dtype | str | None = None,

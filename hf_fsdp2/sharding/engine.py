@@ -24,7 +24,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from ..config import FSDP2Config
 from ..quantization import fp8, quantized
 from ..runtime import collectives, host_allocator, upstream
-from ..runtime.distributed import (CP_DIM, TP_DIM, build_mesh, data_parallel_mesh, default_device, local_tensor,
+from ..runtime.distributed import (CP_DIM, TP_DIM, build_mesh, data_parallel_mesh, default_device, local_tensor, no_cp_mesh,
                                    refuse_accelerator_model_on_host_backend)
 from .compile import compile_layers, disable_cache_in_training, is_compiled
 from .groups import ShardPlan, apply_frozen_dtype, plan_groups, replicated_frozen_parameters, unwrap_peft
@@ -268,6 +268,7 @@ def shard_planned(
         # Before TP splits them: a TP DTensor parameter keeps its dtype through `param.data = ...to()`.
         apply_frozen_dtype(model, config.frozen_dtype)
     config = _tensor_parallel(model, config, mesh, on_meta and init_weights)  # a loader fills meta weights (from_pretrained)
+    config = _context_parallel_size(config, mesh)
     plan = plan_groups(model, config)
     if config.ep_size > 1:
         expert_parallel.refuse_unsupported(model, config, mesh)
@@ -335,6 +336,16 @@ def _adopt(model: nn.Module, config: FSDP2Config, mesh: DeviceMesh | None) -> nn
     record.config, record.mesh, record.sharded_object = config, model_mesh, id(model)
     wrap_generate(model)
     return model
+
+
+def _context_parallel_size(config: FSDP2Config, mesh: DeviceMesh) -> FSDP2Config:
+    """The config's cp_size is the mesh's "cp" dimension (Accelerate's parallelism_config builds it)."""
+    names = mesh.mesh_dim_names or ()
+    cp = mesh[CP_DIM].size() if CP_DIM in names else 1
+    if config.cp_size not in (1, cp):
+        raise ValueError(no_cp_mesh(config.cp_size, mesh) if cp == 1 else
+                         f"`cp_size`={config.cp_size} but the mesh's 'cp' dimension has {cp} ranks.")
+    return config.replace(cp_size=cp) if config.cp_size != cp else config
 
 
 def _tensor_parallel(model: nn.Module, config: FSDP2Config, mesh: DeviceMesh, on_meta: bool) -> FSDP2Config:

@@ -30,6 +30,7 @@ class ScriptArguments:
     load_in_4bit: str | None = None  # a float model directory, loaded by stock transformers in 4-bit (QLoRA)
     model_shape: str | None = None  # JSON: LlamaConfig overrides of the tiny model (tests.common.tiny_config)
     hf_fsdp2_from_pretrained: str | None = None  # a model directory, loaded and sharded by hf_fsdp2.from_pretrained
+    model_dir: str | None = None  # a model directory, loaded whole by stock from_pretrained (the Trainer shards it)
 
 
 def main():
@@ -49,6 +50,10 @@ def main():
                                  lora_dropout=0.0) if script.lora else None
         model = hf_fsdp2.from_pretrained(AutoModelForCausalLM, script.hf_fsdp2_from_pretrained,
                                          peft_config=peft_config)
+    elif script.model_dir:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(script.model_dir, dtype=torch.float32)
     else:
         model = build_model(**json.loads(script.model_shape or "{}"))
     if script.lora and not script.hf_fsdp2_from_pretrained:
@@ -72,6 +77,8 @@ def main():
             "trainable_dtensor": all(isinstance(p, DTensor) for p in model.parameters() if p.requires_grad),
             "frozen_plain": all(not isinstance(p, DTensor) for p in model.parameters() if not p.requires_grad),
             "world": trainer.args.world_size,
+            "expert_mesh": sorted({(p.device_mesh.mesh_dim_names, tuple(p.device_mesh.shape)) for p in model.parameters()
+                                   if isinstance(p, DTensor) and "ep" in (p.device_mesh.mesh_dim_names or ())}),
             "packed_4bit_rows": [[p.to_local().shape[0], p.shape[0]] for p in model.parameters()
                                  if p.dtype == torch.uint8 and isinstance(p, DTensor)], "offload": all(isinstance(g.offload_policy, CPUOffloadPolicy) for g in groups),
             "async_save": getattr(getattr(record_of(model), "config", None), "async_save", None),
