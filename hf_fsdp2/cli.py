@@ -19,6 +19,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_estimate_memory(commands)
     _add_plan(commands)
     _add_config_file(commands)
+    _add_config(commands)
     _add_run(commands)
     return parser
 
@@ -58,6 +59,43 @@ def _run_config_file(args: argparse.Namespace) -> int:
     if args.name not in names:
         raise ValueError(f"`name`={args.name!r} is not a shipped config; choose from {', '.join(names)}.")
     print(SHIPPED_CONFIGS / args.name)
+    return 0
+
+
+def _add_config(commands: argparse._SubParsersAction) -> None:
+    p = commands.add_parser(
+        "config",
+        help="Write an Accelerate config for a model: its decoder layer class, processes, precision, EP.",
+        description="A shipped config (--template) with the model's own decoder layer class (its _no_split_modules, "
+                    "read on the meta device from MODEL's config.json), --num-processes (and a TP/CP config's "
+                    "data-parallel size) and --mixed-precision set, every comment kept; checked by check-config "
+                    "before it is written. Expert parallelism, which Accelerate's yaml cannot carry, is written as "
+                    "the HF_FSDP2_EP_SIZE the launch needs. hf_fsdp2/tools/config_writer.py.",
+    )
+    p.add_argument("model", help="a model directory or its config.json (local)")
+    p.add_argument("--template", default="fsdp2", help="fsdp2 (default), fsdp2_lora, fsdp2_qlora, fsdp2_tp, "
+                                                       "fsdp2_cp or hsdp: the shipped config to start from")
+    p.add_argument("--num-processes", type=_positive_int, default=None, help="ranks (default: the template's)")
+    p.add_argument("--mixed-precision", default=None, help="no, bf16 or fp16 (default: the template's)")
+    p.add_argument("--ep-size", type=_positive_int, default=1, metavar="E",
+                   help="expert parallelism for a MoE model (written as HF_FSDP2_EP_SIZE=E for the launch)")
+    p.add_argument("-o", "--output", default=None, help="file to write (default: print it)")
+    p.set_defaults(handler=_run_config)
+
+
+def _run_config(args: argparse.Namespace) -> int:
+    from .tools.config_writer import write_config
+
+    model = Path(args.model)
+    if not (model / "config.json" if model.is_dir() else model).is_file():
+        raise ValueError(f"`model`={args.model!r}: no config.json there (a local model directory or its config.json).")
+    text = write_config(model, template=args.template, num_processes=args.num_processes,
+                        mixed_precision=args.mixed_precision, ep_size=args.ep_size)
+    if args.output is None:
+        print(text, end="")
+    else:
+        Path(args.output).write_text(text)
+        print(f"{args.output}: written, OK for hf_fsdp2 (check-config)", file=sys.stderr)
     return 0
 
 

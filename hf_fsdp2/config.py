@@ -354,6 +354,10 @@ class FSDP2Config:
                              f"it needs `wrap_policy`='transformer', not {self.wrap_policy!r}.")
 
     def _check_layout(self) -> None:
+        if self.ep_size > 1 and (self.tp_size > 1 or self.cp_size > 1):
+            raise ValueError(f"`ep_size`={self.ep_size} with `{'tp_size' if self.tp_size > 1 else 'cp_size'}`="
+                             f"{self.tp_size if self.tp_size > 1 else self.cp_size} is not done in hf_fsdp2: expert "
+                             "parallelism splits the experts within one data-parallel shard group only.")
         if self.shard_size == "auto" and self.replicate_size != 1:
             raise ValueError(f"`shard_size`='auto' picks the replicas too; leave `replicate_size` at 1 "
                              f"(got {self.replicate_size}).")

@@ -235,13 +235,15 @@ def test_accelerate_launch_with_hf_fsdp2_ep_size_matches_one_process(tmp_path):
 
     from transformers import AutoModelForCausalLM
 
-    from .launched_runs import CONFIGS, launch, reference_losses
+    from hf_fsdp2.tools.config_writer import write_config
+
+    from .launched_runs import launch, reference_losses
 
     model = build_moe()
     model.config.output_router_logits = False  # the loss over the whole batch is one process's
     model.save_pretrained(tmp_path / "src")
-    yaml = tmp_path / "fsdp2_moe.yaml"
-    yaml.write_text((CONFIGS / "fsdp2.yaml").read_text().replace("LlamaDecoderLayer", "Qwen3MoeDecoderLayer"))
+    yaml = tmp_path / "fsdp2_moe.yaml"  # hf-fsdp2 config: the model's decoder layer class, the EP note
+    yaml.write_text(write_config(tmp_path / "src", num_processes=4, ep_size=2))
     env = {**os.environ, "HF_FSDP2_EP_SIZE": "2"}
     out = launch(str(yaml), 4, tmp_path / "ep.json", "--steps", "3", "--from-pretrained", str(tmp_path / "src"),
                  "--save-state", str(tmp_path / "state"), env=env)

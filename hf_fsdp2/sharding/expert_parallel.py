@@ -52,7 +52,8 @@ def resolved_plan(model: nn.Module, shard_size: int, ep_size: int) -> dict[str, 
     """The model's EP plan for `ep_size` ranks, one entry per module or parameter (as
     `from_pretrained(distributed_config=...)` resolves it: `_resolve_parallel_plans`)."""
     inner = unwrap_peft(model)
-    _, ep_plan = parallel_plans.resolve(inner, "ep_size", ep_size, fsdp_size=shard_size, ep_size=ep_size)
+    ep_plan = {} if not getattr(inner, "ep_plan", None) else parallel_plans.resolve(
+        inner, "ep_size", ep_size, fsdp_size=shard_size, ep_size=ep_size)[1]
     if DISPATCH_STYLE not in ep_plan.values():
         raise ValueError(f"`ep_size`={ep_size}: {type(inner).__name__} has no experts to split "
                          f"(its config's base_model_ep_plan names no '{DISPATCH_STYLE}' module); leave ep_size at 1.")

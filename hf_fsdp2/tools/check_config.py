@@ -106,13 +106,14 @@ class ConfigFileError(ValueError):
     """The file cannot be checked at all: missing, unreadable, not yaml/json, or not a mapping."""
 
 
-def check_accelerate_config(path: str | Path) -> list[Finding]:
+def check_accelerate_config(path: str | Path, environ: Mapping[str, str] | None = None) -> list[Finding]:
     """Check an Accelerate config file (yaml, or json by extension, as Accelerate reads it) for use with
-    hf_fsdp2. Pure: reads the file, imports nothing from Accelerate, launches nothing.
+    hf_fsdp2, with the HF_FSDP2_* variables of `environ` (default: this process's environment, the launch's).
+    Pure: reads the file, imports nothing from Accelerate, launches nothing.
 
     Raises `ConfigFileError` when the file cannot be read as a mapping.
     """
-    return check_accelerate_config_dict(load_config_file(path))
+    return check_accelerate_config_dict(load_config_file(path), environ)
 
 
 def load_config_file(path: str | Path) -> dict[str, Any]:
@@ -127,7 +128,7 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
     return data
 
 
-def check_accelerate_config_dict(cfg: Mapping[str, Any]) -> list[Finding]:
+def check_accelerate_config_dict(cfg: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> list[Finding]:
     """`check_accelerate_config` on an already-parsed file."""
     out: list[Finding] = []
     _check_top_level_keys(cfg, out)
@@ -135,7 +136,7 @@ def check_accelerate_config_dict(cfg: Mapping[str, Any]) -> list[Finding]:
     fsdp = _check_fsdp_config(cfg, out)
     parallel = _check_parallelism_config(cfg, out)
     if not any(f.level == "error" for f in out):
-        _check_fsdp2_config(cfg, fsdp, parallel, out)
+        _check_fsdp2_config(cfg, fsdp, parallel, out, environ)
     return out
 
 
@@ -575,12 +576,13 @@ def fsdp2_values(cfg: Mapping[str, Any]) -> dict[str, Any]:
         cp_size=_int(sizes.get("parallelism_config_cp_size", 1)) or 1))
 
 
-def _check_fsdp2_config(cfg: Mapping[str, Any], fsdp: _Fsdp, parallel: _Parallel, out: list[Finding]) -> None:
+def _check_fsdp2_config(cfg: Mapping[str, Any], fsdp: _Fsdp, parallel: _Parallel, out: list[Finding],
+                        environ: Mapping[str, str] | None = None) -> None:
     """Run the file through the integration's mapping, with the HF_FSDP2_* variables of this environment (the
     launch's: what the yaml cannot carry, e.g. `ep_size`) on top; anything FSDP2Config rejects is an error."""
     via = ""
     try:
-        overrides = accelerate_settings.env_overrides()
+        overrides = accelerate_settings.env_overrides(environ)
         via = "".join(f" with {accelerate_settings.ENV_PREFIX}{k.upper()}={v}" for k, v in sorted(overrides.items()))
         config = FSDP2Config.from_dict({**fsdp2_values(cfg), **overrides}, source="the Accelerate config" + via)
         procs = _int(cfg.get("num_processes"))

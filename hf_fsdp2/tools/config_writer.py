@@ -1,0 +1,109 @@
+"""`hf-fsdp2 config`: an Accelerate config written for one model, from the configs hf_fsdp2 ships.
+
+Each shipped config (hf_fsdp2/configs/*.yaml, a checkout's accelerate_configs/) is a template: what the
+generator changes is the model's decoder layer class (its `_no_split_modules`, read on the meta device, the
+classes `shard_model` would group: sharding/groups.py `resolve_layer_class_names`; the LoRA templates leave
+the line out, so the model's own `_no_split_modules` name them at run time), the number of processes
+(and the data-parallel size of a TP / CP config, so the mesh still covers them) and the mixed precision; every
+comment and other line stays. So the shipped files are exactly what it writes for the model they name
+(Llama), which tests/test_config_writer.py keeps true. Expert parallelism, which Accelerate's yaml cannot carry
+(its launcher drops keys it does not know), is written as the HF_FSDP2_EP_SIZE the launch needs, in a
+comment at the top, and refused for a model without experts. The result is checked by check-config, with that
+ep size, before it is written: a config hf_fsdp2 would refuse is never written.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from ..config import FSDP2Config
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+TEMPLATES = ("fsdp2", "fsdp2_lora", "fsdp2_qlora", "fsdp2_tp", "fsdp2_cp", "hsdp")
+_VALUE = r"(?P<value>'[^']*'|\"[^\"]*\"|[^\s#]+)"
+
+
+def decoder_layer_classes(model_path: str | Path) -> tuple[str, ...]:
+    """The classes `shard_model` makes one group each, for the model a config.json (or its directory) describes,
+    built on the meta device."""
+    from ..planner.meta_model import build_meta_model
+    from ..sharding.groups import resolve_layer_class_names
+
+    return tuple(resolve_layer_class_names(build_meta_model(str(model_path)), FSDP2Config()))
+
+
+def write_config(model_path: str | Path, *, template: str = "fsdp2", num_processes: int | None = None,
+                 mixed_precision: str | None = None, ep_size: int = 1) -> str:
+    """The text of `template` (a shipped config's name without .yaml) for the model at `model_path`."""
+    if template not in TEMPLATES:
+        raise ValueError(f"`template`={template!r}: choose one of {', '.join(TEMPLATES)}.")
+    text = (CONFIGS / f"{template}.yaml").read_text()
+    layers = ",".join(decoder_layer_classes(model_path))  # read for every template: a model hf_fsdp2 cannot group fails here
+    if re.search(r"^\s*fsdp_transformer_layer_cls_to_wrap:", text, re.MULTILINE):  # else `_no_split_modules` names them
+        text = _set(text, "fsdp_transformer_layer_cls_to_wrap", layers)
+    if mixed_precision is not None:
+        if mixed_precision not in ("no", "bf16", "fp16"):
+            raise ValueError(f"`mixed_precision`={mixed_precision!r}: choose no, bf16 or fp16.")
+        text = _set(text, "mixed_precision", f"'{mixed_precision}'")
+    if num_processes is not None:
+        text = _set_processes(text, num_processes)
+    if ep_size > 1:
+        text = (f"# Expert parallelism: launch with HF_FSDP2_EP_SIZE={ep_size} in the environment (Accelerate's yaml\n"
+                f"# cannot carry it); check with: HF_FSDP2_EP_SIZE={ep_size} hf-fsdp2 check-config THIS_FILE\n") + text
+    _check(text, ep_size)  # the layout first: ep dividing the processes, not with TP/CP/HSDP
+    if ep_size > 1:  # then the model: it has experts, and transformers the machinery to split them
+        from ..planner.meta_model import build_meta_model
+        from ..sharding import expert_parallel
+
+        expert_parallel.require_available(ep_size)
+        expert_parallel.resolved_plan(build_meta_model(str(model_path)), _int(text, "num_processes"), ep_size)
+    return text
+
+
+def _set(text: str, key: str, value: str) -> str:
+    """`key: value` on its line, the line's comment and indentation kept."""
+    pattern = re.compile(rf"^(?P<head>\s*{re.escape(key)}:\s*){_VALUE}", re.MULTILINE)
+    if not pattern.search(text):
+        raise ValueError(f"the template has no `{key}` line to set")
+    return pattern.sub(lambda m: m.group("head") + value, text, count=1)
+
+
+def _int(text: str, key: str) -> int:
+    match = re.search(rf"^\s*{re.escape(key)}:\s*(\d+)", text, re.MULTILINE)
+    return int(match.group(1)) if match else 1
+
+
+def _set_processes(text: str, processes: int) -> str:
+    """num_processes, and a parallelism_config's dp_shard size so that replicate x shard x tp x cp covers them."""
+    if processes < 1:
+        raise ValueError(f"`num_processes`={processes} must be a positive integer.")
+    text = _set(text, "num_processes", str(processes))
+    if "parallelism_config_dp_shard_size" in text:
+        other = (_int(text, "parallelism_config_dp_replicate_size") * _int(text, "parallelism_config_tp_size")
+                 * _int(text, "parallelism_config_cp_size"))
+        if processes % other:
+            raise ValueError(f"`num_processes`={processes} is not a multiple of the template's replicate x tp x cp = "
+                             f"{other}.")
+        text = _set(text, "parallelism_config_dp_shard_size", str(processes // other))
+    return text
+
+
+def _check(text: str, ep_size: int) -> None:
+    """check-config on the text, with the ep size the launch will set (and no other HF_FSDP2_* variable: the
+    file must stand on its own); any error refuses the config."""
+    import tempfile
+
+    from . import check_config
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "config.yaml"
+        path.write_text(text)
+        environ = {"HF_FSDP2_EP_SIZE": str(ep_size)} if ep_size > 1 else {}
+        findings = check_config.check_accelerate_config(path, environ)
+    errors = [f for f in findings if f.level == "error"]
+    if errors:
+        raise ValueError("hf_fsdp2 would refuse this config: " + "; ".join(f"{f.key}: {f.message}" for f in errors))
+
+
+__all__ = ["TEMPLATES", "decoder_layer_classes", "write_config"]

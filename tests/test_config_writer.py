@@ -1,0 +1,69 @@
+"""`hf-fsdp2 config` (issue 52): an Accelerate config written for a model from the shipped templates. The shipped
+configs are what it writes for the model they name (so the two cannot drift); another model gets its own
+decoder layer class; EP is written as the launch's HF_FSDP2_EP_SIZE; what hf_fsdp2 would refuse is never written."""
+
+from __future__ import annotations
+
+import pytest
+
+from hf_fsdp2.cli import main
+from hf_fsdp2.tools.config_writer import CONFIGS, TEMPLATES, write_config
+from hf_fsdp2.tools.check_config import check_accelerate_config
+
+from .common import tiny_config
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    path = tmp_path_factory.mktemp("llama") / "config.json"
+    tiny_config().to_json_file(path)
+    return path
+
+
+@pytest.mark.parametrize("template", TEMPLATES)
+def test_the_shipped_configs_are_what_it_writes_for_llama(template, llama):
+    assert write_config(llama, template=template) == (CONFIGS / f"{template}.yaml").read_text()
+
+
+def test_another_model_gets_its_own_layer_class_processes_and_precision(tmp_path, capsys):
+    from .test_expert_parallel import build_moe
+
+    build_moe().config.save_pretrained(tmp_path / "moe")
+    assert main(["config", str(tmp_path / "moe"), "--num-processes", "4", "--mixed-precision", "bf16", "--ep-size",
+                 "2", "-o", str(tmp_path / "moe.yaml")]) == 0
+    text = (tmp_path / "moe.yaml").read_text()
+    assert "fsdp_transformer_layer_cls_to_wrap: Qwen3MoeDecoderLayer" in text and "LlamaDecoderLayer" not in text
+    assert "num_processes: 4" in text and "mixed_precision: 'bf16'" in text
+    assert text.startswith("# Expert parallelism: launch with HF_FSDP2_EP_SIZE=2")
+    assert check_accelerate_config(tmp_path / "moe.yaml", {"HF_FSDP2_EP_SIZE": "2"}) == []
+    # a TP template keeps its mesh covering the processes: dp_shard x tp = 8
+    tp = write_config(tmp_path / "moe", template="fsdp2_tp", num_processes=8)
+    assert "parallelism_config_dp_shard_size: 4" in tp and "num_processes: 8" in tp
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(ep_size=2), r"`ep_size`=2: LlamaForCausalLM has no experts to split"),
+    (dict(ep_size=2, template="fsdp2_tp"), r"`ep_size`=2 with `tp_size`=2 is not done in hf_fsdp2"),
+    (dict(template="fsdp2_tp", num_processes=3), r"`num_processes`=3 is not a multiple of the template's"),
+    (dict(template="nope"), r"`template`='nope': choose one of fsdp2"),
+    (dict(mixed_precision="fp64"), r"`mixed_precision`='fp64'"),
+])
+def test_what_cannot_work_is_refused_by_name(kwargs, message, llama):
+    with pytest.raises(ValueError, match=message):
+        write_config(llama, **kwargs)
+
+
+def test_a_config_hf_fsdp2_would_refuse_is_not_written(tmp_path, monkeypatch, capsys):
+    from hf_fsdp2.tools import config_writer
+
+    from .test_expert_parallel import build_moe
+
+    build_moe().config.save_pretrained(tmp_path / "moe")
+    with pytest.raises(ValueError, match=r"`ep_size`=4 must divide the shard size 2"):
+        write_config(tmp_path / "moe", ep_size=4)  # the template's 2 processes
+    # whatever check-config finds is an error of the writer's, before any file exists
+    monkeypatch.setattr(config_writer, "_set_processes", lambda text, n: text.replace("num_processes: 2", "num_processes: 0"))
+    assert main(["config", str(tmp_path / "moe"), "--num-processes", "2", "-o", str(tmp_path / "out.yaml")]) != 0
+    assert "hf_fsdp2 would refuse this config: num_processes" in capsys.readouterr().err
+    assert not (tmp_path / "out.yaml").exists()
+    assert main(["config", str(tmp_path / "missing")]) != 0
