@@ -24,8 +24,8 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from ..config import FSDP2Config
 from ..quantization import fp8, quantized
 from ..runtime import collectives, host_allocator, upstream
-from ..runtime.distributed import (CP_DIM, TP_DIM, build_mesh, data_parallel_mesh, default_device, local_tensor, no_cp_mesh,
-                                   refuse_accelerator_model_on_host_backend)
+from ..runtime.distributed import (CP_DIM, TP_DIM, build_mesh, data_parallel_mesh, default_device, local_tensor,
+                                   no_cp_mesh, refuse_accelerator_model_on_host_backend)
 from .compile import compile_layers, disable_cache_in_training, is_compiled
 from .groups import ShardPlan, apply_frozen_dtype, plan_groups, replicated_frozen_parameters, unwrap_peft
 from .generation import wrap_generate

@@ -39,7 +39,7 @@ def write_config(model_path: str | Path, *, template: str = "fsdp2", num_process
     if template not in TEMPLATES:
         raise ValueError(f"`template`={template!r}: choose one of {', '.join(TEMPLATES)}.")
     text = (CONFIGS / f"{template}.yaml").read_text()
-    layers = ",".join(decoder_layer_classes(model_path))  # read for every template: a model hf_fsdp2 cannot group fails here
+    layers = ",".join(decoder_layer_classes(model_path))  # for every template: a model that cannot be grouped fails here
     if re.search(r"^\s*fsdp_transformer_layer_cls_to_wrap:", text, re.MULTILINE):  # else `_no_split_modules` names them
         text = _set(text, "fsdp_transformer_layer_cls_to_wrap", layers)
     if mixed_precision is not None:
