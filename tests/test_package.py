@@ -34,3 +34,33 @@ def test_the_wheel_carries_the_accelerate_configs_and_the_startup_switch_and_the
     refused = subprocess.run([sys.executable, "-m", "hf_fsdp2.cli", "config-file", "nope.yaml"], capture_output=True,
                              text=True, timeout=120, cwd=tmp_path)
     assert refused.returncode == 1 and "not a shipped config; choose from" in refused.stderr and "fsdp2.yaml" in refused.stderr
+
+
+def test_the_wheel_outside_the_checkout_runs_the_main_job_with_a_config_it_wrote(tmp_path):
+    """Issue 52: the built wheel (not editable) in a fresh virtual environment (torch and the rest from the
+    system's site-packages), used from a folder outside the checkout: `hf-fsdp2 config` writes the Accelerate
+    config for the example's model, and `accelerate launch` runs the README's main job with it (2 steps)."""
+    import shutil
+
+    from .dist_harness import run_launched
+
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                    str(tmp_path / "dist"), str(ROOT)], check=True, capture_output=True, text=True, timeout=300)
+    wheel = next((tmp_path / "dist").glob("hf_fsdp2-*.whl"))
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True, timeout=120)
+    python = venv / "bin" / "python"
+    subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(wheel)], check=True,
+                   capture_output=True, text=True, timeout=300)
+    work = tmp_path / "work"  # the example and its data, nothing else of the checkout
+    shutil.copytree(ROOT / "examples", work, ignore=shutil.ignore_patterns("*.ipynb", "outputs"))
+    where = subprocess.run([str(python), "-c", "import hf_fsdp2; print(hf_fsdp2.__file__)"], check=True,
+                           capture_output=True, text=True, timeout=120, cwd=work).stdout.strip()
+    assert where.startswith(str(venv)), where  # the wheel, not the checkout's editable install
+    run_launched([str(python), "-m", "hf_fsdp2.cli", "config", str(work / "tiny-llama"), "-o", str(work / "cfg.yaml")],
+                 cwd=work)
+    assert "fsdp_transformer_layer_cls_to_wrap: LlamaDecoderLayer" in (work / "cfg.yaml").read_text()
+    out = run_launched([str(python), "-m", "accelerate.commands.launch", "--config_file", str(work / "cfg.yaml"),
+                        str(work / "finetune.py"), "--max-steps", "2", "--output-dir", str(work / "out")], cwd=work,
+                       timeout=600)
+    assert (work / "out").is_dir() and any((work / "out").rglob("*.safetensors")), out.stdout[-2000:]
