@@ -295,8 +295,8 @@ def test_a_presharded_model_on_a_mesh_without_accelerates_cp_is_refused_by_name(
     record.config = FSDP2Config()
     record.mesh = SimpleNamespace(mesh_dim_names=("dp_shard",))
     with pytest.raises(ValueError, match=r"context parallelism over 2 ranks.*mesh=accelerator.torch_device_mesh"):
-        presharded.keep_presharded(model, FSDP2Config(), cp_size=2)
-    assert presharded.keep_presharded(model, FSDP2Config(), cp_size=1) is model
+        presharded.keep_presharded(model, FSDP2Config(cp_size=2))
+    assert presharded.keep_presharded(model, FSDP2Config()) is model
 
 
 def test_a_presharded_model_refuses_settings_it_cannot_take_by_name():

@@ -1,6 +1,9 @@
 """Expert parallelism x FSDP2 on 4 CPU ranks (issue 49), with transformers' own EP plan and token dispatch:
-a tiny Qwen3-MoE trains like one process (losses, router auxiliary loss included, and every gradient) with
-ep 2 x efsdp 2 and with ep 4; what is not done yet is refused by name."""
+tiny Qwen3-MoE, Mixtral and DeepSeek-V3 models train like one process (losses, router auxiliary loss, every
+gradient; full fine-tune and LoRA on the linear layers) with ep 2 x efsdp 2 and ep 4; checkpoints equal stock
+save_pretrained's and resume across ep sizes; the entry points (shard_model, hf_fsdp2.from_pretrained, accelerate
+launch, the Trainer, a model transformers split at load), GPU process-group semantics, the estimate, the plan and
+check-config; what is not done yet is refused by name."""
 
 from __future__ import annotations
 

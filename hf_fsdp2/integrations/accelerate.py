@@ -358,7 +358,7 @@ def _prepare_fsdp2(self, *args):
     deferred = model is not None and deferred_load.deferred_checkpoint(model) is not None
     optimizer_names = deferred_load.optimizer_parameter_names(args, model) if deferred else None
     ours_already = model is not None and is_sharded(model)
-    with (presharded.prepared_as_it_is(model, config_from_accelerator(self), plugin, _cp_size(self)) if ours_already
+    with (presharded.prepared_as_it_is(model, config_from_accelerator(self), plugin) if ours_already
           else contextlib.nullcontext()), _regional_compilation_in_place(), _wrap_policy_of_a_presharded(model):
         result = _original("Accelerator", "_prepare_fsdp2")(self, *args)
     if deferred:  # Accelerate maps optimizer parameters by data_ptr(), 0 for every meta parameter

@@ -42,13 +42,15 @@ def differing_settings(have: FSDP2Config, wanted: FSDP2Config, *, on_reducer: bo
             continue
         if name == "shard_size" and b in (None, "auto"):
             continue
+        if name == "ep_size" and b == 1:  # Accelerate has no EP setting: unset (no HF_FSDP2_EP_SIZE) agrees with any
+            continue
         if a != b:
             out[name] = (a, b)
     return out
 
 
 @contextlib.contextmanager
-def prepared_as_it_is(model: nn.Module, wanted: FSDP2Config, plugin, cp_size: int = 1) -> Iterator[None]:
+def prepared_as_it_is(model: nn.Module, wanted: FSDP2Config, plugin) -> Iterator[None]:
     """Around Accelerate's `_prepare_fsdp2` for a model hf_fsdp2 sharded before: its settings checked against
     `wanted` (what config_from_accelerator derives) and the plugin's activation checkpointing, which
     Accelerate applies itself before sharding (`fsdp2_apply_ac`) and which a sharded model has or lacks
@@ -58,7 +60,7 @@ def prepared_as_it_is(model: nn.Module, wanted: FSDP2Config, plugin, cp_size: in
         raise ValueError("prepare: `fsdp_activation_checkpointing_offload` cannot apply to a model sharded before "
                          "prepare (hf_fsdp2.from_pretrained); use FSDP2Config(activation_offload=True) when loading it, "
                          "or let prepare shard the model.")
-    keep_presharded(model, wanted.replace(activation_checkpointing=ac), cp_size)
+    keep_presharded(model, wanted.replace(activation_checkpointing=ac))
     plugin.activation_checkpointing = False
     try:
         yield
@@ -66,9 +68,10 @@ def prepared_as_it_is(model: nn.Module, wanted: FSDP2Config, plugin, cp_size: in
         plugin.activation_checkpointing = ac
 
 
-def keep_presharded(model: nn.Module, wanted: FSDP2Config, cp_size: int = 1) -> nn.Module:
+def keep_presharded(model: nn.Module, wanted: FSDP2Config) -> nn.Module:
     """`model` as it is, once Accelerate's settings agree with its own (else a ValueError naming each),
-    context parallelism included: its `cp_size` must be the model mesh's "cp" dimension."""
+    context parallelism included: the wanted `cp_size` must be the model mesh's "cp" dimension."""
+    cp_size = wanted.cp_size
     record = record_of(model)
     have = record.config
     names = record.mesh.mesh_dim_names or () if record.mesh is not None else ()
