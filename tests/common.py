@@ -82,6 +82,25 @@ def train_step(model, opt, rank: int, world: int, seed: int) -> None:
     opt.zero_grad()
 
 
+def tiny_benchmark_results(script: str, *args: str) -> dict:
+    """`benchmarks/<script> --tiny *args` run whole; its results (the file it wrote is deleted: a tiny run's numbers
+    are no result)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, str(repo / "benchmarks" / script), "--tiny", *args], capture_output=True,
+                          text=True, timeout=600, cwd=repo)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    path = repo / proc.stdout.strip().splitlines()[-1].removeprefix("results: ")
+    try:
+        return json.loads(path.read_text())["results"]
+    finally:
+        path.unlink()
+
+
 def saved_tensors(directory, weights_name: str | None = None) -> dict[str, torch.Tensor]:
     """Every tensor of a saved checkpoint's weights (or of `weights_name`), read whole."""
     from hf_fsdp2.checkpoint.safetensors_io import CheckpointFiles

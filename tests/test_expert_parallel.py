@@ -391,21 +391,10 @@ def test_the_auto_layout_plans_with_the_ep_size_given():
 def test_moe_bench_tiny_mode_runs_every_contestant():
     """benchmarks/moe_bench.py on tiny shapes, so it cannot rot: every contestant trains the same losses, EP
     all-gathers less than FSDP2 alone and moves tokens by all-to-all (the real shape is run by hand)."""
-    import json
-    import subprocess
-    import sys
-    from pathlib import Path
+    from .common import tiny_benchmark_results
 
-    repo = Path(__file__).resolve().parents[1]
     # ep 4 is the same code path as ep 2 (and its numerics are tested above); three contestants keep CI shorter
-    proc = subprocess.run([sys.executable, str(repo / "benchmarks" / "moe_bench.py"), "--tiny", "--contestants",
-                           "fsdp2", "ep2", "transformers"], capture_output=True, text=True, timeout=600, cwd=repo)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    path = repo / proc.stdout.strip().splitlines()[-1].removeprefix("results: ")
-    try:
-        results = json.loads(path.read_text())["results"]
-    finally:
-        path.unlink()  # a tiny run's numbers are no result
+    results = tiny_benchmark_results("moe_bench.py", "--contestants", "fsdp2", "ep2", "transformers")
     assert set(results) == {"fsdp2", "ep2", "transformers"}
     base = results["fsdp2"]
     for name, r in results.items():

@@ -4,23 +4,11 @@ minutes and are run by hand)."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
-REPO = Path(__file__).resolve().parents[1]
+from .common import tiny_benchmark_results
 
 
 def test_real_size_tiny_mode_runs_every_phase():
-    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "real_size.py"), "--tiny"], capture_output=True,
-                          text=True, timeout=600, cwd=REPO)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    path = REPO / proc.stdout.strip().splitlines()[-1].removeprefix("results: ")
-    try:
-        results = json.loads(path.read_text())["results"]
-    finally:
-        path.unlink()  # a tiny run's numbers are no result
+    results = tiny_benchmark_results("real_size.py")
     assert set(results) == {"lora_1b", "full_qwen05b"}
     for name, r in results.items():
         phases = r["ranks"][0]["phases"]

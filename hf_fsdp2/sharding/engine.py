@@ -107,7 +107,7 @@ def apply_fsdp(model: nn.Module, plan: ShardPlan, config: FSDP2Config, mesh: Dev
         # as its layer: the last one's backward runs right after forward, so its experts stay gathered too
         last = {id(m) for m in plan.layers[-1].modules()} if plan.layers and plan.in_forward_order else set()
         for experts in plan.experts:
-            expert_parallel.shard_experts([experts], plan.experts_mesh, mesh.size(), fully_shard,
+            expert_parallel.shard_experts(experts, plan.experts_mesh, mesh.size(), fully_shard,
                                           **{k: v for k, v in kwargs.items() if k != "mesh"},
                                           reshard_after_forward=False if (id(experts) in last and reshard is True)
                                           else reshard)

@@ -140,16 +140,15 @@ def apply_expert_parallel(model: nn.Module, config, mesh: DeviceMesh) -> tuple[l
     return experts, experts_mesh
 
 
-def shard_experts(experts: list[nn.Module], experts_mesh: DeviceMesh, data_parallel_size: int, fully_shard,
+def shard_experts(experts: nn.Module, experts_mesh: DeviceMesh, data_parallel_size: int, fully_shard,
                   **kwargs) -> None:
-    """Each experts module its own FSDP2 group over "efsdp"; gradients summed there and divided by the whole
+    """An experts module its own FSDP2 group over "efsdp"; gradients summed there and divided by the whole
     data-parallel size (module docstring)."""
     efsdp = experts_mesh[EFSDP_DIM]
-    for module in experts:
-        fully_shard(module, mesh=efsdp, **kwargs)
-        module.set_gradient_divide_factor(float(data_parallel_size))
-        if efsdp.size() > 1:  # with one rank FSDP2 reduces nothing and divides itself; a forced sum would not
-            module.set_force_sum_reduction_for_comms(True)
+    fully_shard(experts, mesh=efsdp, **kwargs)
+    experts.set_gradient_divide_factor(float(data_parallel_size))
+    if efsdp.size() > 1:  # with one rank FSDP2 reduces nothing and divides itself; a forced sum would not
+        experts.set_force_sum_reduction_for_comms(True)
 
 
 __all__ = ["DISPATCH_STYLE", "EFSDP_DIM", "EP_DIM", "apply_expert_parallel", "check_shard_group", "expert_mesh",
