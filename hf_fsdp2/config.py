@@ -169,128 +169,136 @@ def _parse_int(value: Any, field_name: str, minimum: int) -> int:
 class FSDP2Config:
     """How `shard_model` shards a model. Every field is validated in `__post_init__`.
 
-    Attributes:
-        wrap_policy: how modules are grouped, as Accelerate's `fsdp_auto_wrap_policy`: "transformer"
-            (TRANSFORMER_BASED_WRAP: one group per `layer_cls_names` module, plus the input
-            embedding and [final norm, head]), "size" (SIZE_BASED_WRAP: every module with more than
-            `min_num_params` parameters, bottom-up) or "none" (NO_WRAP: the root group only).
-        layer_cls_names: classes that each become one `fully_shard` group (a list or a comma string).
-            None: the model's `_no_split_modules`. Used by the "transformer" policy.
-        min_num_params: the "size" policy's threshold (Accelerate's `fsdp_min_num_params`).
-        ignored_modules: a regular expression; modules whose full name matches it are left out of
-            FSDP (replicated, not sharded, gradients not reduced), as Accelerate's `fsdp_ignored_modules`.
-        param_dtype: dtype parameters are all-gathered and computed in (mixed precision); None keeps theirs.
-        reduce_dtype: dtype gradients are reduce-scattered in. float32 by default: unlike Accelerate,
-            a bf16 `param_dtype` does not silently reduce gradients in bf16.
-        output_dtype: dtype of the root module's floating outputs; None leaves them as computed.
-        reshard_after_forward: True frees gathered params after forward (ZeRO-3), False keeps them
-            (ZeRO-2), an int N reshards to groups of N ranks (must divide the shard size).
-        forward_prefetch: how many following groups (embedding, layers, [norm, head]) each group
-            prefetches in forward (0: none). None (default): 1 on CPU, where FSDP2 has no
-            communication stream and an all-gather only overlaps compute when it is issued ahead
-            and asynchronously; 0 on accelerators, where FSDP2's implicit prefetch already
-            overlaps on its own stream.
-        backward_prefetch: how many preceding layers each layer prefetches in backward (FSDP2's default is 1).
-        activation_checkpointing: recompute decoder layers' activations in backward.
-        checkpoint_every: with `activation_checkpointing`, checkpoint every k-th decoder layer (layers 0,
-            k, 2k, ...; torchtitan's selective layer checkpointing, its `selective_ac_option`): 1, every
-            layer; 2 keeps half the layers' activations for half the recomputation.
-        checkpoint_save_matmuls: with `activation_checkpointing`, op-level selective checkpointing
-            (sharding/selective_checkpoint.py, torchtitan's op-level selective AC): a checkpointed layer
-            keeps its matmuls' and attention's outputs and recomputes only the cheap ops.
-        activation_offload: move what each decoder layer saves for backward to host memory in forward
-            and back in backward (sharding/activation_offload.py; pinned on CUDA; nothing moves on a CPU
-            device). An alternative to `activation_checkpointing`: no recomputation, two copies.
-        cpu_offload: keep sharded params, grads and optimizer states in CPU memory.
-        replicate_size: HSDP replicas (1 = plain FSDP).
-        cp_size: context parallelism (sharding/context_parallel.py): this many of the shard ranks split every
-            sequence (torch's `context_parallel`, entered by Accelerate's `maybe_context_parallel`); FSDP2 shards
-            over dp_shard x cp. Set from Accelerate's `parallelism_config` (whose mesh has the "cp" dimension);
-            hf_fsdp2 builds no cp mesh of its own (refused by name without one). Must divide the shard size.
-        ep_size: expert parallelism for mixture-of-experts models (sharding/expert_parallel.py): the model's
-            own EP plan (transformers' `base_model_ep_plan`), each layer's experts split over `ep_size` ranks of
-            the shard group (tokens sent to them by all-to-all) and FSDP-sharded over the shard size / ep_size
-            ranks that hold the same ones; the rest sharded as without EP. Must divide the shard size.
-        tp_size: tensor parallelism (sharding/tensor_parallel.py): the model's own TP plan (transformers'
-            `base_model_tp_plan`) applied on a "tp" mesh dimension of this many ranks, FSDP2 over the
-            data-parallel ranks on top; world size = replicate_size x shard_size x tp_size.
-        shard_size: ranks each replica shards over; None: world_size // replicate_size. "auto": the layout
-            planner (planner/layout.py) picks, before anything is allocated, the cheapest layout whose
-            estimated peak fits `memory_budget` per rank: the smallest shard group S (HSDP with world/S
-            replicas; S=1 is replication, trained with DDP's reducer: `replication`), then `reshard_after_forward`, then
-            `activation_checkpointing` (every other layer, then every layer), then `cpu_offload`. With "auto" those four are the planner's
-            (a True `activation_checkpointing` or `cpu_offload` you set is kept); `replicate_size` must stay 1.
-            `tp_size` (and Accelerate's cp_size) are kept and counted: the planner costs the layout with them.
-        memory_budget: bytes per rank the auto layout must fit (an int or "80GB", "12GiB"); None: the
-            device's memory x 0.85 (CUDA), or the machine's RAM x 0.75 / local ranks (CPU). Needs
-            shard_size="auto".
-        plan_batch_size, plan_seq_len: the micro-batch per rank the auto layout is planned for
-            (activations); plan_seq_len None: the model's max_position_embeddings, at most 2048.
-        frozen_dtype: dtype frozen (requires_grad=False) parameters are stored in, e.g. bf16 base weights
-            under fp32 LoRA adapters; None leaves them as they are.
-        async_save: the integrations' checkpoints (Accelerate's `save_state`, the Trainer's) return once
-            each rank's rows are copied to host memory and commit in the background
-            (checkpoint/async_save.py); `register(async_save=True)` or HF_FSDP2_ASYNC_SAVE=1.
-        fp8: FP8 training with FP8 all-gather (torchao float8, quantization/fp8.py): the decoder layers'
-            linears compute in float8 and their weights are all-gathered in float8 (1 byte a value);
-            weights stay in their dtype, checkpoints are unchanged. `register(fp8=True)`,
-            HF_FSDP2_FP8=1, or Accelerate's `mixed_precision: fp8` with the AO backend.
-        compile: regional compilation (sharding/compile.py): each decoder layer is compiled with
-            torch.compile before `fully_shard`, so FSDP2's hooks stay outside the graphs and layers of one
-            class share the compiled code. `register(compile=True)`, HF_FSDP2_COMPILE=1, or Accelerate's
-            `dynamo_config` with `dynamo_use_regional_compilation: true`.
-            "model": the whole training forward compiled with its all-gathers and reduce-scatters in the
-            graph, bucketed by inductor (sharding/compiled_collectives.py; parameters stored as dim-0
-            DTensors, names and checkpoints unchanged); activation checkpointing and reshard_after_forward
-            become recompute tags of the graph. Not with fp8, cpu_offload, activation_offload, output_dtype,
-            shard_size="auto", an integer reshard_after_forward, 4-bit weights or TP/CP (refused by name).
-            `register(compile="model")`, HF_FSDP2_COMPILE=model.
-        replication: how a layout with one-rank shard groups (`shard_size`=1 with replicas, as the auto
-            layout picks when the model fits) trains: "ddp" (default; sharding/replication.py) with torch's
-            composable `replicate`, DDP's bucketed all-reduce over plain parameters; "fsdp2" keeps FSDP2
-            with one-rank groups. A compute cast (`param_dtype`) is applied per group as FSDP2 applies it
-            (sharding/compute_cast.py). What only FSDP2 provides (fp8, cpu_offload, a `reduce_dtype` or
-            `output_dtype` other than the gradients', tensor/context parallelism) keeps FSDP2 either way,
-            said on rank 0.
-        find_unused_parameters, bucket_cap_mb: DDP's own settings under "ddp" replication (Accelerate's
-            `DistributedDataParallelKwargs`, the Trainer's `ddp_find_unused_parameters` /
-            `ddp_bucket_cap_mb`). `bucket_cap_mb` also caps compile="model"'s collective buckets (default
-            there: one decoder layer's gathered bytes).
+    Each field is described by the string right below it (an attribute docstring: the docs site's
+    `FSDP2Config` reference is generated from them, and a field without one fails tests/test_readme.py).
+    Construction also takes the raw forms yaml, environment variables (`HF_FSDP2_<FIELD>`) and CLI flags carry.
     """
 
     # Typed as they are after parsing; construction also takes the raw forms yaml, environment variables and
     # CLI flags carry (dtype names such as "bf16", "true"/"false", sizes such as "80GB", comma strings),
     # normalised once in `__post_init__`. Frozen: `replace` gives a changed copy.
     wrap_policy: Literal["transformer", "size", "none"] = "transformer"
+    """How modules are grouped, as Accelerate's `fsdp_auto_wrap_policy`: "transformer" (TRANSFORMER_BASED_WRAP:
+    one group per `layer_cls_names` module, i.e. per decoder layer, plus the input embedding and [final norm,
+    head]), "size" (SIZE_BASED_WRAP: groups by `min_num_params`, bottom-up) or "none" (NO_WRAP: the root group
+    only, so any `nn.Module` can be sharded)."""
     layer_cls_names: tuple[str, ...] | None = None
+    """Classes that each become one `fully_shard` group (a list or a comma string). None: the model's
+    `_no_split_modules`. Used by the "transformer" policy."""
     min_num_params: int = 0
+    """The "size" policy's threshold (Accelerate's `fsdp_min_num_params`): the parameters a group collects
+    before it closes (every module with more than this many parameters, bottom-up)."""
     ignored_modules: str | None = None
+    """A regular expression; modules whose full name matches it are left out of FSDP (replicated, not sharded,
+    gradients not reduced), as Accelerate's `fsdp_ignored_modules`."""
     param_dtype: torch.dtype | None = None
+    """Dtype parameters are all-gathered and computed in (mixed precision); None keeps theirs."""
     reduce_dtype: torch.dtype | None = torch.float32
+    """Dtype gradients are reduce-scattered in. float32 by default: unlike Accelerate, which reduces in bf16
+    under `mixed_precision: bf16`, a bf16 `param_dtype` does not silently reduce gradients in bf16."""
     output_dtype: torch.dtype | None = None
+    """Dtype of the root module's floating outputs; None leaves them as computed."""
     reshard_after_forward: bool | int = True
+    """True frees gathered params after forward (ZeRO-3), False keeps them (ZeRO-2), an int N reshards to
+    groups of N ranks (must divide the shard size)."""
     forward_prefetch: int | None = None
+    """How many following groups (embedding, layers, [norm, head]) each group prefetches in forward (0: none).
+    None (default): 1 on CPU, where FSDP2 has no communication stream and an all-gather only overlaps compute
+    when it is issued ahead and asynchronously; 0 on accelerators, where FSDP2's implicit prefetch already
+    overlaps on its own stream."""
     backward_prefetch: int = 1
+    """How many preceding layers each layer prefetches in backward (FSDP2's default is 1)."""
     activation_checkpointing: bool = False
+    """Recompute decoder layers' activations in backward (a non-reentrant checkpoint of each decoder layer)."""
     checkpoint_every: int = 1
+    """With `activation_checkpointing`, checkpoint every k-th decoder layer (layers 0, k, 2k, ...; torchtitan's
+    selective layer checkpointing, its `selective_ac_option`): 1, every layer; 2 keeps half the layers'
+    activations for half the recomputation. The layout planner tries 2 between none and every layer."""
     checkpoint_save_matmuls: bool = False
+    """With `activation_checkpointing`, op-level selective checkpointing (sharding/selective_checkpoint.py,
+    torchtitan's op-level selective AC through torch's `create_selective_checkpoint_contexts`): a checkpointed
+    layer keeps its matmuls' and attention's outputs and recomputes only the cheap ops. The layout planner
+    tries it before whole-layer checkpointing."""
     activation_offload: bool = False
+    """Move what each decoder layer saves for backward to host memory in forward and back in backward
+    (sharding/activation_offload.py; pinned on CUDA; nothing moves on a CPU device). An alternative to
+    `activation_checkpointing` (it replaces it): no recomputation, two copies. A layout planner candidate on
+    accelerators."""
     cpu_offload: bool = False
+    """Keep sharded params, grads and optimizer states in CPU memory."""
     replicate_size: int = 1
+    """HSDP replicas (1 = plain FSDP): the mesh is replicate_size x shard_size."""
     shard_size: int | Literal["auto"] | None = None
+    """Ranks each replica shards over; None: world_size // replicate_size.
+
+    "auto": the layout planner (planner/layout.py) picks, before anything is allocated, the cheapest layout
+    whose estimated peak fits `memory_budget` per rank: the smallest shard group S (HSDP with world/S
+    replicas; S=1 is replication, trained with DDP's reducer: `replication`), then `reshard_after_forward`,
+    then `activation_checkpointing` (every other layer, then every layer), then `cpu_offload`. With "auto"
+    those four are the planner's (a True `activation_checkpointing` or `cpu_offload` you set is kept);
+    `replicate_size` must stay 1. `tp_size` (and Accelerate's cp_size) are kept and counted: the planner
+    costs the layout with them."""
     tp_size: int = 1
+    """Tensor parallelism (sharding/tensor_parallel.py): the model's own TP plan (transformers'
+    `base_model_tp_plan`) applied on a "tp" mesh dimension of this many ranks, FSDP2 over the data-parallel
+    ranks on top; world size = replicate_size x shard_size x tp_size."""
     cp_size: int = 1
+    """Context parallelism (sharding/context_parallel.py): this many of the shard ranks split every sequence
+    (torch's `context_parallel`, entered by Accelerate's `maybe_context_parallel`); FSDP2 shards over
+    dp_shard x cp. Set from Accelerate's `parallelism_config` (whose mesh has the "cp" dimension); hf_fsdp2
+    builds no cp mesh of its own (refused by name without one). Must divide the shard size."""
     ep_size: int = 1
+    """Expert parallelism for mixture-of-experts models (sharding/expert_parallel.py): the model's own EP plan
+    (transformers' `base_model_ep_plan`), each layer's experts split over `ep_size` ranks of the shard group
+    (tokens sent to them by all-to-all) and FSDP-sharded over the shard size / ep_size ranks that hold the
+    same ones; the rest sharded as without EP. Must divide the shard size; not with HSDP, TP, CP, 4-bit, fp8,
+    compile or offload (refused by name)."""
     frozen_dtype: torch.dtype | None = None
+    """Dtype frozen (requires_grad=False) parameters are stored in, e.g. bf16 base weights under fp32 LoRA
+    adapters; None leaves them as they are."""
     async_save: bool = False
+    """The integrations' checkpoints (Accelerate's `save_state`, the Trainer's) save with `blocking=False`:
+    they return once each rank's rows are copied to host memory and commit in the background
+    (checkpoint/async_save.py); `register(async_save=True)` or HF_FSDP2_ASYNC_SAVE=1."""
     fp8: bool = False
+    """FP8 training with FP8 all-gather (torchao float8, quantization/fp8.py): the decoder layers' linears
+    compute in float8 and their weights are all-gathered in float8 (1 byte a value); weights stay in their
+    dtype, checkpoints are unchanged. `register(fp8=True)`, HF_FSDP2_FP8=1, or Accelerate's
+    `mixed_precision: fp8` with the AO backend."""
     memory_budget: int | None = None
+    """Bytes per rank the auto layout must fit (an int or "80GB", "12GiB"); None: the device's memory x 0.85
+    (CUDA), or the machine's RAM x 0.75 / local ranks (CPU). Needs shard_size="auto"."""
     plan_batch_size: int = 1
+    """The micro-batch per rank (sequences) the auto layout is planned for (activations)."""
     plan_seq_len: int | None = None
+    """The sequence length the auto layout is planned for (activations); None: the model's
+    max_position_embeddings, at most 2048."""
     compile: bool | Literal["model"] = False
+    """True: regional compilation (sharding/compile.py): each decoder layer is compiled with torch.compile
+    before `fully_shard`, so FSDP2's hooks stay outside the graphs and layers of one class share the compiled
+    code. `register(compile=True)`, HF_FSDP2_COMPILE=1, or Accelerate's `dynamo_config` with
+    `dynamo_use_regional_compilation: true`.
+
+    "model": the whole training forward compiled with its all-gathers and reduce-scatters in the graph,
+    bucketed by inductor (sharding/compiled_collectives.py; parameters stored as dim-0 DTensors, names and
+    checkpoints unchanged); activation checkpointing and reshard_after_forward become recompute tags of the
+    graph. Not with fp8, cpu_offload, activation_offload, output_dtype, shard_size="auto", an integer
+    reshard_after_forward, 4-bit weights or TP/CP (refused by name). `register(compile="model")`,
+    HF_FSDP2_COMPILE=model."""
     replication: Literal["ddp", "fsdp2"] = "ddp"
+    """How a layout with one-rank shard groups (`shard_size`=1 with replicas, as the auto layout picks when the
+    model fits) trains: "ddp" (default; sharding/replication.py) with torch's composable `replicate`, DDP's
+    bucketed all-reduce over plain parameters (no per-step copies); "fsdp2" keeps FSDP2 with one-rank groups.
+    A compute cast (`param_dtype`) is applied per group as FSDP2 applies it (sharding/compute_cast.py). What
+    only FSDP2 provides (fp8, cpu_offload, a `reduce_dtype` or `output_dtype` other than the gradients',
+    tensor/context parallelism) keeps FSDP2 either way, said on rank 0."""
     find_unused_parameters: bool = False
+    """DDP's own setting under "ddp" replication (Accelerate's `DistributedDataParallelKwargs`, the Trainer's
+    `ddp_find_unused_parameters`)."""
     bucket_cap_mb: int | None = None
+    """DDP's bucket size in MiB under "ddp" replication (Accelerate's `DistributedDataParallelKwargs`, the Trainer's
+    `ddp_bucket_cap_mb`; None: DDP's 25). Also caps compile="model"'s collective buckets (default there: one
+    decoder layer's gathered bytes)."""
 
     def __post_init__(self) -> None:
         for name, value in self._parsed().items():
