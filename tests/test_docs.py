@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -42,6 +43,13 @@ def test_the_docs_build_strictly_with_references_generated_from_the_code(tmp_pat
     missing = [f.name for f in dataclasses.fields(FSDP2Config)
                if f'id="hf_fsdp2.config.FSDP2Config.{f.name}"' not in reference]
     assert not missing, f"docs/config.md's FSDP2Config reference lacks: {missing}"
+    # The README is not part of the site, so MkDocs does not check its links into it: here, each page and anchor.
+    links = re.findall(r"\]\(docs/([\w/-]+)\.md(?:#([\w-]+))?\)", (ROOT / "README.md").read_text())
+    assert links
+    pages = {page: site / ("" if page == "index" else page) / "index.html" for page, _ in links}
+    broken = [f"docs/{page}.md#{anchor}" for page, anchor in links
+              if not pages[page].exists() or anchor and f'id="{anchor}"' not in pages[page].read_text()]
+    assert not broken, f"README links to what the site does not have: {broken}"
 
 
 @pytest.mark.launch
