@@ -382,11 +382,11 @@ def wrap_ours_plain(model, ctx):
     """ours without its CPU schedule (the ablation): synchronous all-gathers, no forward prefetch,
     the embedding all-gathered again in backward, as plain FSDP2 does."""
     from hf_fsdp2 import FSDP2Config, shard_model
-    from hf_fsdp2.sharding import unwrap_peft
+    from hf_fsdp2.sharding import model_parts
 
     model = shard_model(model, FSDP2Config(forward_prefetch=0))
     model._set_unshard_async_op(False)
-    embedding = unwrap_peft(model).get_input_embeddings()
+    embedding = model_parts(model).base.get_input_embeddings()
     if hasattr(embedding, "set_unshard_in_backward"):
         embedding.set_unshard_in_backward(True)
     return model
@@ -554,10 +554,10 @@ def wrap_replicate(model, ctx):
     (not sharded) parameters and all-reduced gradients: the candidate for hf_fsdp2's S=1 path (issue 35)."""
     from torch.distributed._composable.replicate_with_fsdp import replicate
 
-    from hf_fsdp2.sharding import unwrap_peft
+    from hf_fsdp2.sharding import model_parts
 
     model.to(ctx["device"])
-    for layer in unwrap_peft(model).model.layers:
+    for layer in model_parts(model).base.model.layers:
         replicate(layer)
     return replicate(model)
 

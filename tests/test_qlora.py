@@ -130,7 +130,7 @@ def test_the_quantized_base_interface_reaches_bitsandbytes():
     interface, and the techniques not done with a quantized base refuse it by name through it."""
     from hf_fsdp2 import FSDP2Config
     from hf_fsdp2.quantization import quantized
-    from hf_fsdp2.sharding import tensor_parallel
+    from hf_fsdp2.sharding import model_parts, tensor_parallel
 
     torch.manual_seed(0)
     weight = torch.randn(96, 128, dtype=torch.bfloat16)
@@ -148,7 +148,7 @@ def test_the_quantized_base_interface_reaches_bitsandbytes():
     # fp32 dequantized, then cast to bf16; Linear4bit's default double quantization decodes the 192 absmax to fp32
     assert found.transient_bytes(torch.bfloat16) == 96 * 128 * (4 + 2) + 4 * (96 * 128 // 64)
     with pytest.raises(NotImplementedError, match=r"`tp_size`=2 with 4-bit \(bitsandbytes\) layers"):
-        tensor_parallel.refuse_unsupported(model, FSDP2Config(tp_size=2), on_meta=False)
+        tensor_parallel.refuse_unsupported(model_parts(model), FSDP2Config(tp_size=2), on_meta=False)
     with pytest.raises(ValueError, match="BitsAndBytesConfig with load_in_4bit=True"):
         quantized.quantize_on_meta(model, object(), torch.bfloat16)
 

@@ -41,7 +41,8 @@ def test_the_planner_never_imports_the_engine():
 def test_the_scan_sees_an_import():
     """The scan is not vacuous: relative imports, at module level or inside a function, are resolved."""
     assert "hf_fsdp2.runtime.distributed" in _imports(PACKAGE / "sharding" / "engine.py")
-    assert {"hf_fsdp2.sharding.groups", "hf_fsdp2.sharding.record"} <= _imports(PACKAGE / "planner" / "layout.py")
+    assert "hf_fsdp2.sharding.record" in _imports(PACKAGE / "planner" / "layout.py")
+    assert "hf_fsdp2.sharding.groups" in _imports(PACKAGE / "planner" / "memory.py")
     assert "hf_fsdp2.planner.layout" in _imports(PACKAGE / "shard.py")
 
 
@@ -65,3 +66,16 @@ def test_the_record_lives_on_one_object():
     record.mesh, record.sharded_object = object(), id(base)
     wrapped_after = get_peft_model(base, LoraConfig(r=2, target_modules=["q_proj"]))
     assert record_of(wrapped_after) is record and is_sharded(base) and not is_sharded(wrapped_after)
+
+
+def test_peft_is_unwrapped_in_one_module():
+    """A PeftModel is recognised and unwrapped by sharding/model_parts.py alone (issue 50): entry points make one
+    `ModelParts`, what they call receives the parts; no other module asks for the base model itself."""
+    import re
+
+    pattern = re.compile(r"get_base_model\(\)|hasattr\([^)]*[\"']peft_config[\"']|\bunwrap_peft\b")
+    offenders = [f"{p.relative_to(PACKAGE.parent)}:{n}" for p in sorted(PACKAGE.rglob("*.py"))
+                 if p.name != "model_parts.py"
+                 for n, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
+    assert not offenders, offenders
+    assert pattern.search("base = model.get_base_model()")  # the scan sees a call

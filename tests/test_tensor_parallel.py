@@ -159,14 +159,14 @@ def test_lora_on_colwise_and_rowwise_layers_trains_like_one_process_and_saves_a_
 
 
 def test_lora_settings_tp_cannot_honour_are_refused_by_name():
-    from hf_fsdp2.sharding import tensor_parallel
+    from hf_fsdp2.sharding import model_parts, tensor_parallel
 
     with pytest.raises(NotImplementedError, match="`lora_dropout`=0.1 .*set lora_dropout=0"):
-        tensor_parallel.refuse_unsupported(lora(build_model(), lora_dropout=0.1), TP, on_meta=False)
+        tensor_parallel.refuse_unsupported(model_parts(lora(build_model(), lora_dropout=0.1)), TP, on_meta=False)
     for saved in (["lm_head"], ["embed_tokens"]):  # issue 48: "aten.mm.default got mixed torch.Tensor and DTensor"
         with pytest.raises(NotImplementedError, match=r"`modules_to_save` / `trainable_token_indices` \(on .*"
                                                       + saved[0]):
-            tensor_parallel.refuse_unsupported(lora(build_model(), modules_to_save=saved), TP, on_meta=False)
+            tensor_parallel.refuse_unsupported(model_parts(lora(build_model(), modules_to_save=saved)), TP, on_meta=False)
     model = lora(build_model(), target_modules=["embed_tokens", "q_proj"])
     with pytest.raises(NotImplementedError, match="LoRA on `model.embed_tokens`.*'embedding_rowwise'"):
         tensor_parallel.plan_with_lora(model.get_base_model(), {"model.embed_tokens": "embedding_rowwise"})
@@ -311,7 +311,7 @@ def test_peft_lora_options_under_tp_train_as_one_process():
     for name, options in PEFT_OPTIONS.items():
         expected = reference_train(lora(build_model(), **options), batches(2))
         assert got[name] == pytest.approx(expected, rel=1e-4), (name, got[name])
-    from hf_fsdp2.sharding import tensor_parallel
+    from hf_fsdp2.sharding import model_parts, tensor_parallel
 
     with pytest.raises(NotImplementedError, match=r"`lora_bias` \(on .*q_proj; set lora_bias=False\)"):
-        tensor_parallel.refuse_unsupported(lora(build_model(), lora_bias=True), TP, on_meta=False)
+        tensor_parallel.refuse_unsupported(model_parts(lora(build_model(), lora_bias=True)), TP, on_meta=False)

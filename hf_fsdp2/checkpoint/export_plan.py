@@ -23,15 +23,19 @@ from ..quantization import quantized
 from ..runtime.distributed import local_tensor
 from .key_conversion import disk_views
 from .lora_merge import RowsDelta, adapter_deltas, base_model_name
-from .tensor_export import ExportTensor, adapter_tensors, is_peft_model, model_tensors, row_range
+from ..sharding.model_parts import ModelParts, model_parts
+from .tensor_export import ExportTensor, adapter_tensors, model_tensors, row_range
 
 
-def export_items(model: nn.Module, dtype: torch.dtype | None, merge_adapters: bool) -> tuple[list[ExportTensor], bool]:
+def export_items(model: nn.Module | ModelParts, dtype: torch.dtype | None,
+                 merge_adapters: bool) -> tuple[list[ExportTensor], bool]:
     """(items, is_adapter) for `model` as `save_pretrained` writes it. Collective when merging (the
     LoRA factors are all-gathered, in module order): call on every rank."""
-    if is_peft_model(model):
+    parts = model_parts(model)
+    model = parts.model
+    if parts.has_peft:
         if merge_adapters:
-            return _as_on_disk(model.get_base_model(), _merged_items(model, dtype)), False
+            return _as_on_disk(parts.base, _merged_items(model, dtype)), False
         tensors = adapter_tensors(model)
         if not tensors:
             raise ValueError("the PeftModel's adapter has no tensors to save; check its `target_modules`.")

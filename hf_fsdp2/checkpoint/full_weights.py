@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 
 from .export_plan import export_items
-from .tensor_export import is_peft_model
+from ..sharding.model_parts import model_parts
 from ..runtime import collectives
 from ..sharding import record_of
 
@@ -27,7 +27,8 @@ def full_weights(model: nn.Module, dtype: torch.dtype | None = None) -> Iterator
     if record is None or record.mesh is None:
         raise ValueError("full_weights: this model was not sharded by hf_fsdp2 (shard_model / register()).")
     device = collectives.mesh_device(record.mesh)
-    items, _ = export_items(model, dtype, merge_adapters=is_peft_model(model))
+    parts = model_parts(model)
+    items, _ = export_items(parts, dtype, merge_adapters=parts.has_peft)
     for item in items:
         spec = item.spec
         whole = torch.zeros(spec.shape, dtype=spec.dtype, device=device)

@@ -27,7 +27,8 @@ from ..quantization import quantized
 from ..runtime import collectives, upstream
 from ..runtime.distributed import local_tensor
 from ..shard import Layout, plan
-from ..sharding import engine, record_of, unwrap_peft
+from ..sharding import engine, record_of
+from ..sharding.model_parts import ModelParts, model_parts
 from . import async_save
 from .tensor_export import model_tensors, row_range
 from .weights_io import WeightsPlan, existing_dir
@@ -71,9 +72,10 @@ def shard_and_fill(model: nn.Module, layout: Layout, fill: Fill) -> nn.Module:
     if isinstance(fill, FromRank0):
         return _fill_from_rank0(model, layout)
     if isinstance(fill, Deferred):
+        parts = model_parts(model)
         init_meta_adapters(model, layout.mesh)
-        _restore_adapter_values(model)
-        engine.shard_planned(model, layout.config, mesh=layout.mesh, init_weights=False)
+        _restore_adapter_values(parts)
+        engine.shard_planned(parts, layout.config, mesh=layout.mesh, init_weights=False)
         read_directory(model, fill.path)
         record_of(model).deferred_checkpoint = None
         return model
@@ -125,15 +127,15 @@ def init_meta_adapters(model: nn.Module, mesh) -> None:
                     collectives.broadcast_from_first(param.data, mesh)
 
 
-def _restore_adapter_values(model: nn.Module) -> None:
+def _restore_adapter_values(parts: ModelParts) -> None:
     """The adapter values loaded before prepare (deferred_load's `_keep_adapter_values`) into the adapters, now
     real: every rank read the same adapter files, so every rank holds the same values, as init's broadcast
     would give."""
-    record = record_of(model)
+    record = record_of(parts)
     kept = record.deferred_adapter_values
     if not kept:
         return
-    params = dict(unwrap_peft(model).named_parameters())
+    params = dict(parts.base.named_parameters())
     missing = sorted(set(kept) - set(params))
     if missing:
         raise ValueError(f"adapter weights loaded before prepare name no parameter of the model: {missing[:5]}")

@@ -24,6 +24,7 @@ from ..config import FSDP2Config, parse_dtype
 from ..runtime import collectives, upstream
 from ..runtime.distributed import build_mesh
 from ..quantization import quantized
+from ..sharding.model_parts import model_parts
 from .export_plan import export_items
 from .weights_io import (
     ADAPTER_FILE, SINGLE_FILE, WeightsPlan, existing_dir, transformers_max_shard_size, write_configs,
@@ -60,7 +61,8 @@ def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, *, dtyp
     if not blocking and progress is None:
         progress = False  # no progress bar from the background in the middle of training's output
     dtype = parse_dtype(dtype, "dtype")
-    items, is_adapter = export_items(model, dtype, merge_adapters)
+    parts = model_parts(model)  # PEFT unwrapped once for the export and the configs
+    items, is_adapter = export_items(parts, dtype, merge_adapters)
     weights_name = ADAPTER_FILE if is_adapter else SINGLE_FILE
     if max_shard_size is None:
         max_shard_size = transformers_max_shard_size()
@@ -68,7 +70,7 @@ def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, *, dtyp
         item.tensor.numel() for item in items if isinstance(item.tensor, nn.Parameter))
 
     def small_files(staging: Path) -> None:  # rank 0
-        write_configs(model, staging, is_adapter, dtype)
+        write_configs(parts, staging, is_adapter, dtype)
         if write_extra is not None:
             write_extra(staging)
 
@@ -139,6 +141,7 @@ def from_pretrained(model_class, directory: str | os.PathLike, config: FSDP2Conf
     if quantization_config is not None:
         dtype = torch_dtype or next(p.dtype for p in model.parameters() if p.is_floating_point())
         quantized.quantize_on_meta(model, quantization_config, dtype)
+    base = model  # the transformers model, before PEFT wraps it
     config = config or FSDP2Config()
     if config.is_auto_layout and mesh is not None:
         raise ValueError("`shard_size`='auto' chooses the device mesh itself; call from_pretrained without `mesh`.")
@@ -154,7 +157,6 @@ def from_pretrained(model_class, directory: str | os.PathLike, config: FSDP2Conf
     # Planned from shapes (the auto layout too): no rank ever holds the unsharded weights.
     fill = loading.FromDirectory(directory, progress)
     loading.shard_and_fill(model, loading.plan_for(model, config, fill, mesh=mesh), fill)
-    base = model.get_base_model() if peft_config is not None else model
     if hasattr(base, "generation_config") and (directory / "generation_config.json").exists():
         from transformers import GenerationConfig
 

@@ -36,6 +36,7 @@ from .weights_io import ADAPTER_FILE, WeightsPlan, load_tensors, write_configs, 
 from .safetensors_io import CheckpointError, CheckpointFiles, TensorSpec, read_json_file, write_json
 from .tensor_export import ExportTensor, model_tensors
 from ..quantization import bnb_optimizers
+from ..sharding.model_parts import model_parts
 from ..runtime import collectives
 
 logger = logging.getLogger(__name__)
@@ -251,7 +252,8 @@ def save_state(directory: str | os.PathLike, model: nn.Module, optimizer: torch.
     if not blocking and progress is None:
         progress = False  # no progress bar from the background in the middle of training's output
     directory = Path(directory).absolute()
-    model_items, is_adapter = export_items(model, None, False)
+    parts = model_parts(model)  # PEFT unwrapped once for the export and the configs
+    model_items, is_adapter = export_items(parts, None, False)
     bnb_optimizers.prepare(optimizer)  # a bitsandbytes state, as every rank count reads it
     opt_items, opt_other, groups = _optimizer_items(model, optimizer)
     manifest = {
@@ -268,7 +270,7 @@ def save_state(directory: str | os.PathLike, model: nn.Module, optimizer: torch.
     rng = _rng_state()
 
     def small_files(staging: Path) -> None:  # rank 0
-        write_configs(model, staging, is_adapter, None)
+        write_configs(parts, staging, is_adapter, None)
         if write_extra is not None:
             write_extra(staging)
 

@@ -153,10 +153,6 @@ def tied_aliases(model: nn.Module) -> dict[str, str]:
     return aliases
 
 
-def is_peft_model(model: nn.Module) -> bool:
-    return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
-
-
 def adapter_tensors(model: nn.Module, adapter_name: str = "default") -> dict[str, torch.Tensor]:
     """PEFT's own file keys for the adapter (adapter name removed) -> the live sharded tensors.
 

@@ -24,8 +24,9 @@ from .safetensors_io import (
 )
 from ..quantization import fp8, quantized
 from .lora_merge import base_model_name
+from ..sharding.model_parts import ModelParts, model_parts
 from .tensor_export import (
-    ExportTensor, adapter_tensors, block_range, is_peft_model, model_tensors, row_range, tied_aliases,
+    ExportTensor, adapter_tensors, block_range, model_tensors, row_range, tied_aliases,
 )
 
 ADAPTER_FILE = "adapter_model.safetensors"
@@ -114,12 +115,12 @@ def _write_overlapped(writer: FileWriter, blocks, io: ThreadPoolExecutor, bar) -
             wait([pending])
 
 
-def write_configs(model: nn.Module, directory: Path, is_adapter: bool, dtype: torch.dtype | None) -> None:
+def write_configs(parts: ModelParts, directory: Path, is_adapter: bool, dtype: torch.dtype | None) -> None:
     """config.json / generation_config.json, or adapter_config.json (rank 0 only)."""
     if is_adapter:
-        _write_adapter_config(model, directory)
+        _write_adapter_config(parts, directory)
         return
-    base = model.get_base_model() if is_peft_model(model) else model
+    base = parts.base
     config = getattr(base, "config", None)
     if config is not None and hasattr(config, "save_pretrained"):
         # As stock save_pretrained sets them (modeling_utils.PreTrainedModel.save_pretrained): the class
@@ -138,12 +139,13 @@ def write_configs(model: nn.Module, directory: Path, is_adapter: bool, dtype: to
         generation.save_pretrained(str(directory))
 
 
-def _write_adapter_config(model: nn.Module, directory: Path) -> None:
+def _write_adapter_config(parts: ModelParts, directory: Path) -> None:
     """adapter_config.json exactly as `PeftModel.save_pretrained` writes it (peft_model.py): the base
     model's name, `inference_mode=True`, and `auto_mapping` when no task type is set."""
+    model = parts.model
     config = copy.deepcopy(model.peft_config[getattr(model, "active_adapter", "default")])
     if config.base_model_name_or_path is None:
-        config.base_model_name_or_path = model.get_base_model().__dict__.get("name_or_path", None) or None
+        config.base_model_name_or_path = parts.base.__dict__.get("name_or_path", None) or None
     config.inference_mode = True
     auto_mapping = None
     if config.task_type is None:
@@ -232,14 +234,15 @@ def existing_dir(directory: Path) -> Path:
 class WeightsPlan:
     """What `load_pretrained` will read, checked against the model, before anything changes."""
 
-    def __init__(self, model: nn.Module, directory: Path, strict: bool = True):
-        self.model = model
-        if is_peft_model(model) and ((directory / ADAPTER_FILE).exists()
+    def __init__(self, model: nn.Module | ModelParts, directory: Path, strict: bool = True):
+        parts = model_parts(model)
+        self.model = model = parts.model
+        if parts.has_peft and ((directory / ADAPTER_FILE).exists()
                                      or (directory / (ADAPTER_FILE + INDEX_SUFFIX)).exists()):
             self.targets, self.files = adapter_tensors(model), CheckpointFiles(directory, ADAPTER_FILE)
             aliases, base = None, None  # PEFT's adapter keys: no transformers conversion
         else:
-            base = model.get_base_model() if is_peft_model(model) else model
+            base = parts.base
             self.targets, self.files = model_tensors(base), CheckpointFiles(directory, SINGLE_FILE)
             aliases = tied_aliases(base)
             if base is not model:  # the base model's own weights under its own names; adapters stay as they are

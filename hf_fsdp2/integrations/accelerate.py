@@ -32,7 +32,8 @@ from . import trl as trl_backend
 from .accelerate_settings import ENV_PREFIX, AccelerateSettings, env_overrides, fsdp2_values, layer_names  # noqa: F401 (ENV_PREFIX: re-exported)
 from ..quantization import bnb_optimizers, fp8
 from ..shard import shard_model
-from ..sharding import is_sharded, unwrap_peft
+from ..sharding import is_sharded
+from ..sharding.model_parts import model_parts
 from ..sharding.adopt import sharded_by_transformers
 from ..runtime import upstream, versions
 
@@ -352,7 +353,7 @@ def _prepare_fsdp2(self, *args):
     model = next((a for a in args if isinstance(a, nn.Module)), None)
     names = layer_names(plugin.transformer_cls_names_to_wrap)
     if names is None and model is not None:
-        names = list(getattr(unwrap_peft(model), "_no_split_modules", None) or []) or None
+        names = list(getattr(model_parts(model).base, "_no_split_modules", None) or []) or None
     upstream.set_state(plugin, "transformer_cls_names_to_wrap", names,
                        "accelerate.utils.dataclasses.FullyShardedDataParallelPlugin.transformer_cls_names_to_wrap")
     deferred = model is not None and deferred_load.deferred_checkpoint(model) is not None

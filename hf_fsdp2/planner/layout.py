@@ -40,7 +40,6 @@ import torch
 import torch.nn as nn
 
 from ..config import FSDP2Config
-from ..sharding.groups import unwrap_peft
 from .memory import MemoryEstimate, MetaTrainingModel, prepare_meta_model
 from .memory_report import format_bytes
 
@@ -209,10 +208,11 @@ def divisors(n: int) -> list[int]:
     return sorted(set(small + [n // d for d in small]))
 
 
-def plan_seq_len(model: nn.Module | Any, config: FSDP2Config) -> int:
+def plan_seq_len(base: nn.Module | Any, config: FSDP2Config) -> int:
+    """The tokens per sequence the auto layout plans for; `base`: a transformers model or its config."""
     if config.plan_seq_len is not None:
         return config.plan_seq_len
-    hf_config = getattr(unwrap_peft(model), "config", model) if isinstance(model, nn.Module) else model
+    hf_config = getattr(base, "config", base) if isinstance(base, nn.Module) else base
     text = getattr(hf_config, "get_text_config", lambda: hf_config)()
     positions = getattr(text, "max_position_embeddings", None)
     return min(DEFAULT_PLAN_SEQ_LEN, positions) if isinstance(positions, int) and positions > 0 else DEFAULT_PLAN_SEQ_LEN
@@ -223,12 +223,12 @@ def parallel_sizes(prepared: MetaTrainingModel, world_size: int, seq_len: int) -
     the model's attention and KV heads, when the model has a TP plan and no 4-bit or FP8 layers (not
     done with TP); CP sizes dividing the world and half the sequence (load-balanced causal attention
     splits it into 2 x cp chunks)."""
-    text = getattr(unwrap_peft(prepared.model), "config", None)
+    text = getattr(prepared.base, "config", None)
     text = text.get_text_config() if hasattr(text, "get_text_config") else text
     heads = [getattr(text, k, None) for k in ("num_attention_heads", "num_key_value_heads")]
     tp_sizes = [1]
     tp_ready = not (prepared.load_in_4bit or prepared.fp8_weights)
-    if tp_ready and getattr(unwrap_peft(prepared.model), "tp_plan", None) and all(isinstance(h, int) for h in heads):
+    if tp_ready and getattr(prepared.base, "tp_plan", None) and all(isinstance(h, int) for h in heads):
         tp_sizes += [t for t in divisors(world_size) if 1 < t <= 8 and all(h % t == 0 for h in heads)]
     cp_sizes = [c for c in divisors(world_size) if seq_len % (2 * c) == 0 or c == 1]
     return tp_sizes, cp_sizes
@@ -243,7 +243,7 @@ def expert_parallel_options(prepared: MetaTrainingModel, plan: "LayoutPlan", bas
     if chosen is None or base.ep_size > 1 or chosen.replicate_size > 1 or chosen.tp_size > 1 \
             or chosen.cp_size > 1 or chosen.cpu_offload or chosen.activation_offload:
         return []
-    config = getattr(unwrap_peft(prepared.model), "config", None)
+    config = getattr(prepared.base, "config", None)
     experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None) or getattr(
         config, "n_routed_experts", None)
     if not experts or not (getattr(config, "base_model_ep_plan", None) or {}):
@@ -378,7 +378,7 @@ def resolve_auto_layout(model: nn.Module, config: FSDP2Config, *,
     prepared = prepare_meta_model(model, config)
     plan = plan_layout(prepared, world, config, budget_bytes=budget, budget_source=source, device_type=device,
                        host_budget_bytes=host_budget, batch_size=config.plan_batch_size,
-                       seq_len=plan_seq_len(model, config),
+                       seq_len=plan_seq_len(prepared.base, config),
                        checkpointing_fixed=any(isinstance(m, CheckpointWrapper) for m in model.modules()),
                        tp_sizes=(config.tp_size,), cp_sizes=(config.cp_size,), mesh_shape=mesh_shape)
     if plan.returns_freed_memory and not host_allocator.return_freed_blocks(model) and collectives.rank() == 0:

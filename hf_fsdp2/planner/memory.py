@@ -87,7 +87,8 @@ from ..quantization import fp8, quantized
 from ..runtime.host_allocator import HEAP_BLOCK_LIMIT
 from .activation_trace import trace_activations
 from ..sharding import replication, selective_checkpoint
-from ..sharding.groups import ShardPlan, apply_frozen_dtype, plan_groups, replicated_frozen_parameters, unwrap_peft
+from ..sharding.groups import ShardPlan, apply_frozen_dtype, plan_groups, replicated_frozen_parameters
+from ..sharding.model_parts import model_parts
 from .memory_report import ActivationMemory, GroupMemory, MemoryEstimate
 from .meta_model import DEFAULT_LORA_TARGETS, add_lora, build_meta_model, meta_copy
 from .parallel_shapes import narrow_for_trace, tp_local_shapes
@@ -199,7 +200,8 @@ class MetaTrainingModel:
     shard/replicate size, `reshard_after_forward`, `activation_checkpointing`, `cpu_offload` and the
     prefetch depths; dtypes, wrapping and FP8 are fixed by the config it was prepared with."""
 
-    model: nn.Module
+    model: nn.Module  # as shard_model would receive it (a PeftModel with `lora_r`)
+    base: nn.Module  # the transformers model under PEFT (sharding/model_parts.py)
     plan: ShardPlan
     quantized: dict[int, tuple[str, int]]
     fp8_weights: set[int]
@@ -218,15 +220,14 @@ class MetaTrainingModel:
 
         expert_parallel.require_available(ep_size)
         expert_parallel.check_shard_group(FSDP2Config(ep_size=ep_size), shard_size)
-        inner = unwrap_peft(self.model)
-        named = dict(inner.named_parameters())
-        plan = expert_parallel.resolved_plan(inner, shard_size, ep_size)
+        named = dict(self.base.named_parameters())
+        plan = expert_parallel.resolved_plan(self.base, shard_size, ep_size)
         return {id(named[name]): ep_size for name in plan if name in named}
 
     def tp_shapes(self, tp_size: int) -> dict[int, tuple[torch.Size, bool]]:
         """id(param) -> its TP rank-0 block's shape (parallel_shapes.tp_local_shapes), once per size."""
         if tp_size not in self._tp_shapes:
-            self._tp_shapes[tp_size] = tp_local_shapes(self.model, tp_size)
+            self._tp_shapes[tp_size] = tp_local_shapes(self.base, tp_size)
         return self._tp_shapes[tp_size]
 
     def activations(self, batch_size: int, seq_len: int, compute_dtype: torch.dtype | None,
@@ -240,7 +241,7 @@ class MetaTrainingModel:
             names = {id(m): n for n, m in self.model.named_modules()}
             copy_ = meta_copy(self.model)
             layers = [copy_.get_submodule(names[id(layer)]) for layer in self.plan.layers]
-            base = unwrap_peft(copy_)
+            base = copy_.get_submodule(names[id(self.base)])
             head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
             if tp_size > 1:
                 by_name = {n: self.tp_shapes(tp_size).get(id(p)) for n, p in self.model.named_parameters()}
@@ -281,18 +282,19 @@ def prepare_meta_model(model_or_config: Any, config: FSDP2Config, *, dtype: torc
             load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=bnb_4bit_use_double_quant,
             bnb_4bit_compute_dtype=config.param_dtype or quantized_from), quantized_from)
     if lora_r is not None:
-        if hasattr(model, "peft_config"):
+        if model_parts(model).has_peft:
             raise ValueError("`lora_r` is set but the model is already a PeftModel; pass the base model.")
         model = add_lora(model, lora_r, lora_targets)
     if load_in_4bit:  # after PEFT, which reads the `Params4bit` attributes to pick its 4-bit LoRA layer
         quantized.prepare(model, quantized_from)
     apply_frozen_dtype(model, config.frozen_dtype)  # as shard_model does, before sharding (floating only)
-    plan = plan_groups(model, config)
+    parts = model_parts(model)
+    plan = plan_groups(parts, config)
     fp8_weights: set[int] = set()
     if config.fp8:  # the weights shard_model converts are all-gathered in float8 (quantization/fp8.py)
         fp8_weights = {id(m.weight) for m in fp8.plan(model, plan.layers)[0].values()}
     return MetaTrainingModel(
-        model=model, plan=plan, quantized=_quantized_params(model), fp8_weights=fp8_weights, lora_r=lora_r,
+        model=model, base=parts.base, plan=plan, quantized=_quantized_params(model), fp8_weights=fp8_weights, lora_r=lora_r,
         lora_targets=tuple(t.strip() for t in lora_targets if t.strip()) if lora_r else None,
         load_in_4bit=load_in_4bit, double_quant=bnb_4bit_use_double_quant)
 
@@ -364,8 +366,8 @@ def _estimate(prepared: MetaTrainingModel, world_size: int, config: FSDP2Config,
 
     if activations is not None and activations.saved_bytes:  # the heap-served share of what the step saves
         heap_kept += activations.peak_bytes * activations.heap_saved_bytes // activations.saved_bytes
-    loss_backward = _loss_backward_bytes(model, batch_size, seq_len, cp_size) if activations is not None else 0
-    all_to_all = (_all_to_all_bytes(model, batch_size, seq_len // cp_size, config.param_dtype)
+    loss_backward = _loss_backward_bytes(prepared.base, batch_size, seq_len, cp_size) if activations is not None else 0
+    all_to_all = (_all_to_all_bytes(prepared, batch_size, seq_len // cp_size, config.param_dtype)
                   if experts and batch_size is not None else 0)
     # The head's own backward receives the logits' gradient in the logits' (compute) dtype.
     head_grad = loss_backward * _itemsize(config.param_dtype) // 4 if config.param_dtype else loss_backward
@@ -406,7 +408,7 @@ def _estimate(prepared: MetaTrainingModel, world_size: int, config: FSDP2Config,
                      + (" and the second-level absmax" if prepared.double_quant else "")
                      + " are replicated buffers.")
     return MemoryEstimate(
-        model_type=getattr(getattr(unwrap_peft(model), "config", None), "model_type", type(model).__name__),
+        model_type=getattr(getattr(prepared.base, "config", None), "model_type", type(model).__name__),
         world_size=world_size, replicate_size=replicate, shard_size=shard,
         num_params=sum(_numel(p, quantized) for p in params),
         num_trainable_params=sum(p.numel() for p in trainable), num_trainable_tensors=len(trainable),
@@ -425,12 +427,11 @@ def _estimate(prepared: MetaTrainingModel, world_size: int, config: FSDP2Config,
     )
 
 
-def _loss_backward_bytes(model: nn.Module, batch_size: int, seq_len: int, cp_size: int) -> int:
+def _loss_backward_bytes(base: nn.Module, batch_size: int, seq_len: int, cp_size: int) -> int:
     """The fp32 gradient of the logits, [tokens, vocab], made as backward starts while the saved fp32
     log-probabilities still live: transformers' causal-LM loss upcasts the logits (`ForCausalLMLoss`:
     `logits = logits.float()`). Not a saved tensor, so the meta trace cannot see it; on the first GPU run it
     was the 1B LoRA peak's missing 3.9 GiB (benchmarks/results/gpu_check-20261127T1830Z-H200.json)."""
-    base = unwrap_peft(model)
     head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
     weight = getattr(head, "weight", None)
     if weight is None:
@@ -438,14 +439,14 @@ def _loss_backward_bytes(model: nn.Module, batch_size: int, seq_len: int, cp_siz
     return batch_size * (seq_len // cp_size) * weight.shape[0] * 4
 
 
-def _all_to_all_bytes(model: nn.Module, batch_size: int, tokens: int, compute: torch.dtype | None) -> int:
+def _all_to_all_bytes(prepared: MetaTrainingModel, batch_size: int, tokens: int, compute: torch.dtype | None) -> int:
     """One token exchange of an EP layer (transformers' AllToAllEP): each (token, expert) pair's hidden state
     sent and an equal share received, [tokens x top-k, hidden] each in the compute dtype (balanced routing)."""
-    config = getattr(unwrap_peft(model), "config", None)
+    config = getattr(prepared.base, "config", None)
     top_k = getattr(config, "num_experts_per_tok", None) or 1
     hidden = getattr(config, "hidden_size", 0)
     itemsize = _itemsize(compute) if compute is not None else next(
-        (p.element_size() for p in model.parameters() if p.is_floating_point()), 4)
+        (p.element_size() for p in prepared.model.parameters() if p.is_floating_point()), 4)
     return 2 * batch_size * tokens * top_k * hidden * itemsize
 
 

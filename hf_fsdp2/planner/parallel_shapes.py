@@ -79,19 +79,18 @@ def chunk(size: int, parts: int) -> int:
     return -(-size // parts)
 
 
-def tp_local_shapes(model: nn.Module, tp_size: int) -> dict[int, tuple[torch.Size, bool]]:
+def tp_local_shapes(base: nn.Module, tp_size: int) -> dict[int, tuple[torch.Size, bool]]:
     """id(parameter) -> (the shape of TP rank 0's block, whether the trace narrows it) for every
-    parameter the model's TP plan splits over `tp_size` ranks; parameters it leaves whole are absent."""
+    parameter the TP plan of `base` (the transformers model, under PEFT if wrapped) splits over `tp_size`
+    ranks; parameters it leaves whole are absent."""
     if tp_size == 1:
         return {}
     from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES
 
-    from ..sharding.groups import unwrap_peft
     from ..sharding.tensor_parallel import resolved_plan
 
-    inner = unwrap_peft(model)
-    plan = resolved_plan(model, tp_size)
-    params = dict(inner.named_parameters())
+    plan = resolved_plan(base, tp_size)
+    params = dict(base.named_parameters())
     module_styles = {name: style for name, style in plan.items() if name not in params}
     out: dict[int, tuple[torch.Size, bool]] = {}
     for name, style_name in plan.items():

@@ -27,11 +27,11 @@ from .groups import (
     resolve_layer_class_names,
     resolve_shared_parameters,
     size_based_groups,
-    unwrap_peft,
 )
+from .model_parts import ModelParts, model_parts
 
 __all__ = [
     "ShardPlan", "ShardedModel", "is_sharded", "record_of", "apply_activation_checkpointing", "apply_fp8", "apply_frozen_dtype", "apply_fsdp", "canonical_name",
     "find_layers", "ignored_parameters", "materialize", "no_sync", "plan_groups", "resolve_layer_class_names",
-    "resolve_shared_parameters", "prepare_for_planning", "shard_planned", "size_based_groups", "unwrap_peft",
+    "resolve_shared_parameters", "prepare_for_planning", "shard_planned", "size_based_groups", "ModelParts", "model_parts",
 ]

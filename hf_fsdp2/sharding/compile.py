@@ -24,7 +24,7 @@ from typing import Any
 
 import torch.nn as nn
 
-from .groups import unwrap_peft
+from .model_parts import ModelParts
 from .record import record_of
 
 
@@ -41,17 +41,17 @@ def compile_layers(layers: list[nn.Module], **compile_kwargs: Any) -> None:
             layer.compile(**kwargs)
 
 
-def disable_cache_in_training(model: nn.Module) -> None:
+def disable_cache_in_training(parts: ModelParts) -> None:
     """Training forwards of `model` run with `use_cache=False`, as transformers' gradient checkpointing
     does: a cache filled in forward is filled again by a checkpointed layer's recomputation, and it
     would specialise a compiled layer's graph per layer. Evaluation and `generate` keep the cache, and
     the config is untouched, so a saved config.json is what stock writes. A model whose forward takes
     no `use_cache` argument gets `config.use_cache = False` instead (text config too). Idempotent."""
-    record = record_of(model, create=True)
+    record = record_of(parts, create=True)
     if record.no_cache_in_training:
         return
     record.no_cache_in_training = True
-    base = unwrap_peft(model)
+    base = parts.base
     if "use_cache" not in inspect.signature(base.forward).parameters:
         config = getattr(base, "config", None)
         for cfg in (config, getattr(config, "get_text_config", lambda: None)()):
@@ -64,7 +64,7 @@ def disable_cache_in_training(model: nn.Module) -> None:
             kwargs["use_cache"] = False
         return args, kwargs
 
-    model.register_forward_pre_hook(hook, with_kwargs=True)
+    parts.model.register_forward_pre_hook(hook, with_kwargs=True)
 
 
 __all__ = ["compile_layers", "disable_cache_in_training", "is_compiled"]

@@ -27,7 +27,8 @@ from ..runtime import collectives, host_allocator, upstream
 from ..runtime.distributed import (CP_DIM, TP_DIM, build_mesh, data_parallel_mesh, default_device, local_tensor,
                                    no_cp_mesh, refuse_accelerator_model_on_host_backend)
 from .compile import compile_layers, disable_cache_in_training, is_compiled
-from .groups import ShardPlan, apply_frozen_dtype, plan_groups, replicated_frozen_parameters, unwrap_peft
+from .groups import ShardPlan, apply_frozen_dtype, plan_groups, replicated_frozen_parameters
+from .model_parts import ModelParts, model_parts
 from .generation import wrap_generate
 from .record import record_of
 from . import (activation_offload, adopt, compiled_collectives, context_parallel, expert_parallel, replication,
@@ -166,7 +167,7 @@ def _set_prefetch(plan: ShardPlan, config: FSDP2Config, on_cpu: bool) -> None:
             layer.set_modules_to_backward_prefetch(previous)
 
 
-def materialize(model: nn.Module, device: torch.device, *, init_weights: bool = True) -> None:
+def materialize(parts: ModelParts, device: torch.device, *, init_weights: bool = True) -> None:
     """Allocate the local shards of a (partly) meta-device model, then run the model's own init.
 
     `to_empty` allocates only each rank's shard (the DTensors' local tensors) but also empties
@@ -174,6 +175,7 @@ def materialize(model: nn.Module, device: torch.device, *, init_weights: bool = 
     computed) are kept and put back. transformers' `_init_weights` fills the rest and recomputes
     non-persistent buffers such as rotary `inv_freq` (modeling_utils.PreTrainedModel._init_weights).
     """
+    model = parts.model
     real = {name: local_tensor(t).detach().clone() for name, t in [*model.named_parameters(), *model.named_buffers()]
             if not local_tensor(t).is_meta}
     shared = _shared_parameter_names(model)
@@ -181,8 +183,7 @@ def materialize(model: nn.Module, device: torch.device, *, init_weights: bool = 
     _retie(model, shared)
     with torch.no_grad():
         if init_weights:
-            base = unwrap_peft(model)
-            init_fn = getattr(base, "_init_weights", None)
+            init_fn = getattr(parts.base, "_init_weights", None)
             for module in model.modules():
                 if init_fn is not None:
                     init_fn(module)
@@ -243,7 +244,7 @@ def prepare_for_planning(model: nn.Module, *, to_device: bool = True) -> None:
 
 
 def shard_planned(
-    model: nn.Module,
+    model: nn.Module | ModelParts,
     config: FSDP2Config,
     *,
     mesh: DeviceMesh | None = None,
@@ -261,18 +262,20 @@ def shard_planned(
     """
     if config.is_auto_layout:
         raise ValueError("`shard_size`='auto' must be planned first: call hf_fsdp2.shard_model.")
+    parts = model_parts(model)  # PEFT unwrapped once: what follows receives the parts it needs
+    model = parts.model
     on_meta = _is_meta(model)
     device = default_device()
     mesh = mesh if mesh is not None else build_mesh(config)
     if TP_DIM in (mesh.mesh_dim_names or ()):
         # Before TP splits them: a TP DTensor parameter keeps its dtype through `param.data = ...to()`.
         apply_frozen_dtype(model, config.frozen_dtype)
-    config = _tensor_parallel(model, config, mesh, on_meta and init_weights)  # a loader fills meta weights (from_pretrained)
+    config = _tensor_parallel(parts, config, mesh, on_meta and init_weights)  # a loader fills meta weights (from_pretrained)
     config = _context_parallel_size(config, mesh)
-    plan = plan_groups(model, config)
+    plan = plan_groups(parts, config)
     if config.ep_size > 1:
         expert_parallel.refuse_unsupported(model, config, mesh)
-        plan.experts, plan.experts_mesh = expert_parallel.apply_expert_parallel(model, config, mesh)
+        plan.experts, plan.experts_mesh = expert_parallel.apply_expert_parallel(parts, config, mesh)
     if config.fp8:
         apply_fp8(model, plan)
     apply_frozen_dtype(model, config.frozen_dtype)
@@ -285,12 +288,12 @@ def shard_planned(
         compile_layers(plan.layers)
     if config.compile == "model" or any(is_compiled(layer) or isinstance(layer, CheckpointWrapper)
                                          for layer in plan.layers):
-        disable_cache_in_training(model)  # ours or Accelerate's checkpointing / regional compilation
+        disable_cache_in_training(parts)  # ours or Accelerate's checkpointing / regional compilation
     replicated = _replicate_or_shard(model, plan, config, mesh)
     if config.fp8 and mesh.device_type == "cpu":
         fp8.gather_float8_as_bytes(model)
     if on_meta:
-        materialize(model, torch.device("cpu") if config.cpu_offload else device, init_weights=init_weights)
+        materialize(parts, torch.device("cpu") if config.cpu_offload else device, init_weights=init_weights)
     if replicated:  # DDP's reducer built now on every rank; rank 0's weights unless a loader fills them
         replication.synchronize(model, broadcast=init_weights or not on_meta)
     if config.fp8 and (init_weights or not on_meta):  # else the loader's weights come later: the
@@ -348,7 +351,7 @@ def _context_parallel_size(config: FSDP2Config, mesh: DeviceMesh) -> FSDP2Config
     return config.replace(cp_size=cp) if config.cp_size != cp else config
 
 
-def _tensor_parallel(model: nn.Module, config: FSDP2Config, mesh: DeviceMesh, on_meta: bool) -> FSDP2Config:
+def _tensor_parallel(parts: ModelParts, config: FSDP2Config, mesh: DeviceMesh, on_meta: bool) -> FSDP2Config:
     """TP on the mesh's "tp" dimension (sharding/tensor_parallel.py), before FSDP2 shards the rest; the
     config's tp_size follows a mesh (or a model transformers split) that has one."""
     names = mesh.mesh_dim_names or ()
@@ -357,15 +360,15 @@ def _tensor_parallel(model: nn.Module, config: FSDP2Config, mesh: DeviceMesh, on
         raise ValueError(f"`tp_size`={config.tp_size} but the mesh {dict(zip(names, mesh.shape))} has "
                          f"{'a tp dimension of ' + str(tp) if tp > 1 else 'no tp dimension'}; build it with "
                          "hf_fsdp2.build_mesh(config).")
-    if tensor_parallel.is_tensor_parallel(model) and tp == 1:
+    if tensor_parallel.is_tensor_parallel(parts.model) and tp == 1:
         raise ValueError("the model is already tensor-parallel (transformers split it): pass the mesh it was "
                          "split on (with its 'tp' dimension) as `mesh`.")
     if tp == 1:
         return config
     config = config.replace(tp_size=tp) if config.tp_size != tp else config
-    tensor_parallel.refuse_unsupported(model, config, on_meta)
-    if not tensor_parallel.is_tensor_parallel(model):
-        tensor_parallel.apply_tensor_parallel(model, mesh[TP_DIM])
+    tensor_parallel.refuse_unsupported(parts, config, on_meta)
+    if not tensor_parallel.is_tensor_parallel(parts.model):
+        tensor_parallel.apply_tensor_parallel(parts, mesh[TP_DIM])
     return config
 
 

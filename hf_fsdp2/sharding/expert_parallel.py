@@ -42,20 +42,19 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from ..runtime import collectives
 from . import parallel_plans
-from .groups import unwrap_peft
+from .model_parts import ModelParts
 
 EP_DIM, EFSDP_DIM = "ep", "efsdp"
 DISPATCH_STYLE = "ep_dispatch_experts"  # the module whose forward transformers replaces with the token exchange
 
 
-def resolved_plan(model: nn.Module, shard_size: int, ep_size: int) -> dict[str, str]:
-    """The model's EP plan for `ep_size` ranks, one entry per module or parameter (as
+def resolved_plan(base: nn.Module, shard_size: int, ep_size: int) -> dict[str, str]:
+    """The EP plan of `base` (a transformers model) for `ep_size` ranks, one entry per module or parameter (as
     `from_pretrained(distributed_config=...)` resolves it: `_resolve_parallel_plans`)."""
-    inner = unwrap_peft(model)
-    ep_plan = {} if not getattr(inner, "ep_plan", None) else parallel_plans.resolve(
-        inner, "ep_size", ep_size, fsdp_size=shard_size, ep_size=ep_size)[1]
+    ep_plan = {} if not getattr(base, "ep_plan", None) else parallel_plans.resolve(
+        base, "ep_size", ep_size, fsdp_size=shard_size, ep_size=ep_size)[1]
     if DISPATCH_STYLE not in ep_plan.values():
-        raise ValueError(f"`ep_size`={ep_size}: {type(inner).__name__} has no experts to split "
+        raise ValueError(f"`ep_size`={ep_size}: {type(base).__name__} has no experts to split "
                          f"(its config's base_model_ep_plan names no '{DISPATCH_STYLE}' module); leave ep_size at 1.")
     return ep_plan
 
@@ -127,16 +126,15 @@ def _batch_mesh(mesh: DeviceMesh) -> DeviceMesh:
                             backend_override=override)["tp"]
 
 
-def apply_expert_parallel(model: nn.Module, config, mesh: DeviceMesh) -> tuple[list[nn.Module], DeviceMesh]:
+def apply_expert_parallel(parts: ModelParts, config, mesh: DeviceMesh) -> tuple[list[nn.Module], DeviceMesh]:
     """The model's EP plan applied by transformers on a new expert mesh; the experts modules (each to become
     an FSDP2 group on the mesh's "efsdp" dimension, `shard_experts`) and that mesh."""
     from transformers.distributed.expert_parallel import apply_expert_parallelism
 
-    plan = resolved_plan(model, mesh.size(), config.ep_size)
+    plan = resolved_plan(parts.base, mesh.size(), config.ep_size)
     experts_mesh = expert_mesh(mesh, config.ep_size)
-    inner = unwrap_peft(model)
-    apply_expert_parallelism(inner, experts_mesh[EP_DIM], _batch_mesh(mesh), plan)
-    experts = [inner.get_submodule(name) for name, style in plan.items() if style == DISPATCH_STYLE]
+    apply_expert_parallelism(parts.base, experts_mesh[EP_DIM], _batch_mesh(mesh), plan)
+    experts = [parts.base.get_submodule(name) for name, style in plan.items() if style == DISPATCH_STYLE]
     return experts, experts_mesh
 
 

@@ -16,6 +16,7 @@ import torch.nn as nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
 from ..config import FSDP2Config
+from .model_parts import ModelParts, model_parts
 
 # Prefix torch's CheckpointWrapper inserts into parameter names (checkpoint_wrapper.py: _CHECKPOINT_PREFIX).
 _CHECKPOINT_PREFIX = "_checkpoint_wrapped_module."
@@ -24,14 +25,6 @@ _CHECKPOINT_PREFIX = "_checkpoint_wrapped_module."
 def canonical_name(fqn: str) -> str:
     """A parameter name as the unwrapped model spells it (checkpoint-wrapper prefixes removed)."""
     return fqn.replace(_CHECKPOINT_PREFIX, "")
-
-
-def unwrap_peft(model: nn.Module) -> nn.Module:
-    """The transformers model under a `PeftModel` (duck-typed so the engine needs no peft import). Looked up
-    on the class (PeftModel's `peft_config` is a property, PEFT 0.18-0.21): nn.Module's instance lookup of an
-    absent name raises and catches an AttributeError, and records are read on every forward of some techniques."""
-    cls = type(model)
-    return model.get_base_model() if hasattr(cls, "peft_config") and hasattr(cls, "get_base_model") else model
 
 
 # ---------------------------------------------------------------------------------------------
@@ -53,22 +46,24 @@ class ShardPlan:
     experts_mesh: object = None
 
 
-def resolve_layer_class_names(model: nn.Module, config: FSDP2Config) -> tuple[str, ...]:
+def resolve_layer_class_names(model: nn.Module | ModelParts, config: FSDP2Config) -> tuple[str, ...]:
     """The configured class names, or the model's `_no_split_modules`; checked against the model.
 
     `_no_split_modules` also lists blocks that must merely stay whole (`BertEmbeddings`,
     `ViTEmbeddings`, a vision tower's patch embedding): only classes repeated in a stack (inside an
     `nn.ModuleList`) become layer groups; the rest stay in the group that holds them."""
+    parts = model_parts(model)
+    model = parts.model
     names = config.layer_cls_names
     from_model = names is None
     if from_model:
         # Without `_no_split_modules` (BERT before transformers 5.1, custom models): the blocks stacked
         # in an nn.ModuleList that hold modules of their own (a stack of bare Linears is no layer).
-        names = tuple(getattr(unwrap_peft(model), "_no_split_modules", None) or ()) or tuple(
+        names = tuple(getattr(parts.base, "_no_split_modules", None) or ()) or tuple(
             sorted(_stacked_class_names(model, composite=True)))
         if not names:
             raise ValueError(
-                f"`layer_cls_names` is not set and {type(unwrap_peft(model)).__name__} has no "
+                f"`layer_cls_names` is not set and {type(parts.base).__name__} has no "
                 f"`_no_split_modules`; set `layer_cls_names` to the decoder layer class "
                 f"(one of: {', '.join(_module_class_names(model))}), or `wrap_policy`='none'."
             )
@@ -189,15 +184,17 @@ def size_based_groups(model: nn.Module, min_num_params: int, ignored: set) -> li
     return groups
 
 
-def plan_groups(model: nn.Module, config: FSDP2Config) -> ShardPlan:
+def plan_groups(model: nn.Module | ModelParts, config: FSDP2Config) -> ShardPlan:
+    parts = model_parts(model)
+    model = parts.model
     ignored = ignored_parameters(model, config.ignored_modules)
     if config.wrap_policy == "none":
         return ShardPlan(layers=[], embedding=None, head=[], tied=False, ignored_params=ignored)
     if config.wrap_policy == "size":
         return ShardPlan(layers=size_based_groups(model, config.min_num_params, ignored), embedding=None, head=[],
                          tied=False, in_forward_order=False, ignored_params=ignored)
-    layers = find_layers(model, resolve_layer_class_names(model, config))
-    base = unwrap_peft(model)
+    layers = find_layers(model, resolve_layer_class_names(parts, config))
+    base = parts.base
     embedding = base.get_input_embeddings() if hasattr(base, "get_input_embeddings") else None
     lm_head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
     norm = _find_final_norm(model, layers)

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch.nn as nn
 
 from ..runtime import upstream
-from .groups import unwrap_peft
+from .model_parts import ModelParts, model_parts
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -43,10 +43,10 @@ class ShardedModel:
     deferred_adapter_values: dict = dataclasses.field(default_factory=dict)
 
 
-def record_of(model: nn.Module, create: bool = False) -> ShardedModel | None:
+def record_of(model: nn.Module | ModelParts, create: bool = False) -> ShardedModel | None:
     """The model's record (None if it has none and not `create`). It lives on the transformers model: a
     `PeftModel` and the model it wraps share one record, whichever of the two is passed."""
-    holder = unwrap_peft(model)
+    holder = model_parts(model).base
     record = holder.__dict__.get(_ATTRIBUTE)
     if record is None and create:
         record = ShardedModel()
@@ -58,4 +58,4 @@ def is_sharded(model: nn.Module) -> bool:
     """Sharded by hf_fsdp2 (`shard_model` finished)."""
     record = record_of(model)
     return record is not None and record.mesh is not None and (
-        id(model) == record.sharded_object or unwrap_peft(model) is model)
+        id(model) == record.sharded_object or not model_parts(model).has_peft)

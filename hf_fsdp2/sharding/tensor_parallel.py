@@ -36,7 +36,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from . import parallel_plans
-from .groups import unwrap_peft
+from .model_parts import ModelParts
 from ..quantization import quantized
 from ..runtime.distributed import TP_DIM
 
@@ -47,9 +47,10 @@ def is_tensor_parallel(model: nn.Module) -> bool:
                for p in model.parameters())
 
 
-def refuse_unsupported(model: nn.Module, config, on_meta: bool) -> None:
+def refuse_unsupported(parts: ModelParts, config, on_meta: bool) -> None:
     """What TP does not cover yet, refused by name before anything changes."""
-    reason = _unsupported_lora(model) if unwrap_peft(model) is not model else None
+    model = parts.model
+    reason = _unsupported_lora(model) if parts.has_peft else None
     if reason:
         pass  # named below
     elif quantized.has_quantized_layers(model):
@@ -125,18 +126,17 @@ def plan_with_lora(model: nn.Module, tp_plan: dict[str, str]) -> dict[str, str]:
     return out
 
 
-def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+def apply_tensor_parallel(parts: ModelParts, tp_mesh: DeviceMesh) -> None:
     """The model's own TP plan on `tp_mesh`, resolved and applied by transformers (every rank must hold
     the same full weights: each keeps its own part of them, with no communication)."""
     from transformers.distributed.tensor_parallel import apply_tensor_parallelism
 
-    apply_tensor_parallelism(unwrap_peft(model), tp_mesh, resolved_plan(model, tp_mesh.size()))
+    apply_tensor_parallelism(parts.base, tp_mesh, resolved_plan(parts.base, tp_mesh.size()))
 
 
-def resolved_plan(model: nn.Module, tp_size: int) -> dict[str, str]:
-    """The model's TP plan for `tp_size` ranks, one entry per module or parameter of the model under
-    PEFT (as `from_pretrained(distributed_config=...)` resolves it: `_resolve_parallel_plans`, then
+def resolved_plan(base: nn.Module, tp_size: int) -> dict[str, str]:
+    """The TP plan of `base` (the transformers model, under PEFT if wrapped) for `tp_size` ranks, one entry per
+    module or parameter (as `from_pretrained(distributed_config=...)` resolves it: `_resolve_parallel_plans`, then
     `plan_with_lora`). Pure: the memory estimate reads it too (planner/parallel_shapes.py)."""
-    inner = unwrap_peft(model)
-    tp_plan, _ = parallel_plans.resolve(inner, "tp_size", tp_size, tp_size=tp_size)
-    return plan_with_lora(inner, tp_plan)
+    tp_plan, _ = parallel_plans.resolve(base, "tp_size", tp_size, tp_size=tp_size)
+    return plan_with_lora(base, tp_plan)
