@@ -65,12 +65,13 @@ def _run_config_file(args: argparse.Namespace) -> int:
 def _add_config(commands: argparse._SubParsersAction) -> None:
     p = commands.add_parser(
         "config",
-        help="Write an Accelerate config for a model: its decoder layer class, processes, precision, EP.",
+        help="Write an Accelerate config for a model: its decoder layer class, processes, precision, EP, budget.",
         description="A shipped config (--template) with the model's own decoder layer class (its _no_split_modules, "
                     "read on the meta device from MODEL's config.json), --num-processes (and a TP/CP config's "
                     "data-parallel size) and --mixed-precision set, every comment kept; checked by check-config "
-                    "before it is written. Expert parallelism, which Accelerate's yaml cannot carry, is written as "
-                    "the HF_FSDP2_EP_SIZE the launch needs. hf_fsdp2/tools/config_writer.py.",
+                    "before it is written. Expert parallelism and the auto layout's memory budget, which Accelerate's "
+                    "yaml cannot carry, are written as the HF_FSDP2_* variables the launch needs. "
+                    "hf_fsdp2/tools/config_writer.py.",
     )
     p.add_argument("model", help="a model directory or its config.json (local)")
     p.add_argument("--template", default="fsdp2", help="fsdp2 (default), fsdp2_lora, fsdp2_qlora, fsdp2_tp, "
@@ -79,6 +80,9 @@ def _add_config(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--mixed-precision", default=None, help="no, bf16 or fp16 (default: the template's)")
     p.add_argument("--ep-size", type=_positive_int, default=1, metavar="E",
                    help="expert parallelism for a MoE model (written as HF_FSDP2_EP_SIZE=E for the launch)")
+    p.add_argument("--memory-budget", default=None, metavar="SIZE",
+                   help="per-rank bytes (e.g. 20GiB) the auto layout must fit (written as HF_FSDP2_SHARD_SIZE=auto "
+                        "HF_FSDP2_MEMORY_BUDGET=SIZE for the launch)")
     p.add_argument("-o", "--output", default=None, help="file to write (default: print it)")
     p.set_defaults(handler=_run_config)
 
@@ -90,7 +94,8 @@ def _run_config(args: argparse.Namespace) -> int:
     if not (model / "config.json" if model.is_dir() else model).is_file():
         raise ValueError(f"`model`={args.model!r}: no config.json there (a local model directory or its config.json).")
     text = write_config(model, template=args.template, num_processes=args.num_processes,
-                        mixed_precision=args.mixed_precision, ep_size=args.ep_size)
+                        mixed_precision=args.mixed_precision, ep_size=args.ep_size,
+                        memory_budget=args.memory_budget)
     if args.output is None:
         print(text, end="")
     else:

@@ -1,6 +1,6 @@
 """`hf-fsdp2 config` (issue 52): an Accelerate config written for a model from the shipped templates. The shipped
 configs are what it writes for the model they name (so the two cannot drift); another model gets its own
-decoder layer class; EP is written as the launch's HF_FSDP2_EP_SIZE; what hf_fsdp2 would refuse is never written."""
+decoder layer class; EP and the auto layout's budget are written as the launch's HF_FSDP2_* variables; what hf_fsdp2 would refuse is never written."""
 
 from __future__ import annotations
 
@@ -36,6 +36,13 @@ def test_another_model_gets_its_own_layer_class_processes_and_precision(tmp_path
     assert "num_processes: 4" in text and "mixed_precision: 'bf16'" in text
     assert text.startswith("# Expert parallelism: launch with HF_FSDP2_EP_SIZE=2")
     assert check_accelerate_config(tmp_path / "moe.yaml", {"HF_FSDP2_EP_SIZE": "2"}) == []
+    # the auto layout's budget, which the yaml cannot carry either, for the launch's environment
+    budget = write_config(tmp_path / "moe", template="fsdp2_lora", memory_budget="20GiB")
+    assert budget.startswith("# the auto layout's memory budget: launch with HF_FSDP2_SHARD_SIZE=auto "
+                             "HF_FSDP2_MEMORY_BUDGET=20GiB in the environment")
+    (tmp_path / "budget.yaml").write_text(budget)
+    assert check_accelerate_config(tmp_path / "budget.yaml", {"HF_FSDP2_SHARD_SIZE": "auto",
+                                                              "HF_FSDP2_MEMORY_BUDGET": "20GiB"}) == []
     # a TP template keeps its mesh covering the processes: dp_shard x tp = 8
     tp = write_config(tmp_path / "moe", template="fsdp2_tp", num_processes=8)
     assert "parallelism_config_dp_shard_size: 4" in tp and "num_processes: 8" in tp
@@ -47,6 +54,7 @@ def test_another_model_gets_its_own_layer_class_processes_and_precision(tmp_path
     (dict(template="fsdp2_tp", num_processes=3), r"`num_processes`=3 is not a multiple of the template's"),
     (dict(template="nope"), r"`template`='nope': choose one of fsdp2"),
     (dict(mixed_precision="fp64"), r"`mixed_precision`='fp64'"),
+    (dict(memory_budget="lots"), r"`memory_budget`='lots' is not a size"),
 ])
 def test_what_cannot_work_is_refused_by_name(kwargs, message, llama):
     with pytest.raises(ValueError, match=message):

@@ -586,7 +586,7 @@ def _check_fsdp2_config(cfg: Mapping[str, Any], fsdp: _Fsdp, parallel: _Parallel
         via = "".join(f" with {accelerate_settings.ENV_PREFIX}{k.upper()}={v}" for k, v in sorted(overrides.items()))
         config = FSDP2Config.from_dict({**fsdp2_values(cfg), **overrides}, source="the Accelerate config" + via)
         procs = _int(cfg.get("num_processes"))
-        if procs:
+        if procs and not config.is_auto_layout:  # an auto layout's shape is the planner's, at prepare
             config.mesh_shape(procs)
     except (ValueError, TypeError) as e:
         _error(out, "parallelism_config" if parallel.given else "fsdp_config", f"hf_fsdp2 would reject this{via}: {e}")

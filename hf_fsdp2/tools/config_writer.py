@@ -6,10 +6,11 @@ classes `shard_model` would group: sharding/groups.py `resolve_layer_class_names
 the line out, so the model's own `_no_split_modules` name them at run time), the number of processes
 (and the data-parallel size of a TP / CP config, so the mesh still covers them) and the mixed precision; every
 comment and other line stays. So the shipped files are exactly what it writes for the model they name
-(Llama), which tests/test_config_writer.py keeps true. Expert parallelism, which Accelerate's yaml cannot carry
-(its launcher drops keys it does not know), is written as the HF_FSDP2_EP_SIZE the launch needs, in a
-comment at the top, and refused for a model without experts. The result is checked by check-config, with that
-ep size, before it is written: a config hf_fsdp2 would refuse is never written.
+(Llama), which tests/test_config_writer.py keeps true. What Accelerate's yaml cannot carry (its launcher drops
+keys it does not know): expert parallelism and a memory budget for the auto layout, is written as the HF_FSDP2_*
+variables the launch needs (HF_FSDP2_EP_SIZE; HF_FSDP2_SHARD_SIZE=auto with HF_FSDP2_MEMORY_BUDGET), in a comment
+at the top; EP is refused for a model without experts. The result is checked by check-config, with those
+variables, before it is written: a config hf_fsdp2 would refuse is never written.
 """
 
 from __future__ import annotations
@@ -34,8 +35,9 @@ def decoder_layer_classes(model_path: str | Path) -> tuple[str, ...]:
 
 
 def write_config(model_path: str | Path, *, template: str = "fsdp2", num_processes: int | None = None,
-                 mixed_precision: str | None = None, ep_size: int = 1) -> str:
-    """The text of `template` (a shipped config's name without .yaml) for the model at `model_path`."""
+                 mixed_precision: str | None = None, ep_size: int = 1, memory_budget: str | int | None = None) -> str:
+    """The text of `template` (a shipped config's name without .yaml) for the model at `model_path`.
+    `memory_budget` (bytes or "20GiB"): the auto layout's per-rank budget (`shard_size="auto"`)."""
     if template not in TEMPLATES:
         raise ValueError(f"`template`={template!r}: choose one of {', '.join(TEMPLATES)}.")
     text = (CONFIGS / f"{template}.yaml").read_text()
@@ -48,10 +50,14 @@ def write_config(model_path: str | Path, *, template: str = "fsdp2", num_process
         text = _set(text, "mixed_precision", f"'{mixed_precision}'")
     if num_processes is not None:
         text = _set_processes(text, num_processes)
-    if ep_size > 1:
-        text = (f"# Expert parallelism: launch with HF_FSDP2_EP_SIZE={ep_size} in the environment (Accelerate's yaml\n"
-                f"# cannot carry it); check with: HF_FSDP2_EP_SIZE={ep_size} hf-fsdp2 check-config THIS_FILE\n") + text
-    _check(text, ep_size)  # the layout first: ep dividing the processes, not with TP/CP/HSDP
+    environ = launch_environment(ep_size, memory_budget)
+    if environ:
+        what = " and ".join(w for w, on in (("Expert parallelism", ep_size > 1),
+                                            ("the auto layout's memory budget", memory_budget is not None)) if on)
+        variables = " ".join(f"{k}={v}" for k, v in environ.items())
+        text = (f"# {what}: launch with {variables} in the environment\n"
+                f"# (Accelerate's yaml cannot carry it); check with: {variables} hf-fsdp2 check-config THIS_FILE\n") + text
+    _check(text, environ)  # the layout first: ep dividing the processes, not with TP/CP/HSDP
     if ep_size > 1:  # then the model: it has experts, and transformers the machinery to split them
         from ..planner.meta_model import build_meta_model
         from ..sharding import expert_parallel
@@ -89,8 +95,21 @@ def _set_processes(text: str, processes: int) -> str:
     return text
 
 
-def _check(text: str, ep_size: int) -> None:
-    """check-config on the text, with the ep size the launch will set (and no other HF_FSDP2_* variable: the
+def launch_environment(ep_size: int = 1, memory_budget: str | int | None = None) -> dict[str, str]:
+    """The HF_FSDP2_* variables a launch with this config needs (what Accelerate's yaml cannot carry); the budget
+    checked as FSDP2Config checks it."""
+    environ = {}
+    if ep_size > 1:
+        environ["HF_FSDP2_EP_SIZE"] = str(ep_size)
+    if memory_budget is not None:
+        FSDP2Config(shard_size="auto", memory_budget=memory_budget)  # a size it can read, or a named error
+        environ["HF_FSDP2_SHARD_SIZE"] = "auto"
+        environ["HF_FSDP2_MEMORY_BUDGET"] = str(memory_budget)
+    return environ
+
+
+def _check(text: str, environ: dict[str, str]) -> None:
+    """check-config on the text, with the variables the launch will set (and no other HF_FSDP2_* variable: the
     file must stand on its own); any error refuses the config."""
     import tempfile
 
@@ -99,11 +118,10 @@ def _check(text: str, ep_size: int) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "config.yaml"
         path.write_text(text)
-        environ = {"HF_FSDP2_EP_SIZE": str(ep_size)} if ep_size > 1 else {}
         findings = check_config.check_accelerate_config(path, environ)
     errors = [f for f in findings if f.level == "error"]
     if errors:
         raise ValueError("hf_fsdp2 would refuse this config: " + "; ".join(f"{f.key}: {f.message}" for f in errors))
 
 
-__all__ = ["TEMPLATES", "decoder_layer_classes", "write_config"]
+__all__ = ["TEMPLATES", "decoder_layer_classes", "launch_environment", "write_config"]
