@@ -194,6 +194,11 @@ class RssSampler:
 # Rank processes
 
 
+# What a tiny mode's ranks import (run_ranks' `preload`): torch, transformers' models, Accelerate, PEFT, hf_fsdp2.
+TINY_PRELOAD = ("torch", "torch.distributed.fsdp", "transformers", "transformers.modeling_utils", "accelerate", "peft",
+                "hf_fsdp2")
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -222,11 +227,18 @@ def _rank_entry(run: Callable[[int, int, dict], Any], rank: int, world: int, por
 
 
 def run_ranks(run: Callable[[int, int, dict], Any], world: int, job: dict, timeout: float, *, threads: int = 1,
-              backend: str | None = "gloo", pg_timeout: _dt.timedelta = _dt.timedelta(minutes=30)) -> list:
+              backend: str | None = "gloo", pg_timeout: _dt.timedelta = _dt.timedelta(minutes=30),
+              preload: tuple[str, ...] = ()) -> list:
     """`run(rank, world, job)` in `world` fresh (spawned) processes with `threads` torch threads and a
     process group of `backend` (None: none); their results by rank. `run` must be a module-level
-    function. Any rank's exception, or `timeout` seconds without a result, raises with the tracebacks."""
-    ctx = mp.get_context("spawn")
+    function. Any rank's exception, or `timeout` seconds without a result, raises with the tracebacks.
+
+    `preload`: modules imported once by a fork server the ranks are forked from, instead of by every spawned
+    rank (each rank's start ~5 s of CPU in imports: a tiny mode's whole cost). For tiny modes only: the server's
+    environment and allocator state are the ranks' (set before its first use), and its pages count in their RSS."""
+    ctx = mp.get_context("forkserver" if preload else "spawn")
+    if preload:
+        ctx.set_forkserver_preload(list(preload))  # no effect once the server runs: the first call's list holds
     results = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_rank_entry, args=(run, r, world, port, job, results, threads, backend, pg_timeout),

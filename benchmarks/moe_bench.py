@@ -121,7 +121,8 @@ def main(argv=None) -> int:
     for name in args.contestants:
         job = {"contestant": name, "src": str(root / "src"), "batch": args.batch, "seq": seq, "warmup": 1,
                "steps": steps}
-        ranks = harness.run_ranks(run_rank, world, job, timeout=3600, threads=1)
+        ranks = harness.run_ranks(run_rank, world, job, timeout=3600, threads=1,
+                                  preload=harness.TINY_PRELOAD if args.tiny else ())
         seconds = max(r["seconds"] for r in ranks)
         results[name] = {
             "losses": ranks[0]["losses"], "rank_losses": [r["losses"] for r in ranks],

@@ -201,7 +201,8 @@ def main(argv=None) -> int:
                 budget = None  # tiny shapes: replication fits as well; shard explicitly instead
         job = {"case": name, "src": str(src), "work": str(work), "seq": seq, "steps": 2 if args.tiny else args.steps,
                "budget": budget}
-        ranks = harness.run_ranks(run_rank, args.world_size, job, timeout=7200, threads=1)
+        ranks = harness.run_ranks(run_rank, args.world_size, job, timeout=7200, threads=1,
+                                  preload=harness.TINY_PRELOAD if args.tiny else ())
         est = estimates(case, config, seq, args.world_size, ranks[0]["layout"])
         phases = [r["phases"] for r in ranks]
         train_peak = max(ph["train"]["peak_rss_delta"] + ph["train"]["rss_before"] - ph["base_rss"] for ph in phases)
