@@ -29,7 +29,7 @@ traceback and the rest go on) and each skipped once the time budget (--budget-s)
   fp8_large    FP8 vs bf16 under regional compile on 6 of Llama 3.1 8B's layers (where float8 matmuls pay).
 
 The throughput contestants run twice, in alternating order (--rounds), the faster run of each kept.
-Results so far: benchmarks/results/gpu_check-*-H200.json, summed up in the README's "What has run where".
+Results so far: benchmarks/results/gpu_check-*-H200.json, summed up in docs/gpu.md ("What has run where").
 
 Targets (issue 53), as ratios from this one run: hf_fsdp2 >= 0.97x plain PyTorch's tokens/s at world size 1;
 >= Accelerate's FSDP2; peak CUDA memory within 5% of the estimate; >= 40% MFU for the 1B model; FP8 >= 1.2x

@@ -267,7 +267,7 @@ def test_hf_fsdp2_from_pretrained_then_prepare_as_the_yaml_recommends(tmp_path):
 @pytest.mark.parametrize("yaml,args", [("fsdp2_tp.yaml", ("--lora", "--lora-zero-b")), ("fsdp2_cp.yaml", ()),
                                        ("hsdp.yaml", ())])
 def test_from_pretrained_on_accelerates_config_and_mesh_under_the_parallel_yamls(yaml, args, tmp_path):
-    """The README's route under the TP, CP and HSDP yamls: hf_fsdp2.from_pretrained(..., accelerator_config(accelerator),
+    """The route docs/accelerate.md recommends, under the TP, CP and HSDP yamls: hf_fsdp2.from_pretrained(..., accelerator_config(accelerator),
     mesh=accelerator.torch_device_mesh) then prepare (TP loads onto its split from the meta model: the loader
     fills the weights); losses as one process's (TP with a fresh adapter, B = 0: the base's first loss)."""
     build_model().save_pretrained(tmp_path / "base")

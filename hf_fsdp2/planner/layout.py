@@ -67,7 +67,7 @@ class Candidate:
     cp_size: int = 1
     checkpoint_save_matmuls: bool = False
     # On CPU: glibc gives freed blocks back to the OS (runtime/host_allocator.py), so what a step frees is not
-    # counted in `needed_bytes`; about 0.6x speed, dearer than any layout (README "shard_size='auto'").
+    # counted in `needed_bytes`; about 0.6x speed, dearer than any layout (docs/planner.md).
     returns_freed_memory: bool = False
 
     def describe(self) -> str:

@@ -1,6 +1,6 @@
 """The versions hf_fsdp2 supports, checked when it is imported.
 
-Two sets are tested (README "Supported versions"): the newest, pinned in constraints.txt, and the
+Two sets are tested (docs/versions.md): the newest, pinned in constraints.txt, and the
 oldest, pinned in constraints-min.txt. Older than the oldest is refused (those releases failed tests);
 newer than the newest tested is never refused, since a plugin that refuses the release its users just
 upgraded to stops their training: it warns once, naming the untested versions, and the contract tests
@@ -16,7 +16,7 @@ from importlib.metadata import PackageNotFoundError, version
 # package -> (oldest supported (major, minor), newest tested (major, minor))
 SUPPORTED: dict[str, tuple[tuple[int, int], tuple[int, int]]] = {
     "torch": ((2, 11), (2, 15)),  # 2.11: the GPU machine's image (constraints-gpu-image.txt), a CUDA build from PyPI that runs on CPU
-    # The oldest: LLaMA-Factory 0.9.5's caps (constraints-min.txt); 4.57 and 5.0 fail tests (README).
+    # The oldest: LLaMA-Factory 0.9.5's caps (constraints-min.txt); 4.57 and 5.0 fail tests (docs/versions.md).
     "transformers": ((5, 6), (5, 23)),
     "accelerate": ((1, 11), (1, 15)),
     "peft": ((0, 18), (0, 21)),
