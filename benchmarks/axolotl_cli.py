@@ -10,7 +10,7 @@ axolotl needs Python >= 3.12, so this is a script for its own virtual environmen
 It writes a tiny Llama (examples/tiny-llama's config, random weights) and a completion data set from
 examples/data/train.txt, an axolotl config with `fsdp_version: 2`, then runs
 `axolotl train cfg.yml --launcher torchrun -- --nproc_per_node N` with a `sitecustomize` that calls
-`hf_fsdp2.register()` (the one line a user adds) and records what `shard_model` produced on each rank.
+`hf_fsdp2.register()` (the one line a user adds) and records what hf_fsdp2's prepare sharded on each rank.
 axolotl's `patch_accelerate_fsdp2()` rebinds Accelerate's `fsdp2_prepare_model` at model load, after
 `register()`; hf_fsdp2 takes it back at `prepare` with a warning naming the patch. Checked: that
 warning, every rank's model sharded by hf_fsdp2 (DTensors, a layer's q_proj split by rows), training
@@ -71,10 +71,10 @@ if not torch.cuda.is_available():
     _axolotl_model.ModelLoader._set_device_map_config = _set_device_map_on_cpu
 
 import hf_fsdp2
-from hf_fsdp2.integrations import accelerate as backend
+from hf_fsdp2.checkpoint import loading  # where Accelerate's prepare shards (plan, then fill)
 
 hf_fsdp2.register()
-_shard = backend.shard_model
+_shard = loading.shard_and_fill
 
 
 def _recording_shard_model(model, *args, **kwargs):  # this script's probe, not part of hf_fsdp2
@@ -90,7 +90,7 @@ def _recording_shard_model(model, *args, **kwargs):  # this script's probe, not 
     return out
 
 
-backend.shard_model = _recording_shard_model
+loading.shard_and_fill = _recording_shard_model
 '''
 
 

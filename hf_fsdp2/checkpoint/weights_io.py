@@ -238,7 +238,7 @@ class WeightsPlan:
         parts = model_parts(model)
         self.model = model = parts.model
         if parts.has_peft and ((directory / ADAPTER_FILE).exists()
-                                     or (directory / (ADAPTER_FILE + INDEX_SUFFIX)).exists()):
+                               or (directory / (ADAPTER_FILE + INDEX_SUFFIX)).exists()):
             self.targets, self.files = adapter_tensors(model), CheckpointFiles(directory, ADAPTER_FILE)
             aliases, base = None, None  # PEFT's adapter keys: no transformers conversion
         else:
