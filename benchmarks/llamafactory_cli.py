@@ -6,7 +6,7 @@ LLaMA-Factory pins the oldest versions we support (constraints-min.txt), so this
 virtual environment, not a test:
 
     python3.11 -m venv .venv-llamafactory
-    .venv-llamafactory/bin/pip install "llamafactory==0.9.5" -c constraints-min.txt
+    .venv-llamafactory/bin/pip install "llamafactory==0.9.5" "bitsandbytes==0.50.0" -c constraints-min.txt
     .venv-llamafactory/bin/pip install --no-deps -e .
     .venv-llamafactory/bin/pip uninstall -y torchvision torchaudio   # built for another torch: their import fails
 
@@ -51,7 +51,8 @@ if os.environ.get("SHARD_PROBE_DIR"):
         q = next(p for n, p in out.named_parameters() if "layers.0.self_attn.q_proj" in n and n.endswith("weight"))
         report = {"rank": int(os.environ.get("RANK", 0)), "params": sum(1 for _ in out.parameters()),
                   "dtensor": sum(isinstance(p, DTensor) for p in out.parameters()),
-                  "q_proj_rows": [q.to_local().shape[0], q.shape[0]] if isinstance(q, DTensor) else None}
+                  "q_proj_rows": [q.to_local().shape[0], q.shape[0]] if isinstance(q, DTensor) else None,
+                  "q_proj_dtype": str(q.dtype)}  # torch.uint8: the packed 4-bit base (QLoRA)
         with open(os.path.join(os.environ["SHARD_PROBE_DIR"], f"rank{report['rank']}.json"), "w") as f:
             json.dump(report, f)
         return out
@@ -78,7 +79,8 @@ def write_inputs(work: Path, finetuning: str, batch: int) -> Path:
     (data / "toy.json").write_text(json.dumps(records))
     (data / "dataset_info.json").write_text(json.dumps({"toy": {"file_name": "toy.json"}}))
     cfg = {
-        "model_name_or_path": str(model_dir), "stage": "sft", "do_train": True, "finetuning_type": finetuning,
+        "model_name_or_path": str(model_dir), "stage": "sft", "do_train": True,
+        "finetuning_type": "lora" if finetuning == "qlora" else finetuning,
         "dataset": "toy", "dataset_dir": str(data), "template": "default", "cutoff_len": 64, "max_samples": 64,
         "overwrite_cache": True, "preprocessing_num_workers": 1, "output_dir": str(work / "out"),
         "overwrite_output_dir": True, "logging_steps": 1, "save_strategy": "no", "per_device_train_batch_size": batch,
@@ -89,8 +91,10 @@ def write_inputs(work: Path, finetuning: str, batch: int) -> Path:
         "fsdp_config": {"fsdp_version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"],
                         "reshard_after_forward": True, "state_dict_type": "SHARDED_STATE_DICT"},
     }
-    if finetuning == "lora":
+    if finetuning in ("lora", "qlora"):
         cfg.update(lora_rank=4, lora_alpha=8, lora_dropout=0.0, lora_target="q_proj,v_proj")
+    if finetuning == "qlora":  # LLaMA-Factory's bitsandbytes 4-bit base
+        cfg.update(quantization_bit=4, quantization_method="bnb")
     import yaml
 
     path = work / "cfg.yaml"
@@ -126,7 +130,7 @@ def _train(work: Path, finetuning: str, processes: int, batch: int) -> tuple[sub
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--processes", type=int, default=2)
-    ap.add_argument("--finetuning", choices=["lora", "full"], default="lora")
+    ap.add_argument("--finetuning", choices=["lora", "qlora", "full"], default="lora")
     args = ap.parse_args(argv)
     stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     work = RESULTS / "tmp" / f"llamafactory-{args.finetuning}-{stamp}"
@@ -143,7 +147,7 @@ def main(argv=None) -> int:
     if proc.returncode == 0:
         from transformers import AutoModelForCausalLM
 
-        if args.finetuning == "full":
+        if args.finetuning == "full":  # (QLoRA: the adapter, onto the unquantized base)
             AutoModelForCausalLM.from_pretrained(work / "out")
         else:
             from peft import PeftModel
