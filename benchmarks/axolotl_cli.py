@@ -29,6 +29,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import shard_probe
+
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
 
@@ -71,26 +73,10 @@ if not torch.cuda.is_available():
     _axolotl_model.ModelLoader._set_device_map_config = _set_device_map_on_cpu
 
 import hf_fsdp2
-from hf_fsdp2.checkpoint import loading  # where Accelerate's prepare shards (plan, then fill)
+import shard_probe  # benchmarks/shard_probe.py: what each rank's prepare sharded
 
 hf_fsdp2.register()
-_shard = loading.shard_and_fill
-
-
-def _recording_shard_model(model, *args, **kwargs):  # this script's probe, not part of hf_fsdp2
-    out = _shard(model, *args, **kwargs)
-    from torch.distributed.tensor import DTensor
-    q = next(p for n, p in out.named_parameters() if "layers.0.self_attn.q_proj" in n and n.endswith("weight"))
-    report = {"rank": int(os.environ.get("RANK", 0)), "params": sum(1 for _ in out.parameters()),
-              "dtensor": sum(isinstance(p, DTensor) for p in out.parameters()),
-              "q_proj_rows": [q.to_local().shape[0], q.shape[0]] if isinstance(q, DTensor) else None,
-              "q_proj_dtype": str(q.dtype)}  # torch.uint8: the packed 4-bit base (QLoRA)
-    with open(os.path.join(os.environ["AXOLOTL_PROBE_DIR"], f"rank{report['rank']}.json"), "w") as f:
-        json.dump(report, f)
-    return out
-
-
-loading.shard_and_fill = _recording_shard_model
+shard_probe.install(os.environ["AXOLOTL_PROBE_DIR"])
 '''
 
 
@@ -146,13 +132,14 @@ def main(argv=None) -> int:
     axolotl = Path(sys.executable).with_name("axolotl")
     cmd = [str(axolotl), "train", str(cfg), "--launcher", "torchrun", "--", "--nproc_per_node", str(args.processes)]
     env = {**os.environ, "PATH": os.pathsep.join([str(axolotl.parent), os.environ.get("PATH", "")]),  # its torchrun
-           "PYTHONPATH": os.pathsep.join([str(work / "inject"), os.environ.get("PYTHONPATH", "")]),
+           "PYTHONPATH": os.pathsep.join([str(work / "inject"), str(REPO / "benchmarks"),
+                                         os.environ.get("PYTHONPATH", "")]),
            "AXOLOTL_PROBE_DIR": str(work / "probe"), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
            "WANDB_DISABLED": "true", "WANDB_MODE": "disabled", "DO_NOT_TRACK": "1"}
     proc = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=1800)
     log = proc.stdout + proc.stderr
     (work / "log.txt").write_text(log)
-    probes = [json.loads(p.read_text()) for p in sorted((work / "probe").glob("rank*.json"))]
+    probes, sharded = shard_probe.read(work / "probe", args.processes)
     taken_back = "takes it back" in log and "axolotl" in log.split("takes it back")[0].rsplit("hf_fsdp2: ", 1)[-1]
     loaded = None
     if proc.returncode == 0:
@@ -167,8 +154,6 @@ def main(argv=None) -> int:
 
             PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(work / "model"), out)
         loaded = True
-    sharded = len(probes) == args.processes and all(
-        p["dtensor"] == p["params"] and p["q_proj_rows"] and p["q_proj_rows"][0] < p["q_proj_rows"][1] for p in probes)
     report = {"timestamp": stamp, "adapter": args.adapter, "processes": args.processes, "returncode": proc.returncode,
               "taken_back_from_axolotl": taken_back, "sharded_by_hf_fsdp2": sharded, "probes": probes,
               "saved_output_loads": loaded, "python": platform.python_version(), "work": str(work),

@@ -34,31 +34,19 @@ import subprocess
 import sys
 from pathlib import Path
 
+import shard_probe
+
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
 
-PROBE = '''
-import json, os
+PROBE = """
+import os
 
 if os.environ.get("SHARD_PROBE_DIR"):
-    from hf_fsdp2.checkpoint import loading as _loading  # where Accelerate's prepare shards (plan, then fill)
+    import shard_probe  # benchmarks/shard_probe.py: what each rank's prepare sharded
 
-    _shard = _loading.shard_and_fill
-
-    def _recording_shard_model(model, *args, **kwargs):  # this script's probe, not part of hf_fsdp2
-        out = _shard(model, *args, **kwargs)
-        from torch.distributed.tensor import DTensor
-        q = next(p for n, p in out.named_parameters() if "layers.0.self_attn.q_proj" in n and n.endswith("weight"))
-        report = {"rank": int(os.environ.get("RANK", 0)), "params": sum(1 for _ in out.parameters()),
-                  "dtensor": sum(isinstance(p, DTensor) for p in out.parameters()),
-                  "q_proj_rows": [q.to_local().shape[0], q.shape[0]] if isinstance(q, DTensor) else None,
-                  "q_proj_dtype": str(q.dtype)}  # torch.uint8: the packed 4-bit base (QLoRA)
-        with open(os.path.join(os.environ["SHARD_PROBE_DIR"], f"rank{report['rank']}.json"), "w") as f:
-            json.dump(report, f)
-        return out
-
-    _loading.shard_and_fill = _recording_shard_model
-'''
+    shard_probe.install(os.environ["SHARD_PROBE_DIR"])
+"""
 
 
 def write_inputs(work: Path, finetuning: str, batch: int) -> Path:
@@ -118,7 +106,8 @@ def _train(work: Path, finetuning: str, processes: int, batch: int) -> tuple[sub
     bin_dir = Path(sys.executable).parent
     cmd = [str(bin_dir / "hf-fsdp2"), "run", str(bin_dir / "llamafactory-cli"), "train", str(cfg)]
     env = {**os.environ, "PATH": os.pathsep.join([str(bin_dir), os.environ.get("PATH", "")]),  # its torchrun
-           "PYTHONPATH": os.pathsep.join([str(work / "probe_site"), os.environ.get("PYTHONPATH", "")]),
+           "PYTHONPATH": os.pathsep.join([str(work / "probe_site"), str(REPO / "benchmarks"),
+                                         os.environ.get("PYTHONPATH", "")]),
            "SHARD_PROBE_DIR": str(work / "probe"), "FORCE_TORCHRUN": "1", "NPROC_PER_NODE": str(processes),
            "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "WANDB_DISABLED": "true", "DISABLE_VERSION_CHECK": "1"}
     proc = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=1800)
@@ -142,7 +131,7 @@ def main(argv=None) -> int:
     (work / "one" / "probe_site").mkdir()
     (work / "one" / "probe").mkdir()
     reference, reference_log = _train(work / "one", args.finetuning, 1, 2 * args.processes)
-    probes = [json.loads(p.read_text()) for p in sorted((work / "probe").glob("rank*.json"))]
+    probes, sharded = shard_probe.read(work / "probe", args.processes)
     loaded = None
     if proc.returncode == 0:
         from transformers import AutoModelForCausalLM
@@ -154,8 +143,6 @@ def main(argv=None) -> int:
 
             PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(work / "model"), work / "out")
         loaded = True
-    sharded = len(probes) == args.processes and all(
-        p["dtensor"] == p["params"] and p["q_proj_rows"] and p["q_proj_rows"][0] < p["q_proj_rows"][1] for p in probes)
     report = {"timestamp": stamp, "finetuning": args.finetuning, "processes": args.processes,
               "command": "FORCE_TORCHRUN=1 NPROC_PER_NODE=N hf-fsdp2 run llamafactory-cli train cfg.yaml",
               "returncode": proc.returncode, "switch_said_so": "hf_fsdp2: registered at start-up" in log,
