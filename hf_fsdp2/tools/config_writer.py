@@ -96,13 +96,12 @@ def _set_processes(text: str, processes: int) -> str:
 
 
 def launch_environment(ep_size: int = 1, memory_budget: str | int | None = None) -> dict[str, str]:
-    """The HF_FSDP2_* variables a launch with this config needs (what Accelerate's yaml cannot carry); the budget
-    checked as FSDP2Config checks it."""
+    """The HF_FSDP2_* variables a launch with this config needs (what Accelerate's yaml cannot carry); checked
+    with the text by `_check` (check-config reads them as the launch's environment)."""
     environ = {}
     if ep_size > 1:
         environ["HF_FSDP2_EP_SIZE"] = str(ep_size)
     if memory_budget is not None:
-        FSDP2Config(shard_size="auto", memory_budget=memory_budget)  # a size it can read, or a named error
         environ["HF_FSDP2_SHARD_SIZE"] = "auto"
         environ["HF_FSDP2_MEMORY_BUDGET"] = str(memory_budget)
     return environ
