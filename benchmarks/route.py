@@ -32,7 +32,7 @@ def _is_model(value, tracked: list) -> bool:
         return True
     # an object holding the model (sharding/model_parts.ModelParts), read without importing it: older
     # checkouts have no such class
-    return any(getattr(value, field, None) is tracked[0] for field in ("model",)) and not isinstance(value, type)
+    return getattr(value, "model", None) is tracked[0] and not isinstance(value, type)
 
 
 def trace_route(action, model, package: Path) -> dict:
@@ -109,8 +109,6 @@ def main() -> None:
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         shutil.rmtree(directory, ignore_errors=True)
-
-    if accelerator.is_main_process:
         result = {"source": str(package.parent), "routes": routes}
         for name, route in routes.items():
             print(f"{name:20s} files {route['files']:3d}  returns {route['returns']:3d}  stays {route['stays']:3d}")
