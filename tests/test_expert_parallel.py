@@ -44,15 +44,26 @@ def build_moe(seed: int = 0, arch: str = "qwen3_moe"):
     return transformers.DeepseekV3ForCausalLM(config).float()
 
 
-def with_lora(model, arch: str):
-    """PEFT LoRA on the attention projections, random B so it counts from step 0 (an MLP name such as down_proj
-    would also reach the fused experts: PEFT converts it to their parameter, which EP refuses)."""
+EXPERT_TARGETS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]  # PEFT's names for fused experts
+
+
+def with_lora(model, arch: str, use_lora: str = "linear"):
+    """PEFT LoRA on the attention projections ("linear"), and also on the fused experts' parameters ("experts",
+    PEFT's `target_parameters`); random B so it counts from step 0."""
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(1)
     targets = ["q_proj", "v_proj"] if arch != "deepseek_v3" else ["q_b_proj", "kv_b_proj", "o_proj"]
+    on_experts = dict(target_parameters=EXPERT_TARGETS) if use_lora == "experts" else {}
     return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0,
-                                            init_lora_weights=False))
+                                            init_lora_weights=False, **on_experts))
+
+
+def _adapted(module):
+    """The module PEFT's wrappers adapt (the experts module itself under `target_parameters`)."""
+    while hasattr(module, "base_layer"):
+        module = module.base_layer
+    return module
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -79,14 +90,16 @@ def _train(model, rank: int, world: int, root: str | None = None, start: int = 0
         losses.append(mean(out.loss))
         aux.append(mean(out.aux_loss) if out.aux_loss is not None else None)
     if root is not None:
-        save_pretrained(model, f"{root}/final")
+        save_pretrained(model, f"{root}/final")  # a PeftModel: its adapter
+        if hasattr(model, "peft_config"):
+            save_pretrained(model, f"{root}/merged", merge_adapters=True)
     return losses, grads, aux
 
 
-def _reference(world: int, arch: str, use_lora: bool = False):
+def _reference(world: int, arch: str, use_lora: str | None = None):
     """One process: each step the mean of the ranks' losses over their rows, as the ranks average gradients."""
     model = build_moe(arch=arch)
-    model = with_lora(model, arch) if use_lora else model
+    model = with_lora(model, arch, use_lora) if use_lora else model
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     losses, aux, grads = [], [], {}
     for step, ids in enumerate(batches(STEPS)):
@@ -102,11 +115,11 @@ def _reference(world: int, arch: str, use_lora: bool = False):
     return losses, grads, aux
 
 
-def _ep_rank(rank, world, ep_size, root=None, arch="qwen3_moe", use_lora=False, local_losses=False):
+def _ep_rank(rank, world, ep_size, root=None, arch="qwen3_moe", use_lora=None, local_losses=False):
     model = build_moe(arch=arch)
-    model = with_lora(model, arch) if use_lora else model
+    model = with_lora(model, arch, use_lora) if use_lora else model
     shard_model(model, FSDP2Config(ep_size=ep_size))
-    experts = (model.get_base_model() if use_lora else model).model.layers[-1].mlp.experts
+    experts = _adapted((model.get_base_model() if use_lora else model).model.layers[-1].mlp.experts)
     weight = experts.gate_up_proj
     layout = {"mesh": list(weight.device_mesh.mesh_dim_names), "shape": list(weight.device_mesh.shape),
               "local_experts": experts.num_experts, "local_rows": weight.to_local().shape[0],
@@ -130,13 +143,17 @@ def _resume(rank, world, ep_size, directory, resave=None):
     return _train(model, rank, world, start=start, opt=opt)[0]
 
 
-@pytest.mark.parametrize("arch,ep_size,use_lora", [("qwen3_moe", 2, False), ("qwen3_moe", 4, False),
-                                                   ("mixtral", 2, False), ("deepseek_v3", 4, False),
-                                                   ("qwen3_moe", 2, True), ("deepseek_v3", 2, True)])
-def test_expert_parallel_trains_like_one_process(arch, ep_size, use_lora):
-    """Full fine-tune, or PEFT LoRA on the linear layers with the experts frozen in their EP groups."""
+@pytest.mark.parametrize("arch,ep_size,use_lora", [("qwen3_moe", 2, None), ("qwen3_moe", 4, None),
+                                                   ("mixtral", 2, None), ("deepseek_v3", 4, None),
+                                                   ("qwen3_moe", 2, "linear"), ("deepseek_v3", 2, "linear"),
+                                                   ("qwen3_moe", 2, "experts"), ("mixtral", 4, "experts")])
+def test_expert_parallel_trains_like_one_process(arch, ep_size, use_lora, tmp_path):
+    """Full fine-tune, or PEFT LoRA on the linear layers with the experts frozen in their EP groups, or LoRA on
+    the linear layers and the fused experts' parameters (`target_parameters`), added on each rank's experts:
+    then the adapter and the merged model, written gather-free, equal what PEFT and transformers write."""
     ref_losses, ref_grads, ref_aux = _reference(WORLD, arch, use_lora)
-    out = run_ranks(_ep_rank, WORLD, ep_size, None, arch, use_lora)
+    root = str(tmp_path) if use_lora == "experts" else None
+    out = run_ranks(_ep_rank, WORLD, ep_size, root, arch, use_lora)
     layout = out[0]["layout"]
     assert layout["mesh"] == ["efsdp", "ep"] and layout["shape"] == [WORLD // ep_size, ep_size]
     assert layout["local_experts"] == 8 // ep_size  # E / ep experts per rank, as transformers sets it
@@ -148,6 +165,29 @@ def test_expert_parallel_trains_like_one_process(arch, ep_size, use_lora):
         assert rank["grads"].keys() == ref_grads.keys()
         for name, expected in ref_grads.items():
             torch.testing.assert_close(rank["grads"][name], expected, rtol=1e-5, atol=1e-7, msg=name)
+    if root is not None:
+        _expert_adapter_files_are_stock(tmp_path, arch, out[0]["weights"])
+
+
+def _expert_adapter_files_are_stock(tmp_path, arch: str, weights: dict):
+    """The trained weights saved by PEFT itself (adapter) and merged by PEFT (`merge_and_unload`) then saved by
+    transformers: the same tensors as ours; PEFT loads ours onto a fresh model with the trained values."""
+    from peft import PeftModel
+
+    stock = with_lora(build_moe(arch=arch), arch, "experts")
+    stock.load_state_dict(weights)
+    stock.save_pretrained(tmp_path / "stock-adapter")
+    ours = saved_tensors(tmp_path / "final", "adapter_model.safetensors")
+    theirs = saved_tensors(tmp_path / "stock-adapter", "adapter_model.safetensors")
+    assert ours.keys() == theirs.keys() and any(".experts." in k for k in ours)
+    assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
+    loaded = dict(PeftModel.from_pretrained(build_moe(arch=arch), tmp_path / "final").named_parameters())
+    assert all(torch.equal(loaded[k], v) for k, v in weights.items() if "lora_" in k)
+    stock.merge_and_unload().save_pretrained(tmp_path / "stock-merged")
+    ours, theirs = saved_tensors(tmp_path / "merged"), saved_tensors(tmp_path / "stock-merged")
+    assert ours.keys() == theirs.keys()
+    for key in theirs:
+        torch.testing.assert_close(ours[key], theirs[key], rtol=1e-5, atol=1e-6, msg=key)
 
 
 def test_expert_parallel_checkpoints_load_in_stock_transformers_and_resume_on_any_ep(tmp_path):
@@ -202,7 +242,14 @@ def _adopt(rank, world, directory, root):
     model = AutoModelForCausalLM.from_pretrained(directory, distributed_config=DistributedConfig(fsdp_size=4, ep_size=2))
     shard_model(model)  # taken as transformers sharded it
     losses = _train(model, rank, world, root)[0]
-    return {"losses": losses, "ep_size": record_of(model).config.ep_size,
+    # PEFT added afterwards (here LoRA on the experts it split): its adapters are in none of transformers' groups
+    split = AutoModelForCausalLM.from_pretrained(directory, distributed_config=DistributedConfig(fsdp_size=4, ep_size=2))
+    try:
+        shard_model(with_lora(split, "qwen3_moe", "experts"))
+        refusal = None
+    except NotImplementedError as error:
+        refusal = str(error)
+    return {"losses": losses, "ep_size": record_of(model).config.ep_size, "refusal": refusal,
             "weights": {name: _full(p).detach().clone() for name, p in model.named_parameters()}}
 
 
@@ -213,6 +260,8 @@ def test_a_model_transformers_split_with_ep_at_load_is_adopted(tmp_path):
     out = run_ranks(_adopt, WORLD, str(tmp_path / "src"), str(tmp_path))[0]
     assert out["ep_size"] == 2
     assert out["losses"] == pytest.approx(_reference(WORLD, "qwen3_moe")[0], rel=1e-5)
+    assert re.search(r"PEFT wraps a FSDPQwen3MoeForCausalLM that transformers sharded at load .* Load the model "
+                     r"without `distributed_config`", out["refusal"]), out["refusal"]
     stock_model = build_moe(seed=7)
     stock_model.load_state_dict(out["weights"])
     stock_model.save_pretrained(tmp_path / "stock")
@@ -329,21 +378,21 @@ def test_check_config_reads_the_ep_size_the_launch_environment_sets(monkeypatch)
 
 def _refusal(rank, world, config_fields, wrap):
     model = build_moe()
-    if wrap:
-        from peft import LoraConfig, get_peft_model
-
-        model = get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj"],
-                                                 target_parameters=["mlp.experts.gate_up_proj"]))
+    if wrap:  # LoRA on the experts, marked merged as PEFT's merge_adapter() would: the forward would add it again
+        model = with_lora(model, "qwen3_moe", "experts")
     try:
         shard_model(model, FSDP2Config(**config_fields))
+        if wrap:
+            model.base_model.model.model.layers[0].mlp.experts.merged_adapters.append("default")
+            model(input_ids=batches(1)[0])
     except ValueError as error:
         return str(error)
     return None
 
 
 @pytest.mark.parametrize("fields,wrap,message", [
-    (dict(ep_size=2), True, r"`ep_size`=2 \(expert parallelism\) is not done in hf_fsdp2 with LoRA on a parameter "
-                            r"\(base_model.model.model.layers.0.mlp.experts, PEFT's `target_parameters`"),
+    (dict(ep_size=2), True, r"LoRA merged into split experts \(down_proj, `merge_adapter\(\)`\) is not done in hf_fsdp2 "
+                            r"under expert parallelism"),
     (dict(ep_size=2, replicate_size=2), False, r"`ep_size`=2 with HSDP \(`replicate_size`=2\) is not done"),
     (dict(ep_size=3), False, r"`ep_size`=3 must divide the shard size 4"),
 ])

@@ -146,6 +146,13 @@ SEAMS: tuple[Seam, ...] = (
     Seam("transformers.modeling_utils.PreTrainedModel.save_pretrained", INSTANCE_WRAPPED,
          "integrations/deferred_load.py",
          "a model whose weights load at prepare (deferred loading) refuses saving by name: it would write no weights"),
+    Seam("peft.tuners.lora.layer.ParamWrapper.forward", INSTANCE_WRAPPED, "sharding/expert_lora.py",
+         "LoRA on experts transformers split over ranks (ep_size > 1): PEFT's parametrization would fold every "
+         "expert's delta into weights that are each rank's rows; the wrapper calls the experts, which add their own"),
+    Seam("transformers.distributed.expert_parallel.EpDispatchExpertsParallel.install_forward", INSTANCE_WRAPPED,
+         "sharding/expert_lora.py",
+         "the EP forward that transformers installs on split experts runs, with LoRA, on each rank's rows plus the "
+         "delta of those experts only", where_present=True),
     Seam("transformers.generation.utils.GenerationMixin.generate", INSTANCE_WRAPPED, "sharding/generation.py",
          "on a model hf_fsdp2 sharded, each group is gathered once per generate() call, not once per token"),
     Seam("torch.distributed.tensor.experimental._context_parallel._attention.custom_ops", REGISTERED,
@@ -171,9 +178,11 @@ SEAMS: tuple[Seam, ...] = (
          "init_state/update_step, which hand bitsandbytes the local rows, gradient and state"),
     # Private state written in place (PRIVATE_STATE).
     Seam("torch.nn.Module._parameters", PRIVATE_STATE,
-         "sharding/engine.py, checkpoint/loading.py, checkpoint/pretrained.py, quantization/bnb_4bit.py",
+         "sharding/engine.py, checkpoint/loading.py, checkpoint/pretrained.py, quantization/bnb_4bit.py, "
+         "sharding/expert_lora.py",
          "a registered parameter swapped in place, without register_parameter's checks: tied weights tied again, "
-         "meta copies before loading, a 4-bit weight replaced by its packed rows"),
+         "meta copies before loading, a 4-bit weight replaced by its packed rows, split experts' rows plus their "
+         "LoRA delta for one forward"),
     Seam("torch.nn.Module.__dict__", PRIVATE_STATE, "sharding/compute_cast.py",
          "a parameter shadowed for one forward by an instance-dict entry of the same name (its cast copy): "
          "attribute lookup finds it before nn.Module.__getattr__ reads _parameters",
@@ -248,11 +257,13 @@ PRIVATE: tuple[Private, ...] = (
     # the memory estimate's shapes-only stand-in intercepts it where F.grouped_mm is absent (MoE layers)
     Private("torch", "_grouped_mm", "planner/activation_trace.py", optional=True),
     Private("torch.distributed.tensor._utils", "compute_local_shape_and_global_offset", "checkpoint/tensor_export.py"),
+    Private("transformers.distributed.parallel_utils", "_get_parameter_plan", "sharding/expert_lora.py",
+            since=(5, 23)),  # with transformers' EP (sharding/expert_parallel.py require_available)
     Private("torch.distributed.tensor.placement_types", "_StridedShard", "checkpoint/tensor_export.py"),
     Private("torch.distributed.checkpoint.filesystem", "_StorageInfo", "checkpoint/convert.py"),
     # torch: nn.Module internals.
     Private("torch.nn", "Module._parameters", f"sharding/engine.py, {_CC}, checkpoint/loading.py, "
-            "checkpoint/pretrained.py, quantization/bnb_4bit.py", instance=True),
+            "checkpoint/pretrained.py, quantization/bnb_4bit.py, sharding/expert_lora.py", instance=True),
     Private("torch.nn", "Module._forward_pre_hooks", f"{_GEN}, {_REP}", instance=True),
     Private("torch.nn", "Module._non_persistent_buffers_set", "checkpoint/tensor_export.py", instance=True),
     Private("torch.nn", "Module._compiled_call_impl", "sharding/compile.py"),
@@ -329,7 +340,8 @@ PRIVATE: tuple[Private, ...] = (
     # peft.
     Private("peft.peft_model", "PeftModel._get_base_model_class", "checkpoint/weights_io.py"),
     Private("peft.tuners.lora.layer", "_ConvNd", "checkpoint/lora_merge.py"),
-    Private("peft.tuners.lora.layer", "ParamWrapper._did_swap_in_out_features", "checkpoint/lora_merge.py",
+    Private("peft.tuners.lora.layer", "ParamWrapper._did_swap_in_out_features",
+            "checkpoint/lora_merge.py, sharding/expert_lora.py",
             instance=True, optional=True),  # PEFT >= 0.19
     # bitsandbytes.
     Private("bitsandbytes.nn.modules", "_convert_weight_packed_for_cpu_inverse", "quantization/bnb_4bit.py"),

@@ -57,6 +57,17 @@ def _expert_parallel_size(model: nn.Module) -> int:
     return 1
 
 
+def refuse_adapters_added_after(parts) -> None:
+    """PEFT applied to a model transformers sharded at load: its adapters are outside transformers' groups (plain
+    tensors, every rank a whole copy), and LoRA on split experts would fold every expert into each rank's rows."""
+    if parts.model is not parts.base and sharded_by_transformers(parts.base):
+        raise NotImplementedError(
+            f"PEFT wraps a {type(parts.base).__name__} that transformers sharded at load (DistributedConfig): hf_fsdp2 "
+            "adopts such a model only as transformers left it, and PEFT's adapters added afterwards are in none of "
+            "its groups. Load the model without `distributed_config` and give the sizes to hf_fsdp2 "
+            "(FSDP2Config(shard_size=..., tp_size=..., ep_size=...)), which shards the base and its adapters.")
+
+
 def adopted_config(model: nn.Module, config: FSDP2Config) -> tuple[FSDP2Config, DeviceMesh]:
     """The config that describes the sharding transformers applied (the caller's non-sharding fields,
     e.g. `async_save`, kept) and the model's mesh; refuses what can no longer be applied."""

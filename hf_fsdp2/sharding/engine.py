@@ -222,6 +222,7 @@ def _is_meta(model: nn.Module) -> bool:
 def adopt_if_sharded_at_load(model: nn.Module, config: FSDP2Config, mesh: DeviceMesh | None) -> bool:
     """Take a model transformers sharded at load (`from_pretrained(distributed_config=...)`) as it is
     (sharding/adopt.py); False for any other model."""
+    adopt.refuse_adapters_added_after(model_parts(model))
     if not (adopt.sharded_by_transformers(model) and record_of(model) is None):
         return False
     _adopt(model, config, mesh)

@@ -27,10 +27,11 @@ already place (tests/test_expert_parallel.py: the files equal stock save_pretrai
 expert, and a training state resumes on plain FSDP and on another ep size).
 
 PEFT LoRA on the linear layers (attention, a shared expert, dense MLPs) trains with the experts frozen
-in their own groups; LoRA on the fused experts themselves (`target_parameters`) is not done.
+in their own groups; LoRA on the fused experts themselves (`target_parameters`) is applied on each rank's
+rows by sharding/expert_lora.py (EP is applied to the module PEFT's wrappers adapt).
 
 Not done, refused by name when asked for: HSDP replicas, tensor or context parallelism, 4-bit or FP8
-experts, LoRA on the experts' fused parameters, compile, CPU or activation offload and the auto layout.
+experts, compile, CPU or activation offload.
 A model on the meta device (`hf_fsdp2.from_pretrained`) is split the same way before anything is
 allocated, and each rank reads its experts' rows only.
 """
@@ -41,7 +42,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from ..runtime import collectives
-from . import parallel_plans
+from . import expert_lora, parallel_plans
 from .model_parts import ModelParts
 
 EP_DIM, EFSDP_DIM = "ep", "efsdp"
@@ -50,13 +51,14 @@ DISPATCH_STYLE = "ep_dispatch_experts"  # the module whose forward transformers 
 
 def resolved_plan(base: nn.Module, shard_size: int, ep_size: int) -> dict[str, str]:
     """The EP plan of `base` (a transformers model) for `ep_size` ranks, one entry per module or parameter (as
-    `from_pretrained(distributed_config=...)` resolves it: `_resolve_parallel_plans`)."""
+    `from_pretrained(distributed_config=...)` resolves it: `_resolve_parallel_plans`), named as they are under
+    PEFT's `ParamWrapper`s where LoRA adapts the experts' parameters (sharding/expert_lora.py)."""
     ep_plan = {} if not getattr(base, "ep_plan", None) else parallel_plans.resolve(
         base, "ep_size", ep_size, fsdp_size=shard_size, ep_size=ep_size)[1]
     if DISPATCH_STYLE not in ep_plan.values():
         raise ValueError(f"`ep_size`={ep_size}: {type(base).__name__} has no experts to split "
                          f"(its config's base_model_ep_plan names no '{DISPATCH_STYLE}' module); leave ep_size at 1.")
-    return ep_plan
+    return expert_lora.plan_through_adapters(base, ep_plan)
 
 
 def require_available(ep_size: int) -> None:
@@ -85,11 +87,7 @@ def refuse_unsupported(model: nn.Module, config, mesh: DeviceMesh) -> None:
     require_available(config.ep_size)
     names = mesh.mesh_dim_names or ()
     reason = None
-    adapted = _parameter_adapters(model)
-    if adapted:
-        reason = (f"LoRA on a parameter ({adapted[0]}, PEFT's `target_parameters`: on fused experts its rows span "
-                  "every expert, not one rank's; LoRA on linear layers works with EP)")
-    elif len(names) > 1:
+    if len(names) > 1:
         reason = f"the mesh {dict(zip(names, mesh.shape))} (HSDP replicas, tensor or context parallelism)"
     elif quantized.has_quantized_layers(model):
         reason = "4-bit (bitsandbytes) layers"
@@ -99,11 +97,6 @@ def refuse_unsupported(model: nn.Module, config, mesh: DeviceMesh) -> None:
     if reason:
         raise ValueError(f"`ep_size`={config.ep_size} (expert parallelism) is not done in hf_fsdp2 with {reason}.")
     check_shard_group(config, mesh.size())
-
-
-def _parameter_adapters(model: nn.Module) -> list[str]:
-    """Modules PEFT wrapped for LoRA on a parameter (`target_parameters`: its `ParamWrapper`)."""
-    return [name for name, module in model.named_modules() if type(module).__name__ == "ParamWrapper"]
 
 
 def expert_mesh(mesh: DeviceMesh, ep_size: int) -> DeviceMesh:
@@ -128,13 +121,17 @@ def _batch_mesh(mesh: DeviceMesh) -> DeviceMesh:
 
 def apply_expert_parallel(parts: ModelParts, config, mesh: DeviceMesh) -> tuple[list[nn.Module], DeviceMesh]:
     """The model's EP plan applied by transformers on a new expert mesh; the experts modules (each to become
-    an FSDP2 group on the mesh's "efsdp" dimension, `shard_experts`) and that mesh."""
+    an FSDP2 group on the mesh's "efsdp" dimension, `shard_experts`) and that mesh. LoRA on the experts'
+    parameters then runs on each rank's rows (sharding/expert_lora.py)."""
     from transformers.distributed.expert_parallel import apply_expert_parallelism
 
     plan = resolved_plan(parts.base, mesh.size(), config.ep_size)
     experts_mesh = expert_mesh(mesh, config.ep_size)
     apply_expert_parallelism(parts.base, experts_mesh[EP_DIM], _batch_mesh(mesh), plan)
-    experts = [parts.base.get_submodule(name) for name, style in plan.items() if style == DISPATCH_STYLE]
+    names = [name for name, style in plan.items() if style == DISPATCH_STYLE]
+    experts = [parts.base.get_submodule(name) for name in names]
+    expert_lora.install(experts, [parts.base.get_submodule(expert_lora.unwrapped_name(name)) for name in names],
+                        experts_mesh[EP_DIM])
     return experts, experts_mesh
 
 
