@@ -264,17 +264,16 @@ def test_hf_fsdp2_from_pretrained_then_prepare_as_the_yaml_recommends(tmp_path):
     assert trained_b and all(p.abs().sum() > 0 for p in trained_b)
 
 
-@pytest.mark.parametrize("yaml,args", [("fsdp2_tp.yaml", ("--lora", "--lora-zero-b")), ("fsdp2_cp.yaml", ()),
-                                       ("hsdp.yaml", ())])
+@pytest.mark.parametrize("yaml,args", [("fsdp2_tp.yaml", ("--lora", "--lora-zero-b")), ("fsdp2_cp.yaml", ())])
 def test_from_pretrained_on_accelerates_config_and_mesh_under_the_parallel_yamls(yaml, args, tmp_path):
-    """The route docs/accelerate.md recommends, under the TP, CP and HSDP yamls: hf_fsdp2.from_pretrained(..., accelerator_config(accelerator),
-    mesh=accelerator.torch_device_mesh) then prepare (TP loads onto its split from the meta model: the loader
-    fills the weights); losses as one process's (TP with a fresh adapter, B = 0: the base's first loss)."""
+    """The route docs/accelerate.md recommends, under the TP and CP yamls (HSDP's: in the test below):
+    hf_fsdp2.from_pretrained(..., accelerator_config(accelerator), mesh=accelerator.torch_device_mesh) then
+    prepare (TP loads onto its split from the meta model: the loader fills the weights); losses as one
+    process's (TP with a fresh adapter, B = 0: the base's first loss)."""
     build_model().save_pretrained(tmp_path / "base")
-    hsdp = yaml == "hsdp.yaml"  # 4 data-parallel ranks; TP and CP pairs share their batch (2 x 4 = the global 8)
-    out = launch(yaml, 4, tmp_path / "a.json", "--steps", "2", *(() if hsdp else ("--per-device-batch", "4")),
-                 "--hf-fsdp2-from-pretrained", str(tmp_path / "base"), "--fsdp2-config", "accelerator", *args,
-                 launch_args=("--num_machines", "1") if hsdp else ())
+    # TP and CP pairs share their batch (2 x 4 = the global 8)
+    out = launch(yaml, 4, tmp_path / "a.json", "--steps", "2", "--per-device-batch", "4",
+                 "--hf-fsdp2-from-pretrained", str(tmp_path / "base"), "--fsdp2-config", "accelerator", *args)
     assert out["all_dtensor"] and out["mesh"] == [2, 2] and out["world"] == 4
     if args:
         assert out["losses"][0] == pytest.approx(reference_losses(1)[0], abs=1e-4)
@@ -317,9 +316,14 @@ def test_a_presharded_model_refuses_settings_it_cannot_take_by_name():
 
 
 def test_hsdp_yaml_as_2x2_on_one_machine_and_as_two_machines(tmp_path):
+    """On one machine through the route docs/accelerate.md recommends (hf_fsdp2.from_pretrained on
+    accelerator_config(accelerator) and Accelerate's mesh, then prepare), on two with the model built in the
+    script: both 2 x 2 (replicas x shards), losses as one process's."""
     reference = reference_losses(3)
-    out = launch("hsdp.yaml", 4, tmp_path / "one.json", "--steps", "3", launch_args=("--num_machines", "1"))
-    assert out["mesh"] == [2, 2] and out["world"] == 4
+    build_model().save_pretrained(tmp_path / "base")
+    out = launch("hsdp.yaml", 4, tmp_path / "one.json", "--steps", "3", "--hf-fsdp2-from-pretrained",
+                 str(tmp_path / "base"), "--fsdp2-config", "accelerator", launch_args=("--num_machines", "1"))
+    assert out["all_dtensor"] and out["mesh"] == [2, 2] and out["world"] == 4
     assert out["losses"] == pytest.approx(reference, abs=1e-4)
     # Two `accelerate launch` invocations, machine ranks 0 and 1, rendezvous on loopback.
     port = free_port()
