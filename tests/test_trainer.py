@@ -19,12 +19,28 @@ SCRIPT = ROOT / "tests" / "scripts" / "trainer_train.py"
 GLOBAL_BATCH = 8
 
 
+def _eight_bit_flags() -> tuple:
+    """`optim="adamw_8bit"` (bitsandbytes) on a model whose matrices get 8-bit state, where it is installed."""
+    import importlib.util
+
+    if importlib.util.find_spec("bitsandbytes") is None:
+        return ()
+    from .test_bnb_optimizers import SHAPE
+
+    return ("--optim", "adamw_8bit", "--model_shape", json.dumps(SHAPE))
+
+
 @pytest.mark.parametrize("use_lora, before, after", [(False, 2, 1), (True, 1, 2)])
 def test_checkpoint_and_resume_on_another_process_count(tmp_path, use_lora, before, after):
-    flags = ("--lora", "true") if use_lora else ()
+    """Full fine-tune (with bitsandbytes' 8-bit AdamW where it is installed: each rank steps its rows, its
+    8-bit state is checkpointed by rows and resumed on one process) on 2 processes resumed on 1, and LoRA
+    on 1 resumed on 2."""
+    flags = ("--lora", "true") if use_lora else _eight_bit_flags()
     # One uninterrupted run that also checkpoints at step 3 (saving does not change training).
     whole = train(tmp_path, "whole", before, 6, "--save_strategy", "steps", "--save_steps", "3", *flags)
     assert whole["trainable_dtensor"] and (whole["all_dtensor"] or (use_lora and before == 1 and whole["frozen_plain"]))
+    if "adamw_8bit" in flags:
+        assert whole["optimizer"] == "AdamW" and whole["state_dtypes"] == ["torch.float32", "torch.uint8"]
     ckpt = tmp_path / "out" / "checkpoint-3"
     names = {p.name for p in ckpt.iterdir()}
     weights = "adapter_model.safetensors" if use_lora else "model.safetensors"
@@ -33,6 +49,8 @@ def test_checkpoint_and_resume_on_another_process_count(tmp_path, use_lora, befo
     resumed = train(tmp_path, "resumed", after, 6, "--save_strategy", "no", "--resume", str(ckpt),
                     "--final_dir", str(tmp_path / "final"), *flags)
     assert resumed["world"] == after
+    if "adamw_8bit" in flags:
+        assert resumed["state_dtypes"] == whole["state_dtypes"]
     assert resumed["losses"][3:] == pytest.approx(whole["losses"][3:], abs=1e-4)
     # save_model under SHARDED_STATE_DICT (where stock Trainer writes no weights) writes a loadable model.
     if use_lora:
@@ -45,22 +63,6 @@ def test_checkpoint_and_resume_on_another_process_count(tmp_path, use_lora, befo
         from transformers import AutoModelForCausalLM
 
         AutoModelForCausalLM.from_pretrained(tmp_path / "final")
-
-
-def test_8bit_optimizer_checkpoint_resumes_on_one_process(tmp_path):
-    """`optim="adamw_8bit"` (bitsandbytes): the Trainer's 8-bit AdamW steps each rank's rows; its 8-bit
-    state is checkpointed by rows and resumed on one process."""
-    pytest.importorskip("bitsandbytes")
-    from .test_bnb_optimizers import SHAPE
-
-    flags = ("--optim", "adamw_8bit", "--model_shape", json.dumps(SHAPE))
-    whole = train(tmp_path, "whole", 2, 4, "--save_strategy", "steps", "--save_steps", "2", *flags)
-    assert whole["all_dtensor"] and whole["optimizer"] == "AdamW"
-    assert whole["state_dtypes"] == ["torch.float32", "torch.uint8"]
-    resumed = train(tmp_path, "resumed", 1, 4, "--save_strategy", "no", "--resume",
-                    str(tmp_path / "out" / "checkpoint-2"), *flags)
-    assert resumed["world"] == 1 and resumed["state_dtypes"] == whole["state_dtypes"]
-    assert resumed["losses"][2:] == pytest.approx(whole["losses"][2:], abs=1e-4)
 
 
 def launch_trainer(tmp: Path, name: str, max_steps: int, *extra: str, launch_args: tuple = (),
