@@ -8,7 +8,9 @@ are 4-7 CPU-s each). Timings under xdist mix two tests' contention; CPU seconds 
     python benchmarks/suite_cpu.py summarize FILE --out RESULT.json    # totals by file, the costliest tests
 
 A test's CPU: this process's and its waited-for children's (`getrusage`): launched commands are counted; ranks
-forked by tests/dist_harness.py's fork server are not (they start without imports, and are cheap here).
+forked by tests/dist_harness.py's fork server are not (they are the fork server's children, never waited for by
+the test): tests that only fork ranks (test_compiled_collectives, test_architectures, ...) show their wall time
+only.
 """
 
 from __future__ import annotations
