@@ -128,6 +128,10 @@ def _ep_rank(rank, world, ep_size, root=None, arch="qwen3_moe", use_lora=None, l
     # local_losses: this rank's own (the test averages them), for a default group that refuses CPU tensors
     losses, grads, aux = _train(model, rank, world, root, mean=(lambda t: t.item()) if local_losses else global_mean)
     out = {"layout": layout, "losses": losses, "grads": grads, "aux": aux}
+    if use_lora == "experts":  # adapters off (TRL's reference for a LoRA policy): the untouched base's loss
+        ids = local_rows(batches(1)[0], rank, world)
+        with model.disable_adapter():
+            out["disabled_loss"] = global_mean(model(input_ids=ids, labels=ids).loss)
     if root is not None:  # the trained weights, whole (test-only gather), to hold the files against
         out["weights"] = {name: _full(p).detach().clone() for name, p in model.named_parameters()}
     return out
@@ -166,6 +170,11 @@ def test_expert_parallel_trains_like_one_process(arch, ep_size, use_lora, tmp_pa
         for name, expected in ref_grads.items():
             torch.testing.assert_close(rank["grads"][name], expected, rtol=1e-5, atol=1e-7, msg=name)
     if root is not None:
+        base = build_moe(arch=arch)
+        ids = batches(1)[0]
+        base_loss = sum(base(input_ids=local_rows(ids, r, WORLD), labels=local_rows(ids, r, WORLD)).loss.item()
+                        for r in range(WORLD)) / WORLD
+        assert out[0]["disabled_loss"] == pytest.approx(base_loss, rel=1e-5) and base_loss != ref_losses[0]
         _expert_adapter_files_are_stock(tmp_path, arch, out[0]["weights"])
 
 
