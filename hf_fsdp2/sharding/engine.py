@@ -222,7 +222,6 @@ def _is_meta(model: nn.Module) -> bool:
 def adopt_if_sharded_at_load(model: nn.Module, config: FSDP2Config, mesh: DeviceMesh | None) -> bool:
     """Take a model transformers sharded at load (`from_pretrained(distributed_config=...)`) as it is
     (sharding/adopt.py); False for any other model."""
-    adopt.refuse_adapters_added_after(model_parts(model))
     if not (adopt.sharded_by_transformers(model) and record_of(model) is None):
         return False
     _adopt(model, config, mesh)
@@ -236,6 +235,7 @@ def prepare_for_planning(model: nn.Module, *, to_device: bool = True) -> None:
     floats, and before the planner costs them). Idempotent."""
     if isinstance(model, FSDPModule) or replication.is_replicated(model):
         raise ValueError(f"{type(model).__name__} is already sharded; call `shard_model` once per model.")
+    adopt.refuse_adapters_added_after(model_parts(model))
     quantized.refuse_unsupported(model)
     device = default_device()
     refuse_accelerator_model_on_host_backend({p.device.type for p in model.parameters()}, device)
