@@ -26,7 +26,6 @@ Not done, refused by name: merged adapters (`merge_adapter()`) on split experts,
 from __future__ import annotations
 
 import functools
-import re
 
 import torch
 import torch.nn as nn
@@ -52,12 +51,12 @@ def adapter_chain(module: nn.Module) -> tuple[list[nn.Module], nn.Module]:
     return chain, module
 
 
-_WRAPPED = re.compile(r"(\.base_layer)+(?=\.|$)")
-
-
 def unwrapped_name(name: str) -> str:
-    """A module or parameter name without PEFT's `base_layer` steps (the name the model's plans use)."""
-    return _WRAPPED.sub("", name)
+    """The name of the outermost wrapper of the module named `name` (`plan_through_adapters` appends one
+    `.base_layer` per `ParamWrapper`): the name the model's plans use."""
+    while name.endswith(".base_layer"):
+        name = name.removesuffix(".base_layer")
+    return name
 
 
 def plan_through_adapters(base: nn.Module, plan: dict[str, str]) -> dict[str, str]:
