@@ -24,15 +24,14 @@ import argparse
 import datetime as _dt
 import json
 import os
-import platform
 import subprocess
 import sys
 from pathlib import Path
 
+import harness  # benchmarks/harness.py: result files, the scratch folder
 import shard_probe
 
 REPO = Path(__file__).resolve().parents[1]
-RESULTS = REPO / "benchmarks" / "results"
 
 SITECUSTOMIZE = '''
 import json, os
@@ -124,7 +123,7 @@ def main(argv=None) -> int:
     ap.add_argument("--adapter", choices=["lora", "qlora", "none"], default="lora")
     args = ap.parse_args(argv)
     stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    work = RESULTS / "tmp" / f"axolotl-{args.adapter}-{stamp}"
+    work = harness.TMP_ROOT / f"axolotl-{args.adapter}-{stamp}"
     (work / "inject").mkdir(parents=True)
     (work / "probe").mkdir()
     (work / "inject" / "sitecustomize.py").write_text(SITECUSTOMIZE)
@@ -154,15 +153,13 @@ def main(argv=None) -> int:
 
             PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(work / "model"), out)
         loaded = True
-    report = {"timestamp": stamp, "adapter": args.adapter, "processes": args.processes, "returncode": proc.returncode,
+    report = {"adapter": args.adapter, "processes": args.processes, "returncode": proc.returncode,
               "taken_back_from_axolotl": taken_back, "sharded_by_hf_fsdp2": sharded, "probes": probes,
-              "saved_output_loads": loaded, "python": platform.python_version(), "work": str(work),
+              "saved_output_loads": loaded, "work": str(work),
               "losses": [line.strip() for line in log.splitlines() if "'loss'" in line][:6]}
     import axolotl as axolotl_pkg
     report["axolotl"] = getattr(axolotl_pkg, "__version__", "?")
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"axolotl-{args.adapter}-{stamp}.json"
-    path.write_text(json.dumps(report, indent=1))
+    path = harness.write_results(f"axolotl-{args.adapter}", argv, **report)  # with the commit, machine and CPUs
     print(json.dumps({k: v for k, v in report.items() if k not in ("probes",)}, indent=1))
     if proc.returncode != 0:
         print(log[-6000:])

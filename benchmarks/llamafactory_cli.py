@@ -28,16 +28,15 @@ import argparse
 import datetime as _dt
 import json
 import os
-import platform
 import re
 import subprocess
 import sys
 from pathlib import Path
 
+import harness  # benchmarks/harness.py: result files, the scratch folder
 import shard_probe
 
 REPO = Path(__file__).resolve().parents[1]
-RESULTS = REPO / "benchmarks" / "results"
 
 PROBE = """
 import os
@@ -122,7 +121,7 @@ def main(argv=None) -> int:
     ap.add_argument("--finetuning", choices=["lora", "qlora", "full"], default="lora")
     args = ap.parse_args(argv)
     stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    work = RESULTS / "tmp" / f"llamafactory-{args.finetuning}-{stamp}"
+    work = harness.TMP_ROOT / f"llamafactory-{args.finetuning}-{stamp}"
     (work / "probe_site").mkdir(parents=True)
     (work / "probe").mkdir()
     proc, log = _train(work, args.finetuning, args.processes, 2)
@@ -143,11 +142,11 @@ def main(argv=None) -> int:
 
             PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(work / "model"), work / "out")
         loaded = True
-    report = {"timestamp": stamp, "finetuning": args.finetuning, "processes": args.processes,
+    report = {"finetuning": args.finetuning, "processes": args.processes,
               "command": "FORCE_TORCHRUN=1 NPROC_PER_NODE=N hf-fsdp2 run llamafactory-cli train cfg.yaml",
               "returncode": proc.returncode, "switch_said_so": "hf_fsdp2: registered at start-up" in log,
               "sharded_by_hf_fsdp2": sharded, "probes": probes, "saved_output_loads": loaded,
-              "python": platform.python_version(), "work": str(work),
+              "work": str(work),
               "losses": _losses(log), "one_process_losses": _losses(reference_log),
               "one_process_returncode": reference.returncode}
     # LLaMA-Factory logs losses to 4 significant digits
@@ -157,9 +156,7 @@ def main(argv=None) -> int:
     import llamafactory
 
     report["llamafactory"] = getattr(llamafactory, "__version__", "?")
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"llamafactory-{args.finetuning}-{stamp}.json"
-    path.write_text(json.dumps(report, indent=1))
+    path = harness.write_results(f"llamafactory-{args.finetuning}", argv, **report)  # with the commit, machine and CPUs
     print(json.dumps({k: v for k, v in report.items() if k not in ("probes",)}, indent=1))
     if proc.returncode != 0:
         print(log[-6000:])
