@@ -8,9 +8,11 @@ import os
 import pickle
 import queue
 import random
+import runpy
 import socket
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from datetime import timedelta
@@ -24,11 +26,12 @@ NCCL_LIKE = "cuda:gloo"
 
 # Ranks are forked from a server process that imported these once (multiprocessing's "forkserver"):
 # every rank is still a fresh process with no state from the tests, but it skips the ~5 s of imports a
-# spawned interpreter pays (a 2-rank call: 5.3 s -> 0.1 s here). Missing optional packages are skipped.
+# spawned interpreter pays (a 2-rank call: 5.3 s -> 0.1 s here; a Trainer's or TRL's script ~7 s a rank).
+# Missing optional packages are skipped.
 PRELOAD = ["torch", "torch.distributed.fsdp", "torch.distributed.tensor", "transformers",
-           "transformers.models.llama.modeling_llama", "accelerate", "peft", "hf_fsdp2", "tests.common"]
-if importlib.util.find_spec("bitsandbytes") is not None:
-    PRELOAD.append("bitsandbytes")
+           "transformers.models.llama.modeling_llama", "transformers.trainer", "accelerate", "peft", "hf_fsdp2",
+           "tests.common"]
+PRELOAD += [name for name in ("bitsandbytes", "trl") if importlib.util.find_spec(name) is not None]
 _CONTEXT = mp.get_context("forkserver")
 _CONTEXT.set_forkserver_preload(PRELOAD)
 
@@ -109,8 +112,9 @@ def _entry(fn, rank, world_size, port, results, args, kwargs, pg_timeout, backen
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     try:
-        dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=pg_timeout))
+        if backend is not None:  # None: `fn` starts it, as a launched script does
+            dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size,
+                                    timeout=timedelta(seconds=pg_timeout))
         out = fn(rank, world_size, *args, **kwargs)
         # Plain pickle, in memory: a queue would share tensors by file descriptor, which dies with us.
         results.put((rank, "ok", pickle.dumps(out)))
@@ -122,11 +126,12 @@ def _entry(fn, rank, world_size, port, results, args, kwargs, pg_timeout, backen
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 240, pg_timeout: float = 120,
-              backend: str = "gloo", **kwargs: Any) -> list[Any]:
+              backend: str | None = "gloo", **kwargs: Any) -> list[Any]:
     """Spawn `world_size` processes running `fn(rank, world_size, *args, **kwargs)`; return results by rank.
 
     `fn` must be a module-level function. Any rank's exception fails the call with its traceback.
-    `backend`: the default group's; `NCCL_LIKE` gives GPU semantics on CPU (tests/test_gpu_semantics.py).
+    `backend`: the default group's; `NCCL_LIKE` gives GPU semantics on CPU (tests/test_gpu_semantics.py);
+    None: no group is started for `fn` (a launched script starts its own).
     """
     out, errors = run_ranks_collecting_errors(fn, world_size, *args, timeout=timeout, pg_timeout=pg_timeout,
                                               backend=backend, **kwargs)
@@ -136,7 +141,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
 
 
 def run_ranks_collecting_errors(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 240,
-                                pg_timeout: float = 120, backend: str = "gloo",
+                                pg_timeout: float = 120, backend: str | None = "gloo",
                                 **kwargs: Any) -> tuple[dict[int, Any], dict[int, str]]:
     """Like `run_ranks`, for runs where ranks are expected to fail: ({rank: result}, {rank: error}).
 
@@ -180,3 +185,52 @@ def run_ranks_collecting_errors(fn: Callable[..., Any], world_size: int, *args: 
             if p.is_alive():
                 p.kill()
     return out, errors
+
+
+# ---------------------------------------------------------------------------------------------
+# A launched script on forked ranks: the launcher's workers without the launcher's interpreters.
+
+
+def _launched_worker(rank: int, world_size: int, script: str, argv: list[str], worker_env: dict[str, str],
+                     cwd: str) -> None:
+    """`python script *argv` as a torchrun worker of rank `rank`: the environment the launcher computed, plus the
+    per-rank variables torchrun's agent adds (torch/distributed/elastic/agent/server/local_elastic_agent.py,
+    `_start_workers`; one node, so local = global), then what an interpreter does at exit (non-daemon threads
+    joined, the exit handlers the script registered run: an async save commits there)."""
+    import atexit
+
+    import torch
+
+    port = os.environ["MASTER_PORT"]  # the harness's free port
+    os.environ.clear()
+    os.environ.update(worker_env)
+    os.chdir(cwd)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0", ROLE_RANK=str(rank), ROLE_NAME="default",
+                      LOCAL_WORLD_SIZE=str(world_size), WORLD_SIZE=str(world_size), GROUP_WORLD_SIZE="1",
+                      ROLE_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
+                      TORCHELASTIC_RESTART_COUNT="0", TORCHELASTIC_MAX_RESTARTS="0", TORCHELASTIC_RUN_ID="none",
+                      TORCHELASTIC_USE_AGENT_STORE="False",  # no agent: rank 0 hosts the store
+                      TORCH_NCCL_ASYNC_ERROR_HANDLING=worker_env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"))
+    torch.set_num_threads(int(worker_env.get("OMP_NUM_THREADS", "1")))
+    atexit._clear()  # the fork server's exit handlers are its own (multiprocessing's joins it), not this script's
+    sys.argv = [script, *argv]
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as ended:
+        if ended.code not in (None, 0):
+            raise
+    for thread in threading.enumerate():
+        if thread is not threading.main_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+
+
+def run_script_ranks(script, argv: list[str], world_size: int, *, worker_env: dict[str, str], cwd,
+                     timeout: float = 300) -> None:
+    """Run `script argv` on `world_size` ranks forked from the fork server, each with `worker_env` (what a
+    launcher hands its workers: tests/launched_runs.py computes it with Accelerate's own launch functions) and
+    torchrun's per-rank variables. What a real launch adds is its own interpreters (~10 CPU-s for two workers on
+    2 cores) and the launcher's process management, which the tests that launch for real keep covering. Any
+    rank's exception fails the call with its traceback."""
+    run_ranks(_launched_worker, world_size, str(script), list(argv), dict(worker_env), str(cwd), timeout=timeout,
+              pg_timeout=timeout, backend=None)

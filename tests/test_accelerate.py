@@ -1,4 +1,6 @@
-"""The Accelerate backend under a real `accelerate launch`, compared with a single-process reference."""
+"""The Accelerate backend under `accelerate launch`, compared with a single-process reference: a real launch
+for each shipped yaml's first run (here and in the TP/CP/EP tests), the variations as the launcher's workers
+forked with the environment it gives them (tests/launched_runs.launch_forked)."""
 
 from __future__ import annotations
 
@@ -15,12 +17,15 @@ from hf_fsdp2 import FSDP2Config
 
 from .common import build_model
 from .dist_harness import accelerate_launch, free_port
-from .launched_runs import launch, reference_losses
+from .launched_runs import launch, launch_forked, reference_losses
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "scripts" / "accel_train.py"
 CONFIGS = ROOT / "accelerate_configs"
 GLOBAL_BATCH = 8
+# The deferred load's settings: Accelerate's rank-0 loading flags and the auto layout with an ample budget.
+RAM_EFFICIENT = ("--fsdp_cpu_ram_efficient_loading", "true", "--fsdp_sync_module_states", "true")
+AUTO_AMPLE = {"HF_FSDP2_SHARD_SIZE": "auto", "HF_FSDP2_MEMORY_BUDGET": "20GB", "HF_FSDP2_PLAN_SEQ_LEN": "16"}
 
 
 @pytest.mark.oldest
@@ -64,10 +69,11 @@ def test_cpu_ram_efficient_loading_broadcasts_rank0_weights(tmp_path):
                              device_type="cpu", batch_size=1, seq_len=16).candidates
     budget = int(1.05 * min(c.needed_bytes for c in candidates if c.shard_size == 2))
     assert budget < min(c.needed_bytes for c in candidates if c.shard_size == 1)
-    out = launch("fsdp2.yaml", 2, tmp_path / "a.json", "--steps", "3", "--from-pretrained", str(tmp_path / "base"),
-                 launch_args=("--fsdp_cpu_ram_efficient_loading", "true", "--fsdp_sync_module_states", "true"),
-                 env={"HF_FSDP2_SHARD_SIZE": "auto", "HF_FSDP2_MEMORY_BUDGET": str(budget),
-                      "HF_FSDP2_PLAN_SEQ_LEN": "16"})
+    out = launch_forked("fsdp2.yaml", 2, tmp_path / "a.json", "--steps", "3", "--from-pretrained",
+                        str(tmp_path / "base"),
+                        launch_args=RAM_EFFICIENT,
+                        env={"HF_FSDP2_SHARD_SIZE": "auto", "HF_FSDP2_MEMORY_BUDGET": str(budget),
+                             "HF_FSDP2_PLAN_SEQ_LEN": "16"})
     assert out["mesh"] == [2]  # one shard group of both ranks (a 1-D mesh)
     assert out["losses"] == pytest.approx(reference_losses(3), abs=1e-4)
     # A key the checkpoint lacks keeps transformers' loading (rank 0's weights broadcast), said on rank 0.
@@ -79,9 +85,10 @@ def test_cpu_ram_efficient_loading_under_auto_loads_each_ranks_rows_at_prepare(t
     every rank (rank 0 too: no rank reads the whole checkpoint) and prepare reads each rank's rows after
     sharding (integrations/deferred_load.py): the same training as one process."""
     build_model().save_pretrained(tmp_path / "base")
-    out = launch("fsdp2.yaml", 2, tmp_path / "a.json", "--steps", "3", "--from-pretrained", str(tmp_path / "base"),
-                 launch_args=("--fsdp_cpu_ram_efficient_loading", "true", "--fsdp_sync_module_states", "true"),
-                 env={"HF_FSDP2_SHARD_SIZE": "auto", "HF_FSDP2_MEMORY_BUDGET": "20GB", "HF_FSDP2_PLAN_SEQ_LEN": "16"})
+    out = launch_forked("fsdp2.yaml", 2, tmp_path / "a.json", "--steps", "3", "--from-pretrained",
+                        str(tmp_path / "base"),
+                        launch_args=RAM_EFFICIENT,
+                        env=AUTO_AMPLE)
     assert out["loaded_on_meta_everywhere"] is True
     assert out["mesh"] == [2, 1] and out["ddp_reducer"]  # the budget fits replication: DDP's reducer
     assert out["losses"] == pytest.approx(reference_losses(3), abs=1e-4)
@@ -93,11 +100,11 @@ def test_cpu_ram_efficient_loading_under_auto_loads_each_ranks_rows_at_prepare(t
 
     from tests.dist_harness import NCCL_LIKE
 
-    lora_out = launch("fsdp2.yaml", 2, tmp_path / "b.json", "--steps", "2", "--from-pretrained",
-                      str(tmp_path / "base"), "--lora", "--lora-zero-b", "--save-model", str(tmp_path / "adapter"),
-                      launch_args=("--fsdp_cpu_ram_efficient_loading", "true", "--fsdp_sync_module_states", "true"),
-                      env={"HF_FSDP2_SHARD_SIZE": "auto", "HF_FSDP2_MEMORY_BUDGET": "20GB",
-                           "HF_FSDP2_PLAN_SEQ_LEN": "16", "TEST_DEFAULT_BACKEND": NCCL_LIKE})
+    lora_out = launch_forked("fsdp2.yaml", 2, tmp_path / "b.json", "--steps", "2", "--from-pretrained",
+                             str(tmp_path / "base"), "--lora", "--lora-zero-b", "--save-model",
+                             str(tmp_path / "adapter"),
+                             launch_args=RAM_EFFICIENT,
+                             env={**AUTO_AMPLE, "TEST_DEFAULT_BACKEND": NCCL_LIKE})
     assert lora_out["loaded_on_meta_everywhere"] is True and lora_out["ddp_reducer"]
     assert lora_out["losses"][0] == pytest.approx(reference_losses(1)[0], abs=1e-4)
     assert lora_out["losses"][1] != pytest.approx(lora_out["losses"][0], abs=1e-6)  # the adapters trained
@@ -117,10 +124,10 @@ def test_a_trained_adapter_loaded_before_prepare_under_deferred_loading_is_kept(
 
     build_model().save_pretrained(tmp_path / "base")
     lora(build_model()).save_pretrained(tmp_path / "trained")  # random A and B: it changes the output
-    out = launch("fsdp2.yaml", 2, tmp_path / "a.json", "--steps", "2", "--from-pretrained", str(tmp_path / "base"),
-                 "--adapter", str(tmp_path / "trained"),
-                 launch_args=("--fsdp_cpu_ram_efficient_loading", "true", "--fsdp_sync_module_states", "true"),
-                 env={"HF_FSDP2_SHARD_SIZE": "auto", "HF_FSDP2_MEMORY_BUDGET": "20GB", "HF_FSDP2_PLAN_SEQ_LEN": "16"})
+    out = launch_forked("fsdp2.yaml", 2, tmp_path / "a.json", "--steps", "2", "--from-pretrained",
+                        str(tmp_path / "base"), "--adapter", str(tmp_path / "trained"),
+                        launch_args=RAM_EFFICIENT,
+                        env=AUTO_AMPLE)
     assert out["loaded_on_meta_everywhere"] is True
     trained = reference_losses(2, model=PeftModel.from_pretrained(build_model(), tmp_path / "trained",
                                                                   is_trainable=True))
@@ -187,8 +194,8 @@ def test_gradient_accumulation_and_get_state_dict(tmp_path):
     """`accelerator.accumulate()`: micro-steps communicate nothing, and 2 x 4 rows per process equal
     one step of 8; `get_state_dict` still returns the full state dict. The script rebinds Accelerate's
     `fsdp2_prepare_model` after `register()` as axolotl does: hf_fsdp2 takes it back at prepare."""
-    out = launch("fsdp2.yaml", 2, tmp_path / "a.json", "--steps", "3", "--accum", "2",
-                 "--per-device-batch", "2", "--foreign-patch")
+    out = launch_forked("fsdp2.yaml", 2, tmp_path / "a.json", "--steps", "3", "--accum", "2",
+                        "--per-device-batch", "2", "--foreign-patch")
     assert out["async_save"] is not None  # sharded by hf_fsdp2 although a framework patched Accelerate after us
     assert out["reduce_scatters_in_accumulation_step"] == 0
     assert out["losses"] == pytest.approx(reference_losses(3), abs=1e-4)
@@ -199,9 +206,9 @@ def test_auto_layout_and_accelerate_regional_compilation(tmp_path):
     """HF_FSDP2_SHARD_SIZE=auto with an ample budget replicates (2 replicas of 1 rank) with DDP's reducer,
     and Accelerate's own regional compilation (`--dynamo_use_regional_compilation`) and gradient
     accumulation (`set_requires_gradient_sync`) run under it: same losses."""
-    out = launch("fsdp2.yaml", 2, tmp_path / "a.json", "--steps", "3", "--accum", "2", "--per-device-batch", "2",
-                 launch_args=("--dynamo_backend", "inductor", "--dynamo_use_regional_compilation"),
-                 env={"HF_FSDP2_SHARD_SIZE": "auto", "HF_FSDP2_MEMORY_BUDGET": "20GB", "HF_FSDP2_PLAN_SEQ_LEN": "16"})
+    out = launch_forked("fsdp2.yaml", 2, tmp_path / "a.json", "--steps", "3", "--accum", "2", "--per-device-batch", "2",
+                        launch_args=("--dynamo_backend", "inductor", "--dynamo_use_regional_compilation"),
+                        env=AUTO_AMPLE)
     assert out["mesh"] == [2, 1] and out["reshard_after_forward"] is False and out["ddp_reducer"]
     assert out["compiled_modules"] >= 3  # the 3 decoder layers (Accelerate also compiles the other leaves)
     assert out["losses"] == pytest.approx(reference_losses(3), abs=1e-4)
@@ -216,10 +223,10 @@ def test_compile_model_under_accelerate_launch(tmp_path):
     what it saved loads in stock transformers."""
     from transformers import LlamaForCausalLM
 
-    out = launch("fsdp2.yaml", 2, tmp_path / "a.json", "--steps", "2", "--accum", "2", "--per-device-batch", "2",
-                 "--save-model", str(tmp_path / "model"),
-                 env={"HF_FSDP2_COMPILE": "model", "HF_FSDP2_RESHARD_AFTER_FORWARD": "false",
-                      "HF_FSDP2_BUCKET_CAP_MB": "1000"})
+    out = launch_forked("fsdp2.yaml", 2, tmp_path / "a.json", "--steps", "2", "--accum", "2", "--per-device-batch", "2",
+                        "--save-model", str(tmp_path / "model"),
+                        env={"HF_FSDP2_COMPILE": "model", "HF_FSDP2_RESHARD_AFTER_FORWARD": "false",
+                             "HF_FSDP2_BUCKET_CAP_MB": "1000"})
     assert out["compiled_collectives"] and out["all_dtensor"] and out["reshard_after_forward"] is False
     assert out["losses"] == pytest.approx(reference_losses(2), abs=1e-4)
     assert out["state_dict_keys"] == len(build_model().state_dict())
@@ -228,7 +235,7 @@ def test_compile_model_under_accelerate_launch(tmp_path):
 
 def test_without_register_cpu_runs_unsynchronised_replicas(tmp_path):
     """Documents what stock Accelerate does here, which `register()` fixes."""
-    out = launch("fsdp2.yaml", 2, tmp_path / "a.json", "--steps", "1", "--no-register")
+    out = launch_forked("fsdp2.yaml", 2, tmp_path / "a.json", "--steps", "1", "--no-register")
     # Accelerate < 1.13 starts gloo (MULTI_CPU, DDP) without `cpu=True`; later ones run single-process replicas (NO).
     assert out["distributed_type"] in ("DistributedType.NO", "DistributedType.MULTI_CPU") and not out["all_dtensor"]
 
@@ -252,12 +259,14 @@ def test_hf_fsdp2_from_pretrained_then_prepare_as_the_yaml_recommends(tmp_path):
     from peft import PeftModel
 
     build_model().save_pretrained(tmp_path / "base")
-    out = launch("fsdp2.yaml", 2, tmp_path / "a.json", "--steps", "3", "--hf-fsdp2-from-pretrained",
-                 str(tmp_path / "base"), "--fsdp2-config", "accelerator", "--save-model", str(tmp_path / "model"))
+    out = launch_forked("fsdp2.yaml", 2, tmp_path / "a.json", "--steps", "3", "--hf-fsdp2-from-pretrained",
+                        str(tmp_path / "base"), "--fsdp2-config", "accelerator", "--save-model",
+                        str(tmp_path / "model"))
     assert out["all_dtensor"] and out["opt_params_are_model_params"] and out["mesh"] == [2]
     assert out["losses"] == pytest.approx(reference_losses(3), abs=1e-4)
-    lora_out = launch("fsdp2_lora.yaml", 2, tmp_path / "b.json", "--steps", "2", "--hf-fsdp2-from-pretrained",
-                      str(tmp_path / "base"), "--lora", "--lora-zero-b", "--save-model", str(tmp_path / "adapter"))
+    lora_out = launch_forked("fsdp2_lora.yaml", 2, tmp_path / "b.json", "--steps", "2", "--hf-fsdp2-from-pretrained",
+                             str(tmp_path / "base"), "--lora", "--lora-zero-b", "--save-model",
+                             str(tmp_path / "adapter"))
     assert lora_out["losses"][0] == pytest.approx(reference_losses(1)[0], abs=1e-4)  # B = 0: the base's loss
     trained_b = [p for n, p in PeftModel.from_pretrained(build_model(), tmp_path / "adapter").named_parameters()
                  if "lora_B" in n]
@@ -272,8 +281,8 @@ def test_from_pretrained_on_accelerates_config_and_mesh_under_the_parallel_yamls
     process's (TP with a fresh adapter, B = 0: the base's first loss)."""
     build_model().save_pretrained(tmp_path / "base")
     # TP and CP pairs share their batch (2 x 4 = the global 8)
-    out = launch(yaml, 4, tmp_path / "a.json", "--steps", "2", "--per-device-batch", "4",
-                 "--hf-fsdp2-from-pretrained", str(tmp_path / "base"), "--fsdp2-config", "accelerator", *args)
+    out = launch_forked(yaml, 4, tmp_path / "a.json", "--steps", "2", "--per-device-batch", "4",
+                        "--hf-fsdp2-from-pretrained", str(tmp_path / "base"), "--fsdp2-config", "accelerator", *args)
     assert out["all_dtensor"] and out["mesh"] == [2, 2] and out["world"] == 4
     if args:
         assert out["losses"][0] == pytest.approx(reference_losses(1)[0], abs=1e-4)
@@ -321,8 +330,8 @@ def test_hsdp_yaml_as_2x2_on_one_machine_and_as_two_machines(tmp_path):
     script: both 2 x 2 (replicas x shards), losses as one process's."""
     reference = reference_losses(3)
     build_model().save_pretrained(tmp_path / "base")
-    out = launch("hsdp.yaml", 4, tmp_path / "one.json", "--steps", "3", "--hf-fsdp2-from-pretrained",
-                 str(tmp_path / "base"), "--fsdp2-config", "accelerator", launch_args=("--num_machines", "1"))
+    out = launch_forked("hsdp.yaml", 4, tmp_path / "one.json", "--steps", "3", "--hf-fsdp2-from-pretrained",
+                        str(tmp_path / "base"), "--fsdp2-config", "accelerator", launch_args=("--num_machines", "1"))
     assert out["all_dtensor"] and out["mesh"] == [2, 2] and out["world"] == 4
     assert out["losses"] == pytest.approx(reference, abs=1e-4)
     # Two `accelerate launch` invocations, machine ranks 0 and 1, rendezvous on loopback.
@@ -348,8 +357,8 @@ def test_a_model_transformers_sharded_at_load_is_prepared_as_it_is(tmp_path):
     from transformers import AutoModelForCausalLM
 
     build_model().save_pretrained(tmp_path / "model")
-    out = launch("fsdp2.yaml", 2, tmp_path / "out.json", "--steps", "3", "--from-pretrained", str(tmp_path / "model"),
-                 "--fsdp-size", "2", "--save-model", str(tmp_path / "saved"))
+    out = launch_forked("fsdp2.yaml", 2, tmp_path / "out.json", "--steps", "3", "--from-pretrained",
+                        str(tmp_path / "model"), "--fsdp-size", "2", "--save-model", str(tmp_path / "saved"))
     reference = build_model()
     assert out["all_dtensor"] and out["async_save"] is False  # hf_fsdp2's record: the model is ours
     assert out["losses"] == pytest.approx(reference_losses(3, model=reference), abs=1e-4)

@@ -56,15 +56,15 @@ def test_accelerate_launch_with_cp_size_2_matches_one_process(tmp_path):
     """`accelerate launch --config_file accelerate_configs/fsdp2_cp.yaml` (dp_shard 2 x cp 2) with
     register(): every sequence split over 2 ranks inside `maybe_context_parallel`, FSDP2 over the 4
     ranks; losses equal one process on the same global batch, and the state resumes on plain FSDP."""
-    from .launched_runs import launch, reference_losses
+    from .launched_runs import launch, launch_forked, reference_losses
 
     out = launch("fsdp2_cp.yaml", 4, tmp_path / "cp.json", "--steps", "3", "--per-device-batch", "4",
                  "--save-state", str(tmp_path / "state"), env=AUTO_LAYOUT)
     assert out["all_dtensor"] and out["mesh"] == [2, 2] and out["world"] == 4  # Accelerate's (dp_shard, cp) mesh
     assert out["reshard_after_forward"] is False  # the planner's choice (the yaml says true), on Accelerate's mesh
     assert out["losses"] == pytest.approx(reference_losses(3), rel=1e-4)
-    resumed = launch("fsdp2.yaml", 2, tmp_path / "resumed.json", "--start", "3", "--steps", "1",
-                     "--load-state", str(tmp_path / "state"))
+    resumed = launch_forked("fsdp2.yaml", 2, tmp_path / "resumed.json", "--start", "3", "--steps", "1",
+                            "--load-state", str(tmp_path / "state"))
     assert resumed["losses"] == pytest.approx(reference_losses(4)[3:], rel=1e-4)
 
 

@@ -298,7 +298,7 @@ def test_accelerate_launch_with_hf_fsdp2_ep_size_matches_one_process(tmp_path):
 
     from hf_fsdp2.tools.config_writer import write_config
 
-    from .launched_runs import launch, reference_losses
+    from .launched_runs import launch, launch_forked, reference_losses
 
     model = build_moe()
     model.config.output_router_logits = False  # the loss over the whole batch is one process's
@@ -311,8 +311,8 @@ def test_accelerate_launch_with_hf_fsdp2_ep_size_matches_one_process(tmp_path):
     assert out["expert_mesh"] == [[["efsdp", "ep"], [2, 2]]] and out["mesh"] == [4]
     expected = reference_losses(4, model=AutoModelForCausalLM.from_pretrained(tmp_path / "src"))
     assert out["losses"] == pytest.approx(expected[:3], rel=1e-5)
-    resumed = launch(str(yaml), 2, tmp_path / "resumed.json", "--start", "3", "--steps", "1", "--from-pretrained",
-                     str(tmp_path / "src"), "--load-state", str(tmp_path / "state"))
+    resumed = launch_forked(str(yaml), 2, tmp_path / "resumed.json", "--start", "3", "--steps", "1",
+                            "--from-pretrained", str(tmp_path / "src"), "--load-state", str(tmp_path / "state"))
     assert resumed["expert_mesh"] == [] and resumed["losses"] == pytest.approx(expected[3:], rel=1e-5)
 
 
@@ -320,10 +320,7 @@ def test_trainer_with_hf_fsdp2_ep_size_matches_one_process(tmp_path):
     """The Trainer's own flags (`--fsdp full_shard --fsdp_config` naming the model's decoder layer) under torchrun,
     HF_FSDP2_EP_SIZE=2 (what the Trainer's arguments cannot carry): the Trainer's Accelerator prepares the model,
     hf_fsdp2 splits the experts; losses equal the Trainer on one process (gradient clipping included)."""
-    import os
-
-    from .dist_harness import torchrun
-    from .launched_runs import CONFIGS, run_script
+    from .launched_runs import CONFIGS, forked_torchrun, run_script
 
     model = build_moe()
     model.config.output_router_logits = False
@@ -331,9 +328,9 @@ def test_trainer_with_hf_fsdp2_ep_size_matches_one_process(tmp_path):
     fsdp_json = tmp_path / "fsdp2_moe.json"
     fsdp_json.write_text((CONFIGS / "fsdp2.json").read_text().replace("LlamaDecoderLayer", "Qwen3MoeDecoderLayer"))
     common = ("--save_strategy", "no", "--model_dir", str(tmp_path / "src"))
-    single = run_script(torchrun(1), tmp_path / "single.json", tmp_path / "single", 1, 3, *common)
-    ep = run_script(torchrun(4), tmp_path / "ep.json", tmp_path / "ep", 4, 3, "--fsdp", "full_shard", "--fsdp_config",
-                    str(fsdp_json), *common, env={**os.environ, "HF_FSDP2_EP_SIZE": "2"})
+    single = run_script(forked_torchrun(1), tmp_path / "single.json", tmp_path / "single", 1, 3, *common)
+    ep = run_script(forked_torchrun(4, {"HF_FSDP2_EP_SIZE": "2"}), tmp_path / "ep.json", tmp_path / "ep", 4, 3,
+                    "--fsdp", "full_shard", "--fsdp_config", str(fsdp_json), *common)
     assert ep["expert_mesh"] == [[["efsdp", "ep"], [2, 2]]] and ep["world"] == 4
     assert ep["losses"] == pytest.approx(single["losses"], rel=1e-5)
 

@@ -138,19 +138,20 @@ def test_accelerate_backend_saves_and_resumes_with_a_default_group_that_refuses_
     mesh), `save_model`, a background `save_state`, then `load_state` in a new launch."""
     from transformers import AutoModelForCausalLM
 
-    from tests.launched_runs import launch, reference_losses
+    from tests.launched_runs import launch_forked, reference_losses
 
     reference = reference_losses()
     build_model().save_pretrained(tmp_path / "base")
-    first = launch("fsdp2.yaml", 2, tmp_path / "a.json", "--steps", "3", "--save-model", str(tmp_path / "model"),
-                   "--save-state", str(tmp_path / "state"), "--from-pretrained", str(tmp_path / "base"),
-                   launch_args=("--fsdp_cpu_ram_efficient_loading", "true", "--fsdp_sync_module_states", "true"),
-                   env={**NCCL_LIKE_SCRIPTS, "HF_FSDP2_ASYNC_SAVE": "1"})
+    first = launch_forked("fsdp2.yaml", 2, tmp_path / "a.json", "--steps", "3", "--save-model",
+                          str(tmp_path / "model"), "--save-state", str(tmp_path / "state"), "--from-pretrained",
+                          str(tmp_path / "base"),
+                          launch_args=("--fsdp_cpu_ram_efficient_loading", "true", "--fsdp_sync_module_states", "true"),
+                          env={**NCCL_LIKE_SCRIPTS, "HF_FSDP2_ASYNC_SAVE": "1"})
     assert first["all_dtensor"] and first["async_save"] and first["mesh"] == [2]
     assert first["losses"] == pytest.approx(reference[:3], abs=1e-4)
     AutoModelForCausalLM.from_pretrained(tmp_path / "model")
-    second = launch("fsdp2.yaml", 2, tmp_path / "b.json", "--steps", "2", "--start", "3",
-                    "--load-state", str(tmp_path / "state"), env=NCCL_LIKE_SCRIPTS)
+    second = launch_forked("fsdp2.yaml", 2, tmp_path / "b.json", "--steps", "2", "--start", "3",
+                           "--load-state", str(tmp_path / "state"), env=NCCL_LIKE_SCRIPTS)
     assert second["losses"] == pytest.approx(reference[3:], abs=1e-4)
 
 

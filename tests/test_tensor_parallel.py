@@ -239,15 +239,15 @@ def test_accelerate_launch_with_tp_size_2_matches_one_process(tmp_path):
     register(): Accelerate's own TP step (broken on transformers 5.x) is passed over, hf_fsdp2 applies
     the model's TP plan on the accelerator's mesh; losses equal one process on the same global batch,
     and the state it saves resumes on plain FSDP."""
-    from .launched_runs import launch, reference_losses
+    from .launched_runs import launch, launch_forked, reference_losses
 
     out = launch("fsdp2_tp.yaml", 4, tmp_path / "tp.json", "--steps", "3", "--per-device-batch", "4",
                  "--save-state", str(tmp_path / "state"), env=AUTO_LAYOUT)
     assert out["all_dtensor"] and out["mesh"] == [2, 2] and out["world"] == 4
     assert out["reshard_after_forward"] is False  # the planner's choice (the yaml says true), on Accelerate's mesh
     assert out["losses"] == pytest.approx(reference_losses(3), rel=1e-4)
-    resumed = launch("fsdp2.yaml", 2, tmp_path / "resumed.json", "--start", "3", "--steps", "1",
-                     "--load-state", str(tmp_path / "state"))
+    resumed = launch_forked("fsdp2.yaml", 2, tmp_path / "resumed.json", "--start", "3", "--steps", "1",
+                            "--load-state", str(tmp_path / "state"))
     assert resumed["losses"] == pytest.approx(reference_losses(4)[3:], rel=1e-4)
 
 
@@ -258,10 +258,10 @@ def test_lora_under_accelerate_launch_with_tp_size_2_matches_one_process(tmp_pat
     from peft import PeftModel
 
     from .common import lora
-    from .launched_runs import launch, reference_losses
+    from .launched_runs import launch_forked, reference_losses
 
-    out = launch("fsdp2_tp.yaml", 4, tmp_path / "tp.json", "--steps", "3", "--per-device-batch", "4", "--lora",
-                 "--save-model", str(tmp_path / "adapter"))
+    out = launch_forked("fsdp2_tp.yaml", 4, tmp_path / "tp.json", "--steps", "3", "--per-device-batch", "4", "--lora",
+                        "--save-model", str(tmp_path / "adapter"))
     reference = lora(build_model())
     assert out["all_dtensor"] and out["mesh"] == [2, 2]
     assert out["losses"] == pytest.approx(reference_losses(3, model=reference), rel=1e-4)

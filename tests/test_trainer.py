@@ -1,5 +1,6 @@
 """Transformers Trainer with `--fsdp full_shard --fsdp_config accelerate_configs/fsdp2.json` and
-`hf_fsdp2.register()`: real torchrun launches on CPU, resume across process counts."""
+`hf_fsdp2.register()`: torchrun's and `accelerate launch`'s workers on CPU (one real launch of each, the
+rest forked with the environment the launcher gives: tests/launched_runs.py), resume across process counts."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 
 from .common import saved_tensors
 from .dist_harness import accelerate_launch
-from .launched_runs import run_script, train
+from .launched_runs import forked_accelerate_launch, run_script, train
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "scripts" / "trainer_train.py"
@@ -37,7 +38,8 @@ def test_checkpoint_and_resume_on_another_process_count(tmp_path, use_lora, befo
     on 1 resumed on 2."""
     flags = ("--lora", "true") if use_lora else _eight_bit_flags()
     # One uninterrupted run that also checkpoints at step 3 (saving does not change training).
-    whole = train(tmp_path, "whole", before, 6, "--save_strategy", "steps", "--save_steps", "3", *flags)
+    whole = train(tmp_path, "whole", before, 6, "--save_strategy", "steps", "--save_steps", "3", *flags,
+                  real_launch=not use_lora)  # one real torchrun here; the other runs fork its workers
     assert whole["trainable_dtensor"] and (whole["all_dtensor"] or (use_lora and before == 1 and whole["frozen_plain"]))
     if "adamw_8bit" in flags:
         assert whole["optimizer"] == "AdamW" and whole["state_dtypes"] == ["torch.float32", "torch.uint8"]
@@ -66,10 +68,13 @@ def test_checkpoint_and_resume_on_another_process_count(tmp_path, use_lora, befo
 
 
 def launch_trainer(tmp: Path, name: str, max_steps: int, *extra: str, launch_args: tuple = (),
-                   env: dict | None = None) -> dict:
-    """The same Trainer script under `accelerate launch --config_file accelerate_configs/fsdp2.yaml`
-    and no `--fsdp` flag: how libraries built on the Trainer document FSDP."""
-    launcher = accelerate_launch(ROOT / "accelerate_configs" / "fsdp2.yaml", *launch_args, processes=2)
+                   env: dict | None = None, real_launch: bool = False) -> dict:
+    """The same Trainer script as `accelerate launch --config_file accelerate_configs/fsdp2.yaml`'s workers (forked
+    unless `real_launch`) and no `--fsdp` flag: how libraries built on the Trainer document FSDP."""
+    if real_launch:
+        launcher = accelerate_launch(ROOT / "accelerate_configs" / "fsdp2.yaml", *launch_args, processes=2)
+    else:
+        launcher, env = forked_accelerate_launch("fsdp2.yaml", 2, launch_args, env), None
     return run_script(launcher, tmp / f"{name}.json", tmp / name, 2, max_steps, "--save_strategy", "no", *extra,
                       env=env)
 
@@ -83,7 +88,7 @@ def single(tmp_path_factory) -> dict:
 @pytest.mark.oldest
 def test_trainer_script_under_accelerate_launch_is_sharded_on_cpu(tmp_path, single):
     """Issue: on a CPU-only machine this ran two unsynchronised unsharded copies, silently."""
-    out = launch_trainer(tmp_path, "launched", 3)
+    out = launch_trainer(tmp_path, "launched", 3, real_launch=True)
     assert out["all_dtensor"] and out["world"] == 2
     assert out["losses"] == pytest.approx(single["losses"], abs=1e-4)
     # bf16 on CPU: runs (CPU autocast) instead of stopping at the Trainer's GPU check.

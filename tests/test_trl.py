@@ -1,4 +1,4 @@
-"""TRL's trainers with `hf_fsdp2.register()` under `accelerate launch` on 2 CPU ranks
+"""TRL's trainers with `hf_fsdp2.register()` as `accelerate launch`'s workers on 2 CPU ranks
 (tests/scripts/trl_train.py): the reference model TRL builds is sharded by hf_fsdp2 per layer and
 frozen (integrations/trl.py), so is a reward model (Accelerate's prepare_model in evaluation mode), a LoRA policy's adapter-disabled reference needs no second model, and
 generation gathers each group once per generate() call (sharding/generation.py; counted in
@@ -15,6 +15,7 @@ import torch
 pytest.importorskip("trl")
 
 from tests.dist_harness import accelerate_launch, run_launched  # noqa: E402
+from tests.launched_runs import forked_accelerate_launch, run_under  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "scripts" / "trl_train.py"
@@ -53,10 +54,11 @@ def teacher_dir(tmp_path_factory):
 
 
 def run(tmp_path: Path, processes: int, *script_args: str) -> dict:
+    """The script as `accelerate launch --config_file accelerate_configs/fsdp2.yaml`'s workers, forked
+    (tests/launched_runs.py; TRL's own command line is launched for real below)."""
     out = tmp_path / f"report-{processes}-{len(list(tmp_path.glob('report-*')))}.json"
-    cmd = accelerate_launch(ROOT / "accelerate_configs" / "fsdp2.yaml", processes=processes) + [
-        str(SCRIPT), "--out", str(out), "--output-dir", str(tmp_path / "out"), *script_args]
-    run_launched(cmd, cwd=ROOT)
+    run_under(forked_accelerate_launch("fsdp2.yaml", processes), SCRIPT, "--out", str(out), "--output-dir",
+              str(tmp_path / "out"), *script_args)
     return json.loads(out.read_text())
 
 
