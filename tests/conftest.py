@@ -3,7 +3,8 @@
 - `launch`: starts processes that import torch from scratch (`accelerate launch`, torchrun, a Python
   subprocess, a notebook kernel): seconds each on 2 cores, most of the suite's time.
 - `ranks`: runs gloo ranks forked from the harness's fork server (tests/dist_harness.py): well
-  under a second to start.
+  under a second to start. A launcher's script run on forked workers (tests/launched_runs.py, `Forked`)
+  is one of these; a test whose helper can run a script either way (`run_under`) carries both marks.
 
 A test is marked when its function reaches, through the functions it names (its module's, or any
 tests/ module's for names it imports locally), one of the entry points below. The harness checks
