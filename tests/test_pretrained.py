@@ -265,3 +265,53 @@ def test_output_is_what_stock_save_pretrained_writes(tmp_path, tied, dtype):
             assert a.metadata() == b.metadata() and sorted(a.keys()) == sorted(b.keys()), name
             for key in a.keys():
                 assert torch.equal(a.get_tensor(key), b.get_tensor(key)), key
+
+
+def _peft_after_worker(rank, world, base_dir, adapter_dir):
+    """PEFT around what hf_fsdp2.from_pretrained returned: refused at shard_model and at Accelerate's prepare;
+    the route the message gives (peft_config at load, then load_pretrained of the trained adapter) instead."""
+    from accelerate import Accelerator
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from peft import LoraConfig
+
+    from .common import batches
+
+    model = hf_fsdp2.from_pretrained(LlamaForCausalLM, base_dir)
+    wrapped = lora(model)  # (PeftModel.from_pretrained onto it fails in PEFT itself: shapes do not match)
+    with pytest.raises(NotImplementedError) as at_shard:
+        shard_model(wrapped)
+    hf_fsdp2.register()
+    try:
+        accelerator = Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2))
+        with pytest.raises(NotImplementedError) as at_prepare:
+            accelerator.prepare(wrapped, torch.optim.AdamW(wrapped.parameters()))
+    finally:
+        hf_fsdp2.unregister()
+    refusals = [str(at_shard.value), str(at_prepare.value)]
+    config = LoraConfig(**json.loads((Path(adapter_dir) / "adapter_config.json").read_text()))
+    model = hf_fsdp2.from_pretrained(LlamaForCausalLM, base_dir, peft_config=config)
+    hf_fsdp2.load_pretrained(model, adapter_dir)
+    ids = batches(1)[0]
+    return {"refusals": refusals, "loss": model(input_ids=ids, labels=ids).loss.item()}
+
+
+def test_peft_added_after_sharding_is_refused_with_a_route_that_works(tmp_path):
+    """Issue 49's note: a PeftModel made around a model hf_fsdp2 had sharded found the record and went through
+    Accelerate's prepare as it was, its adapters plain tensors in no group (each rank training its own copy,
+    unsynchronised); shard_model failed with a misleading wrap-class error. Both refuse it now, naming the way in
+    that works, which gives the single process's loss for a trained adapter."""
+    from peft import PeftModel
+
+    from .common import batches
+
+    build_model().save_pretrained(tmp_path / "base")
+    lora(build_model(), seed=3).save_pretrained(tmp_path / "adapter")
+    out = run_ranks(_peft_after_worker, 2, str(tmp_path / "base"), str(tmp_path / "adapter"))
+    for message in out[0]["refusals"]:
+        assert message.startswith("PEFT wraps a LlamaForCausalLM that hf_fsdp2 had already sharded"), message
+        assert "peft_config=LoraConfig(...)" in message and "hf_fsdp2.load_pretrained(model, adapter_dir)" in message
+    reference = PeftModel.from_pretrained(build_model(), tmp_path / "adapter")
+    ids = batches(1)[0]
+    expected = reference(input_ids=ids, labels=ids).loss.item()
+    assert expected != pytest.approx(build_model()(input_ids=ids, labels=ids).loss.item(), abs=1e-3)  # it matters
+    assert [r["loss"] for r in out] == pytest.approx([expected] * 2, abs=1e-5)

@@ -59,3 +59,21 @@ def is_sharded(model: nn.Module) -> bool:
     record = record_of(model)
     return record is not None and record.mesh is not None and (
         id(model) == record.sharded_object or not model_parts(model).has_peft)
+
+
+def refuse_peft_added_after(model: nn.Module | ModelParts) -> None:
+    """A PeftModel made around a model after hf_fsdp2 sharded it (`get_peft_model` or
+    `PeftModel.from_pretrained` on what `hf_fsdp2.from_pretrained` returned) finds the model's record but is not
+    sharded: its adapters are plain tensors in none of the groups, so each rank would train its own copy,
+    unsynchronised, and LoRA on split experts would fold every expert into each rank's rows. Refused where it
+    would be sharded or prepared (`shard_model`, Accelerate's prepare)."""
+    parts = model_parts(model)
+    record = record_of(parts)
+    if record is None or record.mesh is None or is_sharded(parts.model):
+        return
+    raise NotImplementedError(
+        f"PEFT wraps a {type(parts.base).__name__.removeprefix('FSDP')} that hf_fsdp2 had already sharded: the adapters added afterwards "
+        "are in none of its groups (each rank would train its own copy, unsynchronised). Give the adapters to "
+        "hf_fsdp2 with the model: hf_fsdp2.from_pretrained(..., peft_config=LoraConfig(...)), then, for a trained "
+        "adapter, hf_fsdp2.load_pretrained(model, adapter_dir) (each rank reads its rows); or apply PEFT before "
+        "shard_model / prepare.")
