@@ -230,7 +230,10 @@ def run_script_ranks(script, argv: list[str], world_size: int, *, worker_env: di
     """Run `script argv` on `world_size` ranks forked from the fork server, each with `worker_env` (what a
     launcher hands its workers: tests/launched_runs.py computes it with Accelerate's own launch functions) and
     torchrun's per-rank variables. What a real launch adds is its own interpreters (~10 CPU-s for two workers on
-    2 cores) and the launcher's process management, which the tests that launch for real keep covering. Any
-    rank's exception fails the call with its traceback."""
+    2 cores) and the launcher's process management, which the tests that launch for real keep covering. What a
+    library reads from the environment at import was read once, in the fork server (the suite's own environment):
+    give a forked run only variables read at run time (HF_FSDP2_*, Accelerate's, torch.distributed's), and launch
+    for real where an import-time one matters (an offline hub cache, a start-up switch). Any rank's exception
+    fails the call with its traceback."""
     run_ranks(_launched_worker, world_size, str(script), list(argv), dict(worker_env), str(cwd), timeout=timeout,
               pg_timeout=timeout, backend=None)
