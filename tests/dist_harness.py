@@ -212,7 +212,7 @@ def _launched_worker(rank: int, world_size: int, script: str, argv: list[str], w
                       TORCHELASTIC_USE_AGENT_STORE="False",  # no agent: rank 0 hosts the store
                       TORCH_NCCL_ASYNC_ERROR_HANDLING=worker_env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"))
     torch.set_num_threads(int(worker_env.get("OMP_NUM_THREADS", "1")))
-    atexit._clear()  # the fork server's exit handlers are its own (multiprocessing's joins it), not this script's
+    atexit._clear()  # inherited from the fork server, not registered by this script (running them here hangs)
     sys.argv = [script, *argv]
     try:
         runpy.run_path(script, run_name="__main__")
