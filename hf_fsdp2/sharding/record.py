@@ -71,8 +71,9 @@ def refuse_peft_added_after(model: nn.Module | ModelParts) -> None:
     record = record_of(parts)
     if record is None or record.mesh is None or is_sharded(parts.model):
         return
+    name = type(parts.base).__name__.removeprefix("FSDP")
     raise NotImplementedError(
-        f"PEFT wraps a {type(parts.base).__name__.removeprefix('FSDP')} that hf_fsdp2 had already sharded: the adapters added afterwards "
+        f"PEFT wraps a {name} that hf_fsdp2 had already sharded: the adapters added afterwards "
         "are in none of its groups (each rank would train its own copy, unsynchronised). Give the adapters to "
         "hf_fsdp2 with the model: hf_fsdp2.from_pretrained(..., peft_config=LoraConfig(...)), then, for a trained "
         "adapter, hf_fsdp2.load_pretrained(model, adapter_dir) (each rank reads its rows); or apply PEFT before "
