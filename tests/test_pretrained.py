@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -276,18 +277,25 @@ def _peft_after_worker(rank, world, base_dir, adapter_dir):
 
     from .common import batches
 
-    model = hf_fsdp2.from_pretrained(LlamaForCausalLM, base_dir)
-    wrapped = lora(model)  # (PeftModel.from_pretrained onto it fails in PEFT itself: shapes do not match)
-    with pytest.raises(NotImplementedError) as at_shard:
-        shard_model(wrapped)
-    hf_fsdp2.register()
-    try:
-        accelerator = Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2))
-        with pytest.raises(NotImplementedError) as at_prepare:
-            accelerator.prepare(wrapped, torch.optim.AdamW(wrapped.parameters()))
-    finally:
-        hf_fsdp2.unregister()
-    refusals = [str(at_shard.value), str(at_prepare.value)]
+    refusals = []
+    for how in ("get_peft_model", "add_adapter"):  # (PeftModel.from_pretrained onto it fails in PEFT: shapes)
+        model = hf_fsdp2.from_pretrained(LlamaForCausalLM, base_dir)
+        if how == "get_peft_model":
+            model = lora(model)
+        else:  # transformers' own PEFT integration: adapters put into the model, no PeftModel around it
+            model.add_adapter(LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+        with pytest.raises(NotImplementedError) as at_shard:
+            shard_model(model)
+        hf_fsdp2.register()
+        try:
+            accelerator = Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(
+                fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
+                transformer_cls_names_to_wrap=["LlamaDecoderLayer"]))  # the settings it was sharded with
+            with pytest.raises(NotImplementedError) as at_prepare:
+                accelerator.prepare(model, torch.optim.AdamW(p for p in model.parameters() if p.requires_grad))
+        finally:
+            hf_fsdp2.unregister()
+        refusals += [str(at_shard.value), str(at_prepare.value)]
     config = LoraConfig(**json.loads((Path(adapter_dir) / "adapter_config.json").read_text()))
     model = hf_fsdp2.from_pretrained(LlamaForCausalLM, base_dir, peft_config=config)
     hf_fsdp2.load_pretrained(model, adapter_dir)
@@ -296,10 +304,11 @@ def _peft_after_worker(rank, world, base_dir, adapter_dir):
 
 
 def test_peft_added_after_sharding_is_refused_with_a_route_that_works(tmp_path):
-    """Issue 49's note: a PeftModel made around a model hf_fsdp2 had sharded found the record and went through
-    Accelerate's prepare as it was, its adapters plain tensors in no group (each rank training its own copy,
-    unsynchronised); shard_model failed with a misleading wrap-class error. Both refuse it now, naming the way in
-    that works, which gives the single process's loss for a trained adapter."""
+    """Issue 49's note: PEFT applied to what hf_fsdp2.from_pretrained returned (get_peft_model, or transformers'
+    add_adapter) went through Accelerate's prepare as it was, its adapters plain tensors in no group (each rank
+    training its own copy, unsynchronised); shard_model failed with a misleading wrap-class error (get_peft_model)
+    or "already sharded" (add_adapter). Both refuse it now, naming the parameters and the way in that works, which
+    gives the single process's loss for a trained adapter."""
     from peft import PeftModel
 
     from .common import batches
@@ -308,7 +317,8 @@ def test_peft_added_after_sharding_is_refused_with_a_route_that_works(tmp_path):
     lora(build_model(), seed=3).save_pretrained(tmp_path / "adapter")
     out = run_ranks(_peft_after_worker, 2, str(tmp_path / "base"), str(tmp_path / "adapter"))
     for message in out[0]["refusals"]:
-        assert message.startswith("PEFT wraps a LlamaForCausalLM that hf_fsdp2 had already sharded"), message
+        assert re.match(r"\d+ parameters appeared in the LlamaForCausalLM after hf_fsdp2 sharded it "
+                        r"\(model\.layers\.0\.self_attn\.q_proj\.lora_A\.default\.weight, ", message), message
         assert "peft_config=LoraConfig(...)" in message and "hf_fsdp2.load_pretrained(model, adapter_dir)" in message
     reference = PeftModel.from_pretrained(build_model(), tmp_path / "adapter")
     ids = batches(1)[0]

@@ -33,7 +33,7 @@ from .accelerate_settings import ENV_PREFIX, AccelerateSettings, env_overrides, 
 from ..quantization import bnb_optimizers, fp8
 from ..shard import shard_model
 from ..sharding import is_sharded
-from ..sharding.record import refuse_peft_added_after
+from ..sharding.record import refuse_parameters_added_after
 from ..sharding.model_parts import model_parts
 from ..sharding.adopt import sharded_by_transformers
 from ..runtime import upstream, versions
@@ -360,7 +360,7 @@ def _prepare_fsdp2(self, *args):
     deferred = model is not None and deferred_load.deferred_checkpoint(model) is not None
     optimizer_names = deferred_load.optimizer_parameter_names(args, model) if deferred else None
     if model is not None:  # Accelerate would pass it through: FSDP2 modules are in it
-        refuse_peft_added_after(model)
+        refuse_parameters_added_after(model)
     ours_already = model is not None and is_sharded(model)
     with (presharded.prepared_as_it_is(model, config_from_accelerator(self), plugin) if ours_already
           else contextlib.nullcontext()), _regional_compilation_in_place(), _wrap_policy_of_a_presharded(model):

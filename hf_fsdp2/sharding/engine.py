@@ -30,7 +30,7 @@ from .compile import compile_layers, disable_cache_in_training, is_compiled
 from .groups import ShardPlan, apply_frozen_dtype, plan_groups, replicated_frozen_parameters
 from .model_parts import ModelParts, model_parts
 from .generation import wrap_generate
-from .record import record_of, refuse_peft_added_after
+from .record import note_parameters, record_of, refuse_parameters_added_after
 from . import (activation_offload, adopt, compiled_collectives, context_parallel, expert_parallel, replication,
                selective_checkpoint, tensor_parallel)
 
@@ -233,7 +233,7 @@ def prepare_for_planning(model: nn.Module, *, to_device: bool = True) -> None:
     where it is, e.g. rank 0's weights that are broadcast from there), and quantized base weights in a row
     layout FSDP2 can shard (before the frozen-dtype cast, which would reinterpret packed bytes stored as
     floats, and before the planner costs them). Idempotent."""
-    refuse_peft_added_after(model)  # before the check below, which a PeftModel around a sharded model passes
+    refuse_parameters_added_after(model)  # before the check below, which a PeftModel around a sharded model passes
     if isinstance(model, FSDPModule) or replication.is_replicated(model):
         raise ValueError(f"{type(model).__name__} is already sharded; call `shard_model` once per model.")
     adopt.refuse_adapters_added_after(model_parts(model))
@@ -305,6 +305,7 @@ def shard_planned(
         context_parallel.require_context_parallel(model, mesh[CP_DIM].size())
     record = record_of(model, create=True)
     record.config, record.mesh, record.sharded_object = config, mesh, id(model)
+    note_parameters(record, model)
     wrap_generate(model)  # each group gathered once per generate() call
     host_allocator.trim_if_returning()  # a CPU budget's plan: the unsharded weights' freed pages go back now
     return model
@@ -339,6 +340,7 @@ def _adopt(model: nn.Module, config: FSDP2Config, mesh: DeviceMesh | None) -> nn
                          f"({model_mesh}); leave `mesh` out.")
     record = record_of(model, create=True)
     record.config, record.mesh, record.sharded_object = config, model_mesh, id(model)
+    note_parameters(record, model)
     wrap_generate(model)
     return model
 

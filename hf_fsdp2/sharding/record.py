@@ -41,6 +41,8 @@ class ShardedModel:
     deferred_checkpoint: Any = None  # integrations/deferred_load.py: a directory prepare() reads each rank's rows from
     # integrations/deferred_load.py: adapter values loaded into the meta model before prepare, name -> tensor
     deferred_adapter_values: dict = dataclasses.field(default_factory=dict)
+    # the transformers model's parameter names once sharded: one added later is in no group (note_parameters)
+    parameter_names: frozenset | None = None
 
 
 def record_of(model: nn.Module | ModelParts, create: bool = False) -> ShardedModel | None:
@@ -61,20 +63,40 @@ def is_sharded(model: nn.Module) -> bool:
         id(model) == record.sharded_object or not model_parts(model).has_peft)
 
 
-def refuse_peft_added_after(model: nn.Module | ModelParts) -> None:
-    """A PeftModel made around a model after hf_fsdp2 sharded it (`get_peft_model` or
-    `PeftModel.from_pretrained` on what `hf_fsdp2.from_pretrained` returned) finds the model's record but is not
-    sharded: its adapters are plain tensors in none of the groups, so each rank would train its own copy,
-    unsynchronised, and LoRA on split experts would fold every expert into each rank's rows. Refused where it
-    would be sharded or prepared (`shard_model`, Accelerate's prepare)."""
+# What PEFT puts in the name of a parameter it moves under its wrapper (the same tensor, still in its group).
+_PEFT_RENAMES = (".base_layer", ".original_module")
+
+
+def _unrenamed(name: str) -> str:
+    for step in _PEFT_RENAMES:
+        name = name.replace(step, "")
+    return name
+
+
+def note_parameters(record: ShardedModel, model: nn.Module | ModelParts) -> None:
+    """The names of the parameters the model had when it was sharded (those in its groups). By name, not
+    identity: FSDP2 registers other tensor objects while a group is gathered."""
+    record.parameter_names = frozenset(_unrenamed(name) for name, _ in model_parts(model).base.named_parameters())
+
+
+def refuse_parameters_added_after(model: nn.Module | ModelParts) -> None:
+    """Parameters that appeared in a model after hf_fsdp2 sharded it (PEFT applied to what
+    `hf_fsdp2.from_pretrained` returned: `get_peft_model`, transformers' `add_adapter`) are in none of its groups:
+    plain tensors, so each rank would train its own copy, unsynchronised (Accelerate's prepare passed such a model
+    through as it was), and LoRA on split experts would fold every expert into each rank's rows. Refused where
+    it would be sharded or prepared (`shard_model`, Accelerate's prepare)."""
     parts = model_parts(model)
     record = record_of(parts)
-    if record is None or record.mesh is None or is_sharded(parts.model):
+    if record is None or record.parameter_names is None:
+        return
+    added = [name for name, _ in parts.base.named_parameters() if _unrenamed(name) not in record.parameter_names]
+    if not added:
         return
     name = type(parts.base).__name__.removeprefix("FSDP")
     raise NotImplementedError(
-        f"PEFT wraps a {name} that hf_fsdp2 had already sharded: the adapters added afterwards "
-        "are in none of its groups (each rank would train its own copy, unsynchronised). Give the adapters to "
-        "hf_fsdp2 with the model: hf_fsdp2.from_pretrained(..., peft_config=LoraConfig(...)), then, for a trained "
-        "adapter, hf_fsdp2.load_pretrained(model, adapter_dir) (each rank reads its rows); or apply PEFT before "
+        f"{len(added)} parameters appeared in the {name} after hf_fsdp2 sharded it ({', '.join(added[:3])}"
+        f"{', ...' if len(added) > 3 else ''}): they are in none of its groups (each rank would train its own copy, "
+        "unsynchronised). PEFT comes before sharding: give the adapters to hf_fsdp2 with the model, "
+        "hf_fsdp2.from_pretrained(..., peft_config=LoraConfig(...)), then, for a trained adapter, "
+        "hf_fsdp2.load_pretrained(model, adapter_dir) (each rank reads its rows); or apply PEFT before "
         "shard_model / prepare.")
