@@ -90,12 +90,17 @@ def torchrun(processes: int, *launch_args: str) -> list[str]:
             "--master_port", str(free_port()), *launch_args]
 
 
+def launcher_environment(env: dict | None = None) -> dict[str, str]:
+    """The environment a launcher runs in here: this process's, one thread per process, then `env`."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+
+
 def run_launched(cmd: list[str], *, cwd, env: dict | None = None, timeout: float = 400,
                  check: bool = True) -> subprocess.CompletedProcess:
-    """Run a launcher command (one thread per process); with `check`, fail with its output's tail."""
+    """Run a launcher command (in `launcher_environment(env)`); with `check`, fail with its output's tail."""
     _require_mark("launch", "starts a launcher")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=cwd,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+                          env=launcher_environment(env))
     if check:
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return proc

@@ -18,7 +18,8 @@ from unittest import mock
 import torch
 
 from .common import GLOBAL_BATCH, batches, build_model, lora
-from .dist_harness import accelerate_launch, free_port, run_launched, run_script_ranks, torchrun
+from .dist_harness import (accelerate_launch, free_port, launcher_environment, run_launched, run_script_ranks,
+                           torchrun)
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "accelerate_configs"
@@ -36,8 +37,8 @@ class Forked:
 
 
 def forked_torchrun(processes: int, env: dict | None = None) -> Forked:
-    """torchrun's workers: torchrun hands them its own environment (`run_launched`'s) plus the per-rank variables."""
-    return Forked({**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}, processes)
+    """torchrun's workers: torchrun hands them its own environment plus the per-rank variables."""
+    return Forked(launcher_environment(env), processes)
 
 
 def forked_accelerate_launch(config: str | Path, processes: int, launch_args: tuple = (),
@@ -48,14 +49,13 @@ def forked_accelerate_launch(config: str | Path, processes: int, launch_args: tu
 
 def launched_env(config: str | Path, processes: int, launch_args: tuple = (), env: dict | None = None) -> dict:
     """The environment `accelerate launch --config_file config --num_processes N *launch_args` hands torchrun for
-    its workers (the launcher's own environment: this one, OMP_NUM_THREADS=1 and `env`, as `run_launched`
-    gives it), computed by Accelerate's own functions: `_validate_launch_command` (config file and defaults), then
+    its workers (the launcher itself running in `launcher_environment(env)`, as `run_launched` starts it),
+    computed by Accelerate's own functions: `_validate_launch_command` (config file and defaults), then
     `prepare_multi_gpu_env`, which `multi_gpu_launcher` calls for every yaml here (`use_fsdp`)."""
     from accelerate.commands.launch import _validate_launch_command, launch_command_parser
     from accelerate.utils import launch as launch_utils
 
-    launcher_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    with mock.patch.dict(os.environ, launcher_env, clear=True):
+    with mock.patch.dict(os.environ, launcher_environment(env), clear=True):
         args = launch_command_parser().parse_args(["--config_file", str(CONFIGS / config), "--num_processes",
                                                    str(processes), "--main_process_port", str(free_port()),
                                                    *launch_args, "script.py"])
@@ -78,10 +78,8 @@ def run_under(launcher: list[str] | Forked, script: Path, *args: str, env: dict 
 def launch(config: str, processes: int, out: Path, *script_args: str, launch_args: tuple = (), env=None,
            timeout: int = 300) -> dict:
     """tests/scripts/accel_train.py under a real `accelerate launch --config_file accelerate_configs/<config>`."""
-    cmd = accelerate_launch(CONFIGS / config, *launch_args, processes=processes) + [
-        str(ACCEL_SCRIPT), "--out", str(out), "--per-device-batch", str(GLOBAL_BATCH // processes), *script_args]
-    run_launched(cmd, cwd=ROOT, env=env, timeout=timeout)
-    return json.loads(out.read_text())
+    return _accel_train(accelerate_launch(CONFIGS / config, *launch_args, processes=processes), processes, out,
+                        script_args, env, timeout)
 
 
 def launch_forked(config: str, processes: int, out: Path, *script_args: str, launch_args: tuple = (), env=None,
@@ -89,8 +87,14 @@ def launch_forked(config: str, processes: int, out: Path, *script_args: str, lau
     """`launch`'s run of tests/scripts/accel_train.py with the workers forked from the test harness's fork server
     instead of started by the launcher (tests/dist_harness.run_script_ranks): the same environment and script,
     without ~10 CPU-s of interpreters. For variations of a launch some test runs for real with this config."""
-    run_under(forked_accelerate_launch(config, processes, launch_args, env), ACCEL_SCRIPT, "--out", str(out),
-              "--per-device-batch", str(GLOBAL_BATCH // processes), *script_args, timeout=timeout)
+    return _accel_train(forked_accelerate_launch(config, processes, launch_args, env), processes, out, script_args,
+                        None, timeout)
+
+
+def _accel_train(launcher: list[str] | Forked, processes: int, out: Path, script_args: tuple, env, timeout: int
+                 ) -> dict:
+    run_under(launcher, ACCEL_SCRIPT, "--out", str(out), "--per-device-batch", str(GLOBAL_BATCH // processes),
+              *script_args, env=env, timeout=timeout)
     return json.loads(out.read_text())
 
 
