@@ -113,6 +113,25 @@ def test_a_padded_batch_under_context_parallelism_is_refused_by_name(monkeypatch
         model(input_ids=ids, attention_mask=torch.zeros(1, 1, 8, 8))
 
 
+def test_a_padded_batch_whose_mask_is_passed_positionally_is_refused_too(monkeypatch):
+    """Issue 65: `model(input_ids, attention_mask)` (LlamaForCausalLM's and PeftModel's signature) passed the
+    padded mask positionally, where the check read only the keyword, and trained unmasked. The forward's
+    arguments are bound to its signature first: the mask is seen however it is passed."""
+    from peft import LoraConfig, get_peft_model
+
+    from hf_fsdp2.sharding import context_parallel as cp
+
+    monkeypatch.setattr(cp, "context_parallel_active", lambda: True)
+    ids = torch.arange(8).view(1, 8)
+    padded = torch.ones(1, 8, dtype=torch.long)
+    padded[0, :3] = 0
+    for model in (build_model(), get_peft_model(build_model(), LoraConfig(r=2, target_modules=["q_proj"]))):
+        cp.require_context_parallel(model, 2)
+        model(ids, torch.ones(1, 8, dtype=torch.long))  # no padding: passes
+        with pytest.raises(ValueError, match=r"cp_size=2: the batch's attention_mask marks padding"):
+            model(ids, padded)
+
+
 def test_a_sequence_length_cp_size_does_not_divide_is_refused_by_name():
     """torch would split it unevenly and its ring attention would fail inside; the accelerator's CP
     context (wrapped at prepare) refuses it first, naming the setting and the fix."""

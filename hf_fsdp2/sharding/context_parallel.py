@@ -16,12 +16,15 @@ The parts are torch's and Accelerate's; this module only fills the one gap on th
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from ..runtime import collectives, upstream
+from .model_parts import model_parts
 
 _CP_HANDLERS = "torch.distributed.tensor.experimental._context_parallel._attention.custom_ops"
 _SEQ_DIM = 2  # SDPA's [batch, heads, sequence, head_dim]
@@ -118,9 +121,24 @@ def require_context_parallel(model: nn.Module, cp_size: int) -> None:
                 "`accelerator.maybe_context_parallel(buffers=[input_ids, labels, position_ids, ...], "
                 "buffer_seq_dims=[1, ...])`: every CP rank would compute whole sequences. Wrap the forward and "
                 "backward in it (the Trainer does), or set parallelism_config_cp_size to 1.")
-        refuse_padding(kwargs.get("attention_mask"), cp_size)
+        refuse_padding(_argument(module, "attention_mask", args, kwargs), cp_size)
 
     model.register_forward_pre_hook(check, with_kwargs=True)
+
+
+def _argument(module: nn.Module, name: str, args: tuple, kwargs: dict):
+    """The forward's argument `name` however it was passed: `model(input_ids, attention_mask)` is LlamaForCausalLM's
+    signature too, so a positional mask must be seen as a keyword one is. A PeftModel's forward takes `*args` and
+    hands them to the transformers model's: its signature names them. Arguments that bind to neither are the
+    forward's own error to raise."""
+    for forward in (module.forward, model_parts(module).base.forward):
+        try:
+            bound = inspect.signature(forward).bind_partial(*args, **kwargs)
+        except (TypeError, ValueError):
+            continue
+        if name in bound.arguments:
+            return bound.arguments[name]
+    return kwargs.get(name)
 
 
 def refuse_padding(mask, cp_size: int) -> None:
