@@ -17,6 +17,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_convert(commands)
     _add_check_config(commands)
     _add_estimate_memory(commands)
+    _add_simulate(commands)
     _add_plan(commands)
     _add_config_file(commands)
     _add_config(commands)
@@ -107,7 +108,7 @@ def _run_config(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------------------------
 # run
 
-STARTUP = Path(__file__).resolve().parent / "startup"  # sitecustomize.py: register() at interpreter start-up
+STARTUP = Path(__file__).resolve().parent / "startup"  # sitecustomize.py: register() once Accelerate/the Trainer load
 
 
 def _add_run(commands: argparse._SubParsersAction) -> None:
@@ -117,26 +118,68 @@ def _add_run(commands: argparse._SubParsersAction) -> None:
         description="hf-fsdp2 run COMMAND [ARGS ...]: e.g. hf-fsdp2 run accelerate launch --config_file "
                     "\"$(hf-fsdp2 config-file fsdp2.yaml)\" train.py, or hf-fsdp2 run llamafactory-cli train cfg.yaml. "
                     "Sets HF_FSDP2=1 and puts hf_fsdp2's start-up folder first on PYTHONPATH, so each Python "
-                    "process (the launcher, its workers) calls hf_fsdp2.register() before the command's code; said "
-                    "on rank 0. Nothing changes for commands not run this way. Exits with the command's status.",
+                    "process (the launcher, its workers) calls hf_fsdp2.register() once it imports Accelerate or "
+                    "the Transformers Trainer, before the command's code uses them; said on rank 0. Processes "
+                    "that import neither (pip, python -c ...) do not load hf_fsdp2. Python started with -I, -E or "
+                    "-S ignores PYTHONPATH or site: hf_fsdp2 is off in such a process (a warning when COMMAND is "
+                    "one). The command replaces this process (exec): signals reach it and its exit status is the "
+                    "shell's (143 after SIGTERM, 130 after Ctrl-C). Nothing changes for commands not run this way.",
     )
     p.add_argument("cmd", nargs=argparse.REMAINDER, metavar="COMMAND [ARGS ...]")
     p.set_defaults(handler=_run_run)
 
 
 def _run_run(args: argparse.Namespace) -> int:
+    """Never returns but on error: the command is exec'd in this process, so there is no wrapper between it and
+    the shell or scheduler (a child process would need every signal forwarded and its status translated)."""
     import os
     import shutil
-    import subprocess
+    import signal
 
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
     if not cmd:
         raise ValueError("`COMMAND` is missing: hf-fsdp2 run accelerate launch ... train.py")
     if shutil.which(cmd[0]) is None:
-        raise ValueError(f"`COMMAND` {cmd[0]!r} is not found on PATH.")
+        print(f"hf-fsdp2 run: error: `COMMAND` {cmd[0]!r} is not found on PATH.", file=sys.stderr)
+        return 127  # a shell's status for a command not found
+    if _python_without_pythonpath(cmd):
+        print(f"hf-fsdp2 run: warning: {' '.join(cmd[:2])} ...: Python's -I, -E and -S ignore PYTHONPATH or "
+              "site, so hf_fsdp2 is not registered in that process (drop the flag, or call "
+              "hf_fsdp2.register() in the script).", file=sys.stderr)
     env = dict(os.environ, HF_FSDP2="1",
                PYTHONPATH=os.pathsep.join([str(STARTUP), *filter(None, [os.environ.get("PYTHONPATH")])]))
-    return subprocess.call(cmd, env=env)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    for name in ("SIGPIPE", "SIGXFSZ"):  # Python ignores these, and exec keeps what is ignored: restore as a shell
+        if hasattr(signal, name):  # would have them (subprocess's restore_signals does the same)
+            signal.signal(getattr(signal, name), signal.SIG_DFL)
+    try:
+        os.execvpe(cmd[0], cmd, env)
+    except OSError as e:
+        print(f"hf-fsdp2 run: error: cannot execute {cmd[0]!r}: {e}", file=sys.stderr)
+        return 126  # a shell's status for a command found but not executable
+
+
+def _python_without_pythonpath(cmd: Sequence[str]) -> bool:
+    """`python -I/-E/-S ...` (python3.11 too): one of them among the options before the script, -c or -m."""
+    import re
+
+    if not re.fullmatch(r"python[0-9.]*", Path(cmd[0]).name):
+        return False
+    args = iter(cmd[1:])
+    for arg in args:
+        if not arg.startswith("-") or arg in ("-", "--") or arg.startswith("--"):
+            return False  # the script, stdin, or a long option: no more short options to read
+        for i, letter in enumerate(arg[1:], start=2):
+            if letter in "IES":
+                return True
+            if letter in "cm":  # what follows is the code or the module
+                return False
+            if letter in "WX":  # what follows is its value, here or in the next argument
+                if i == len(arg):
+                    next(args, None)
+                break
+    return False
 
 
 # ---------------------------------------------------------------------------------------------
@@ -328,6 +371,12 @@ def _add_estimate_memory(commands: argparse._SubParsersAction) -> None:
                     "is described in hf_fsdp2/planner/memory.py.",
     )
     _add_model_setup(p)
+    _add_layout_flags(p)
+    p.set_defaults(handler=_run_estimate_memory)
+
+
+def _add_layout_flags(p: argparse.ArgumentParser) -> None:
+    """The layout `estimate-memory` costs and `simulate` runs."""
     p.add_argument("--hsdp", type=_hsdp_shape, default=None, metavar="RxS",
                    help="HSDP: R replicas, each sharding over S ranks (R*S must equal --world-size)")
     p.add_argument("--offload", action="store_true",
@@ -350,12 +399,10 @@ def _add_estimate_memory(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--ep-size", type=_positive_int, default=1, metavar="E",
                    help="expert parallelism (MoE models): each layer's experts split over E of the shard ranks with "
                         "the model's own EP plan, FSDP-sharded over the shard size / E ranks holding the same ones")
-    p.set_defaults(handler=_run_estimate_memory)
 
 
-def _run_estimate_memory(args: argparse.Namespace) -> int:
-    from .planner.memory import estimate_memory
-
+def _layout_setup(args: argparse.Namespace, **extra) -> tuple[object, dict]:
+    """(FSDP2Config, estimate_memory keyword arguments) from `_add_model_setup`'s and `_add_layout_flags`' flags."""
     replicate, shard = args.hsdp or (1, None)
     if args.world_size % args.tp_size:
         raise ValueError(f"`--tp-size` {args.tp_size} does not divide `--world-size` {args.world_size}.")
@@ -363,10 +410,16 @@ def _run_estimate_memory(args: argparse.Namespace) -> int:
         raise ValueError(f"`--hsdp` {replicate}x{shard} x `--tp-size` {args.tp_size} covers "
                          f"{replicate * shard * args.tp_size} ranks but `--world-size` is {args.world_size}; "
                          "R*S*T must equal the world size.")
-    config, setup = _model_setup(args, cpu_offload=args.offload, activation_checkpointing=args.activation_checkpointing,
-                                 checkpoint_every=args.checkpoint_every, replicate_size=replicate, shard_size=shard,
-                                 checkpoint_save_matmuls=args.checkpoint_save_matmuls,
-                                 tp_size=args.tp_size, ep_size=args.ep_size)
+    layout = dict(replicate_size=replicate, shard_size=shard, **extra)
+    return _model_setup(args, cpu_offload=args.offload, activation_checkpointing=args.activation_checkpointing,
+                        checkpoint_every=args.checkpoint_every, checkpoint_save_matmuls=args.checkpoint_save_matmuls,
+                        tp_size=args.tp_size, ep_size=args.ep_size, **layout)
+
+
+def _run_estimate_memory(args: argparse.Namespace) -> int:
+    from .planner.memory import estimate_memory
+
+    config, setup = _layout_setup(args)
     try:
         estimate = estimate_memory(args.model, args.world_size, config, batch_size=args.batch_size,
                                    seq_len=args.seq_len, cp_size=args.cp_size,
@@ -374,6 +427,80 @@ def _run_estimate_memory(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise _flag_names(e) from None
     print(estimate.to_json(indent=2) if args.json else estimate.format_table())
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# simulate
+
+
+def _add_simulate(commands: argparse._SubParsersAction) -> None:
+    p = commands.add_parser(
+        "simulate",
+        help="Run one rank of an N-rank job in this process (torch's fake process group): its real memory and "
+             "compute, the bytes its collectives would move, and a predicted step time.",
+        description="Each --rank (default the first and the last) runs in a process of its own as that rank of "
+                    "--world-size under torch's fake process group: collectives move nothing, every tensor has its "
+                    "real per-rank shape. The model is built from its config on the meta device and sharded by "
+                    "shard_model, so only the rank's rows are allocated (random weights); --steps AdamW steps on "
+                    "random tokens run on this machine's device (CUDA when present). Reported per rank: CUDA "
+                    "allocated/reserved peaks, RSS and glibc heap peaks, the step's compute time, the estimate for "
+                    "the same setup and the ratio; the collectives of one step with their bytes; and a PREDICTED "
+                    "step time and tokens/s per GPU for the interconnect given (assumptions printed). "
+                    "hf_fsdp2/tools/simulate.py.",
+    )
+    _add_model_setup(p)
+    _add_layout_flags(p)
+    p.add_argument("--rank", type=int, action="append", default=None, metavar="R",
+                   help="a rank to simulate (repeat for several; default: 0 and world size - 1)")
+    p.add_argument("--steps", type=_positive_int, default=3, help="optimizer steps; the first is not timed (default 3)")
+    p.add_argument("--memory-budget", default=None, metavar="SIZE",
+                   help="shard_size='auto' with this budget per rank (e.g. 80GB): the layout the planner picks")
+    p.add_argument("--device", choices=("cuda", "cpu"), default=None, help="default: cuda when present, else cpu")
+    p.add_argument("--intra-node-gbps", type=float, default=None, metavar="GB/s",
+                   help="bus bandwidth inside a node, for the prediction (default 360: an assumption, printed)")
+    p.add_argument("--inter-node-gbps", type=float, default=None, metavar="GB/s",
+                   help="bus bandwidth per GPU across nodes, for the prediction (default 40: an assumption, printed)")
+    p.add_argument("--latency-us", type=float, default=None, help="per collective, for the prediction (default 15)")
+    p.add_argument("--gpus-per-node", type=_positive_int, default=None, help="for the prediction (default 8)")
+    p.set_defaults(handler=_run_simulate)
+
+
+def _run_simulate(args: argparse.Namespace) -> int:
+    import json
+
+    from .planner import step_time
+    from .tools.simulate import format_reports, simulate_ranks
+
+    if args.cp_size > 1:
+        raise ValueError(f"`--cp-size` {args.cp_size}: not done under simulate (a context-parallel mesh is "
+                         "Accelerate's); estimate-memory --cp-size costs it.")
+    extra = {}
+    if args.memory_budget is not None:
+        if args.hsdp:
+            raise ValueError("`--memory-budget` lets the planner pick the replicas and shards; drop `--hsdp`.")
+        extra = dict(shard_size="auto", memory_budget=args.memory_budget, plan_batch_size=args.batch_size,
+                     plan_seq_len=args.seq_len)
+    config, setup = _layout_setup(args, **extra)
+    if setup.pop("load_in_4bit"):
+        raise ValueError("`--load-in-4bit`: not done under simulate (random 4-bit weights are not built from a "
+                         "config yet); estimate-memory --load-in-4bit costs it.")
+    setup.pop("bnb_4bit_use_double_quant", None)
+    ranks = args.rank if args.rank is not None else sorted({0, args.world_size - 1})
+    bad = [r for r in ranks if not 0 <= r < args.world_size]
+    if bad:
+        raise ValueError(f"`--rank` {bad[0]} must be from 0 to `--world-size` - 1 = {args.world_size - 1}.")
+    given = {k: v for k, v in (("intra_node_gbps", args.intra_node_gbps), ("inter_node_gbps", args.inter_node_gbps),
+                               ("latency_us", args.latency_us), ("gpus_per_node", args.gpus_per_node)) if v is not None}
+    link = step_time.Interconnect(**given, **({"source": "given on the command line: " + ", ".join(
+        f"{k}={v}" for k, v in given.items()) + "; the rest: " + step_time.DEFAULT_SOURCES} if given else {}))
+    try:
+        reports = simulate_ranks(ranks, args.model, args.world_size, config, batch_size=args.batch_size,
+                                 seq_len=args.seq_len, steps=args.steps, interconnect=link, device=args.device,
+                                 gradient_accumulation_steps=args.gradient_accumulation_steps, **setup)
+    except ValueError as e:
+        raise _flag_names(e) from None
+    print(json.dumps([r.to_dict() for r in reports], indent=2) if args.json else format_reports(reports))
     return 0
 
 

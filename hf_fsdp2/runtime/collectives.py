@@ -48,6 +48,12 @@ def world_size() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
+def is_simulated() -> bool:
+    """The default group is torch's fake one (torch.testing._internal.distributed.fake_pg): this process runs
+    one rank of a job whose other ranks do not exist; collectives move nothing (tools/simulate.py)."""
+    return dist.is_initialized() and dist.get_backend() == "fake"
+
+
 def default_group_devices() -> set[str]:
     """The device types the default group has a backend for ({"cuda"} for NCCL, {"cpu"} for gloo)."""
     group = dist.distributed_c10d._get_default_group()
@@ -76,7 +82,10 @@ def host_group(purpose: str = "main"):
         return dist.group.WORLD
     if purpose not in _host_groups:
         timeout = default_group_timeout()
-        _host_groups[purpose] = dist.new_group(backend="gloo", **({"timeout": timeout} if timeout else {}))
+        # Under torch's fake group (one rank of an N-rank job, `hf-fsdp2 simulate`) no gloo peer exists to
+        # connect to: the side group is fake too, so its collectives are counted and skipped like the rest.
+        backend = "fake" if is_simulated() else "gloo"
+        _host_groups[purpose] = dist.new_group(backend=backend, **({"timeout": timeout} if timeout else {}))
     return _host_groups[purpose]
 
 

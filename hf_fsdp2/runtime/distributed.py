@@ -42,9 +42,9 @@ _INIT_SCHEMES = ("env://", "tcp://", "file://")
 
 def device_type() -> str:
     """The device FSDP2 shards onto: "cuda" when the default group runs NCCL (alone, or beside gloo
-    as Accelerate's "cuda:nccl,cpu:gloo") on a GPU, else "cpu"."""
-    if dist.is_initialized() and "nccl" not in str(dist.get_backend()):
-        return "cpu"
+    as Accelerate's "cuda:nccl,cpu:gloo") or is torch's fake group, on a GPU; else "cpu"."""
+    if dist.is_initialized() and "nccl" not in str(dist.get_backend()) and not collectives.is_simulated():
+        return "cpu"  # torch's fake group (one simulated rank) carries any device's tensors: as NCCL would
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 

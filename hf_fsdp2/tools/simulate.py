@@ -1,0 +1,306 @@
+"""`hf-fsdp2 simulate`: one rank of an N-rank job, run in this process on this machine's device.
+
+torch's fake process group (`init_process_group("fake", store=FakeStore(), rank=r, world_size=N)`,
+torch/testing/_internal/distributed/fake_pg.py) makes this process rank `r` of `N`: every collective returns
+at once and moves nothing, but every tensor has its real per-rank shape. The model is built on the meta
+device from its config and sharded by `shard_model` (the route every launch takes after the config is read),
+so only this rank's rows are ever allocated, initialised by the model's own init. Then real forward,
+backward and AdamW steps on random tokens measure what one rank of the real job holds and computes:
+CUDA's allocated and reserved peaks, the process's RSS and glibc heap peaks over their level before the
+model, the step's compute time, and every collective with its bytes (tools/collective_tally.py). The
+estimate for the same setup (planner/memory.py) is put beside the measurement, and a predicted step time
+for a stated interconnect (planner/step_time.py) beside that, labelled as a prediction.
+
+What a fake group cannot give is refused by name: saving (rank 0 creates the files the others write),
+context parallelism (its mesh is Accelerate's), and loss values (the gathered weights are whatever
+the buffers held: the loss is not reported).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..config import FSDP2Config
+from ..planner.meta_model import DEFAULT_LORA_TARGETS, add_lora, build_meta_model
+from ..planner.step_time import Interconnect, predict_step
+from ..runtime import collectives, memory_probe
+from .collective_tally import CollectiveTally, summarize
+
+
+@dataclass
+class RankReport:
+    """One simulated rank's measurement. Bytes are over the level before the model was built."""
+
+    rank: int
+    world_size: int
+    device: str
+    setup: str
+    steps: int
+    step_s: list[float]  # every step, the first included (it allocates the optimizer's states)
+    compute_s: float  # the median of the steps after the first
+    cuda_allocated_peak: int | None
+    cuda_reserved_peak: int | None
+    rss_peak: int
+    heap_live_peak: int | None
+    estimate_device_bytes: int
+    estimate_heap_kept_bytes: int
+    collectives: list[dict]
+    prediction: dict
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def measured_peak(self) -> int:
+        """What the estimate's device peak is compared with: CUDA allocated, else the RSS."""
+        return self.cuda_allocated_peak if self.cuda_allocated_peak is not None else self.rss_peak
+
+    @property
+    def estimate_ratio(self) -> float:
+        return self.measured_peak / self.estimate_device_bytes if self.estimate_device_bytes else float("nan")
+
+    @property
+    def heap_ratio(self) -> float | None:
+        """On the CPU, glibc's live bytes over the estimate: what the run holds, without the heap's free chunks
+        that RSS also counts (bounded by the estimate's `heap_kept_bytes`)."""
+        if self.heap_live_peak is None or self.cuda_allocated_peak is not None or not self.estimate_device_bytes:
+            return None
+        return self.heap_live_peak / self.estimate_device_bytes
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "measured_peak": self.measured_peak, "estimate_ratio": self.estimate_ratio,
+                "heap_ratio": self.heap_ratio}
+
+
+def refuse_unsimulated(config: FSDP2Config) -> None:
+    """Settings the fake group cannot run, refused by name before anything is built."""
+    if config.cp_size > 1:
+        raise ValueError(f"`cp_size`={config.cp_size}: not done under simulate: a context-parallel mesh is built by "
+                         "Accelerate's parallelism_config, which the fake process group does not reach; simulate "
+                         "with cp_size=1 (estimate-memory --cp-size costs it).")
+    if config.async_save:
+        raise ValueError("`async_save`: simulate never saves (under the fake group rank 0 would create the files "
+                         "the other ranks write); leave it off.")
+
+
+@contextlib.contextmanager
+def fake_world(rank: int, world_size: int):
+    """This process as rank `rank` of `world_size` under torch's fake process group, torn down after."""
+    if dist.is_initialized():
+        raise ValueError("a process group already exists in this process: simulate runs one rank in a process of "
+                         "its own (the hf-fsdp2 simulate command forks one per rank).")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"`rank`={rank} must be from 0 to `world_size` - 1 = {world_size - 1}.")
+    # Importing the module registers torch's "fake" backend (dist.Backend.register_backend).
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+        collectives.forget_host_groups()
+
+
+def simulate_rank(
+    model: Any,
+    world_size: int,
+    config: FSDP2Config | None = None,
+    *,
+    rank: int = 0,
+    batch_size: int = 1,
+    seq_len: int = 2048,
+    steps: int = 3,
+    dtype: torch.dtype | str | None = None,
+    lora_r: int | None = None,
+    lora_targets: Sequence[str] = DEFAULT_LORA_TARGETS,
+    gradient_accumulation_steps: int = 1,
+    interconnect: Interconnect | None = None,
+    device: str | None = None,
+) -> RankReport:
+    """Train rank `rank` of a `world_size`-rank job for `steps` optimizer steps in this process (no process group
+    may exist); `model`: a transformers config, a model directory or its config.json (random weights, this rank's
+    rows only). Arguments as `estimate_memory`'s, whose estimate for the same setup the report carries."""
+    from ..planner.memory import estimate_memory
+    from ..shard import shard_model
+
+    config = config or FSDP2Config()
+    refuse_unsimulated(config)
+    if steps < 2:
+        raise ValueError(f"`steps`={steps} must be at least 2: the first step allocates the optimizer's states, "
+                         "the ones after it are timed.")
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device not in ("cpu", "cuda") or (device == "cuda" and not torch.cuda.is_available()):
+        raise ValueError(f"`device`={device!r} must be 'cpu' or 'cuda' (with a GPU present).")
+    # The estimate first: it builds its own meta model and allocates nothing the measurement would see.
+    estimate = estimate_memory(model, world_size, config, dtype=dtype, lora_r=lora_r, lora_targets=lora_targets,
+                               batch_size=batch_size, seq_len=seq_len,
+                               gradient_accumulation_steps=gradient_accumulation_steps)
+    with fake_world(rank, world_size):
+        if device == "cpu" and torch.cuda.is_available():
+            raise ValueError("`device`='cpu' on a machine with a GPU is not done: hf_fsdp2 shards onto the GPU under "
+                             "the fake group, as it would under NCCL.")
+        if device == "cuda":
+            torch.cuda.set_device(0)
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        cuda_base = torch.cuda.memory_allocated() if device == "cuda" else 0
+        reserved_base = torch.cuda.memory_reserved() if device == "cuda" else 0
+        memory_probe.reset_hwm()
+        rss_base = memory_probe.rss_bytes()
+        heap = memory_probe.malloc_bytes()
+        heap_base = heap["live"] if heap else None
+        with memory_probe.RssSampler(malloc=heap is not None) as sampler:
+            module = build_meta_model(model, dtype=dtype)
+            if lora_r is not None:
+                module = add_lora(module, lora_r, lora_targets)
+            shard_model(module, config)
+            step_s, calls = _train(module, config, device, batch_size, seq_len, steps, gradient_accumulation_steps)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        rss_peak = max(memory_probe.hwm_bytes(), sampler.max) - rss_base
+        heap_peak = (sampler.max_live - heap_base) if heap_base is not None else None
+        cuda_peak = torch.cuda.max_memory_allocated() - cuda_base if device == "cuda" else None
+        reserved_peak = torch.cuda.max_memory_reserved() - reserved_base if device == "cuda" else None
+        # This rank's tokens per optimizer step: TP ranks share theirs.
+        tokens = batch_size * seq_len * gradient_accumulation_steps / max(config.tp_size, 1)
+        timed = sorted(step_s[1:])
+        compute = timed[len(timed) // 2]
+        one_step = [c for c in calls if c.step == steps - 1]
+        prediction = predict_step(compute, [c.collective for c in one_step], tokens_per_step_per_gpu=tokens,
+                                  interconnect=interconnect)
+    notes = ["losses not reported: under the fake group the gathered weights hold whatever the buffers held"]
+    if config.ep_size > 1:
+        notes.append("expert parallelism: the token exchange assumed symmetric (balanced routing); "
+                     "the tally's timing includes its dispatch hook")
+    return RankReport(
+        rank=rank, world_size=world_size, device=device, setup=estimate.setup(), steps=steps, step_s=step_s,
+        compute_s=compute, cuda_allocated_peak=cuda_peak, cuda_reserved_peak=reserved_peak, rss_peak=rss_peak,
+        heap_live_peak=heap_peak, estimate_device_bytes=estimate.device_bytes,
+        estimate_heap_kept_bytes=estimate.heap_kept_bytes,
+        collectives=summarize([c.collective for c in one_step]), prediction=prediction.to_dict(), notes=notes)
+
+
+@dataclass
+class _StepCall:
+    step: int
+    collective: Any
+
+
+def _train(model, config: FSDP2Config, device: str, batch_size: int, seq_len: int, steps: int,
+           accumulation: int) -> tuple[list[float], list[_StepCall]]:
+    """`steps` AdamW steps of `accumulation` micro-batches on random tokens; each step's wall time (device
+    synchronised) and the collectives issued in it. Expert parallelism needs the tally's symmetric all-to-all
+    in every step (the exchange is sized by it); otherwise the tally runs in the last step only, so the timed
+    steps before it pay no dispatch hook."""
+    from ..sharding import no_sync
+
+    vocab = model.config.vocab_size if hasattr(model, "config") else 32000
+    generator = torch.Generator().manual_seed(dist.get_rank())
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
+    every_step = config.ep_size > 1
+    times, calls = [], []
+    for step in range(steps):
+        tally = CollectiveTally(symmetric_all_to_all=True)
+        use_tally = every_step or step == steps - 1
+        if device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        with tally if use_tally else contextlib.nullcontext():
+            for micro in range(accumulation):
+                ids = torch.randint(0, vocab, (batch_size, seq_len), generator=generator).to(device)
+                sync = contextlib.nullcontext() if micro == accumulation - 1 else no_sync(model)
+                with sync:
+                    model(input_ids=ids, labels=ids).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            if device == "cuda":
+                torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+        calls += [_StepCall(step, c) for c in tally.calls]
+    return times, calls
+
+
+def simulate_ranks(ranks: Sequence[int], model: Any, world_size: int, config: FSDP2Config | None = None,
+                   **kwargs: Any) -> list[RankReport]:
+    """`simulate_rank` for each of `ranks`, one after the other, each in a process forked for it (a fake group
+    is per process, and one rank's heap must not inflate the next one's peak). The calling process must not
+    have initialised CUDA (a forked child cannot use it then)."""
+    import multiprocessing
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        raise ValueError("CUDA is initialised in this process; simulate_ranks forks a process per rank, which could "
+                         "not use it: call it before any CUDA work, or call simulate_rank in a fresh process.")
+    context = multiprocessing.get_context("fork")
+    reports = []
+    for rank in ranks:
+        parent, child = context.Pipe(duplex=False)
+        process = context.Process(target=_rank_child, args=(child, rank, model, world_size, config, kwargs))
+        process.start()
+        child.close()
+        try:
+            kind, payload = parent.recv()
+        except EOFError:
+            kind, payload = "died", None
+        process.join()
+        if kind == "ok":
+            reports.append(payload)
+        elif kind == "error":
+            raise ValueError(f"rank {rank}: {payload}")
+        else:
+            raise RuntimeError(f"simulated rank {rank} died (exit code {process.exitcode}) before reporting; "
+                               f"{payload or 'see its output above'}")
+    return reports
+
+
+def _rank_child(conn, rank: int, model: Any, world_size: int, config: FSDP2Config | None, kwargs: dict) -> None:
+    import traceback
+
+    try:
+        conn.send(("ok", simulate_rank(model, world_size, config, rank=rank, **kwargs)))
+    except ValueError as e:  # a refusal: one line, no traceback
+        conn.send(("error", str(e)))
+    except BaseException:  # noqa: BLE001 - anything else is reported with its traceback
+        conn.send(("died", traceback.format_exc()))
+    finally:
+        conn.close()
+
+
+def format_reports(reports: Sequence[RankReport]) -> str:
+    """The reports as a table: measured per rank, then the prediction (labelled so)."""
+    from ..planner.memory_report import format_bytes
+
+    def size(n: int | None) -> str:
+        return "-" if n is None else format_bytes(n)
+
+    first = reports[0]
+    lines = [f"one rank of {first.world_size}, simulated on {first.device} under torch's fake process group "
+             f"(collectives move nothing); {first.setup}"]
+    lines.append(f"{'rank':>5} {'CUDA alloc':>11} {'CUDA resv':>11} {'RSS':>11} {'heap live':>11} {'estimate':>11} "
+                 f"{'ratio':>6} {'heap/est':>8} {'compute s':>10}")
+    for r in reports:
+        heap = "-" if r.heap_ratio is None else f"{r.heap_ratio:.2f}"
+        lines.append(f"{r.rank:>5} {size(r.cuda_allocated_peak):>11} {size(r.cuda_reserved_peak):>11} "
+                     f"{size(r.rss_peak):>11} {size(r.heap_live_peak):>11} {size(r.estimate_device_bytes):>11} "
+                     f"{r.estimate_ratio:>6.2f} {heap:>8} {r.compute_s:>10.3f}")
+    lines.append(f"ratio: measured {'CUDA allocated' if first.cuda_allocated_peak is not None else 'RSS'} peak over the "
+                 "estimate's device peak (hf-fsdp2 estimate-memory, same setup); heap/est: glibc's live bytes over it "
+                 "(CPU: RSS also counts the heap's free chunks, up to the estimate's heap bound "
+                 f"{size(first.estimate_heap_kept_bytes)})")
+    lines.append(f"collectives per optimizer step on rank {first.rank} (bytes on the wire by the ring algorithm):")
+    for c in first.collectives:
+        lines.append(f"  {c['kind']:<15} group of {c['group_size']:<4} {c['calls']:>6} calls  "
+                     f"buffers {format_bytes(int(c['buffer_bytes'])):>10}  wire {format_bytes(int(c['wire_bytes'])):>10}")
+    p = first.prediction
+    lines.append(f"PREDICTED (a model, not a run; assumptions in hf_fsdp2/planner/step_time.py): step "
+                 f"{p['step_s']:.3f} s = compute {p['compute_s']:.3f} s + exposed communication "
+                 f"{p['exposed_comm_s']:.4f} s ({p['overlapped_comm_s']:.4f} s hidden behind compute); "
+                 f"{p['tokens_per_s_per_gpu']:.0f} tokens/s per GPU")
+    lines.append(f"  interconnect: {p['interconnect']['source']}")
+    lines += [f"note: {n}" for n in first.notes]
+    return "\n".join(lines)
