@@ -1,0 +1,120 @@
+"""`hf-fsdp2 simulate` (issue 61): one rank of an N-rank job in this process under torch's fake process group,
+its memory against the estimate, its collectives' bytes against the model's own sizes, and the prediction's
+arithmetic."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from hf_fsdp2 import FSDP2Config
+from hf_fsdp2.cli import main
+from hf_fsdp2.planner.meta_model import build_meta_model
+from hf_fsdp2.planner.step_time import Interconnect, predict_step
+from hf_fsdp2.runtime import collectives
+from hf_fsdp2.tools.collective_tally import Collective
+from hf_fsdp2.tools.simulate import fake_world, simulate_rank
+
+from .common import tiny_config
+
+WORLD = 4
+# Big enough that the model's bytes, not the interpreter's, make the peak (9.6 M parameters, 160 MiB of fp32
+# training state over 4 ranks); small enough for one CPU step in about a second.
+SHAPE = dict(vocab_size=16000, hidden_size=256, intermediate_size=688, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=256)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("simulate") / "model"
+    tiny_config(**SHAPE).save_pretrained(path)
+    return path
+
+
+@pytest.mark.ranks
+def test_first_and_last_rank_measured_against_the_estimate(model_dir, capsys):
+    """The command's own route (config.json -> meta model -> shard_model -> AdamW steps), ranks 0 and N-1 each in
+    a forked process: both hold the same memory (FSDP2 pads every shard to rank 0's), glibc's live bytes are
+    within 20% of the estimate, and the reduce-scatters carry exactly every parameter's padded rows in fp32."""
+    assert main(["simulate", "--model", str(model_dir), "--world-size", str(WORLD), "--seq-len", "64",
+                 "--steps", "2", "--json"]) == 0
+    reports = json.loads(capsys.readouterr().out)
+    assert [r["rank"] for r in reports] == [0, WORLD - 1]
+    first, last = reports
+    assert first["device"] == "cpu" and first["cuda_allocated_peak"] is None
+    assert abs(first["heap_live_peak"] - last["heap_live_peak"]) <= 0.02 * first["heap_live_peak"]
+    for r in reports:
+        assert 0.8 <= r["heap_ratio"] <= 1.2, r  # measured 1.15 at this shape
+        assert r["rss_peak"] >= r["heap_live_peak"] * 0.9
+
+    # Every trainable parameter is reduce-scattered once per step, its rows padded to a multiple of the world size.
+    meta = build_meta_model(tiny_config(**SHAPE))
+    padded = sum(math.ceil(p.shape[0] / WORLD) * WORLD * p[0].numel() * 4 for p in meta.parameters())
+    by_kind = {c["kind"]: c for c in first["collectives"]}
+    assert by_kind["reduce_scatter"]["buffer_bytes"] == padded
+    assert by_kind["reduce_scatter"]["group_size"] == WORLD
+    assert by_kind["reduce_scatter"]["wire_bytes"] == int(padded * (WORLD - 1) / WORLD)
+    # Forward gathers every group once; backward regathers the layers FSDP2 resharded: at least the whole model.
+    assert by_kind["all_gather"]["buffer_bytes"] >= padded
+    prediction = first["prediction"]
+    assert prediction["label"].startswith("predicted")
+    assert prediction["step_s"] >= prediction["compute_s"] == first["compute_s"]
+
+
+@pytest.mark.ranks
+def test_the_table_labels_the_prediction(model_dir, capsys):
+    """Without --json: the table says which numbers are measured and which predicted, with the assumptions."""
+    assert main(["simulate", "--model", str(model_dir), "--world-size", "2", "--rank", "1", "--seq-len", "32",
+                 "--steps", "2", "--intra-node-gbps", "100"]) == 0
+    out = capsys.readouterr().out
+    assert "fake process group" in out and "PREDICTED (a model, not a run" in out
+    assert "intra_node_gbps=100.0" in out and "NVLink" in out  # what was given, and the defaults' sources
+
+
+def test_prediction_arithmetic():
+    """Only the first all-gather and the last reduce-scatter are exposed until the rest outgrows the compute;
+    all-to-alls are exposed whole; a group spanning nodes goes at the inter-node bandwidth."""
+    link = Interconnect(intra_node_gbps=1.0, inter_node_gbps=0.5, latency_us=0.0, gpus_per_node=2, source="test")
+    within, across = (0, 1), (0, 1, 2, 3)
+    calls = [Collective("all_gather", "x", within, 0, 10**9),  # 1 s, exposed
+             Collective("all_gather", "x", across, 0, 10**9),  # 2 s, hidden
+             Collective("all_to_all", "x", within, 0, 10**9),  # 1 s, exposed
+             Collective("reduce_scatter", "x", within, 0, 10**9),  # 1 s, hidden
+             Collective("reduce_scatter", "x", within, 0, 2 * 10**9)]  # 2 s, exposed
+    p = predict_step(5.0, calls, tokens_per_step_per_gpu=800, interconnect=link)
+    assert (p.exposed_comm_s, p.overlapped_comm_s, p.step_s) == (4.0, 3.0, 9.0)
+    assert p.tokens_per_s_per_gpu == 800 / 9.0
+    short = predict_step(1.0, calls, tokens_per_step_per_gpu=800, interconnect=link)
+    assert (short.exposed_comm_s, short.step_s) == (6.0, 7.0)  # 3 s to hide behind 1 s of compute: 2 s more
+    with pytest.raises(ValueError, match="intra_node_gbps"):
+        Interconnect(intra_node_gbps=0)
+
+
+def test_refusals_name_the_setting(model_dir, capsys):
+    with pytest.raises(ValueError, match="`cp_size`=2: not done under simulate"):
+        simulate_rank(tiny_config(), 4, FSDP2Config(cp_size=2, replicate_size=1))
+    assert main(["simulate", "--model", str(model_dir), "--world-size", "4", "--lora-r", "4", "--load-in-4bit"]) == 1
+    assert "`--load-in-4bit`: not done under simulate" in capsys.readouterr().err
+    assert main(["simulate", "--model", str(model_dir), "--world-size", "4", "--rank", "4"]) == 1
+    assert "`--rank` 4 must be from 0 to `--world-size` - 1 = 3" in capsys.readouterr().err
+    with fake_world(0, 2):
+        with pytest.raises(ValueError, match="a process group already exists"):
+            simulate_rank(tiny_config(), 2)
+
+
+def test_side_groups_are_fake_under_the_fake_group():
+    """hf_fsdp2's own gloo side groups (host flags, background saves) would wait for peers that do not exist:
+    under the fake group they are fake too, and the shard device follows the fake group (CUDA where present)."""
+    from hf_fsdp2.runtime.distributed import device_type
+
+    with fake_world(1, 4):
+        assert collectives.is_simulated()
+        group = collectives.host_group("background-saves")
+        assert dist.get_backend(group) == "fake" and group.size() == 4
+        assert collectives.all_reduce_int(3, "max", purpose="background-saves") == 3
+        assert device_type() == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert not dist.is_initialized() and not collectives.is_simulated()
