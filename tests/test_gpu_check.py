@@ -17,7 +17,7 @@ def test_gpu_check_dry_run_runs_every_section(tmp_path):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     result = json.loads((tmp_path / "gpu_check.json").read_text())
     sections = result["sections"]
-    assert list(sections) == ["equality", "checkpoint", "throughput", "save_load", "generate", "variants",
+    assert list(sections) == ["equality", "checkpoint", "simulate", "throughput", "save_load", "generate", "variants",
                               "two_process", "memory_phases", "fp8_large"]
     assert not [n for n, s in sections.items() if "error" in s or s.get("skipped")], sections
     # Correctness sections decide for themselves: plain PyTorch vs hf_fsdp2, stock reloads.
@@ -34,6 +34,11 @@ def test_gpu_check_dry_run_runs_every_section(tmp_path):
     assert measured == {"eager", "activation_checkpointing", "op_level_checkpointing", "activation_offload",
                         "regional_compile", "fp8", "fp8_regional_compile", "compile_model"}
     assert sections["two_process"]["gloo_cpu"]["ran"]
+    for case in ("llama31_8b_full", "qwen3_30b_a3b_lora_ep8"):  # one rank of 4 each, first and last
+        simulated = sections["simulate"][case]
+        assert [r["rank"] for r in simulated["ranks"]] == [0, 3], simulated
+        assert simulated["predicted_tokens_per_s_per_gpu"] > 0
+    assert "llama31_70b_qlora" in sections["simulate"]["not_done"]
     phases = {k: v for k, v in sections["memory_phases"].items() if isinstance(v, dict)}
     assert set(phases) == {"lora/plain", "lora/ours_fsdp2", "lora/accelerate", "full/ours_fsdp2", "full/accelerate"}
     assert all(r["saved_bytes"] > 0 for r in phases.values()), phases
