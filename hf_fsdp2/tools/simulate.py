@@ -130,9 +130,9 @@ def simulate_rank(
 
     config = config or FSDP2Config()
     refuse_unsimulated(config)
-    if steps < 2:
-        raise ValueError(f"`steps`={steps} must be at least 2: the first step allocates the optimizer's states, "
-                         "the ones after it are timed.")
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"`steps`={steps!r} must be a positive integer (the first step allocates the optimizer's "
+                         "states; the ones after it are timed).")
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device not in ("cpu", "cuda") or (device == "cuda" and not torch.cuda.is_available()):
@@ -169,12 +169,14 @@ def simulate_rank(
         reserved_peak = torch.cuda.max_memory_reserved() - reserved_base if device == "cuda" else None
         # This rank's tokens per optimizer step: TP ranks share theirs.
         tokens = batch_size * seq_len * gradient_accumulation_steps / max(config.tp_size, 1)
-        timed = sorted(step_s[1:])
+        timed = sorted(step_s[1:] or step_s)  # one step: its time includes the optimizer states' allocation
         compute = timed[len(timed) // 2]
         one_step = [c for c in calls if c.step == steps - 1]
         prediction = predict_step(compute, [c.collective for c in one_step], tokens_per_step_per_gpu=tokens,
                                   interconnect=interconnect)
     notes = ["losses not reported: under the fake group the gathered weights hold whatever the buffers held"]
+    if steps == 1:
+        notes.append("one step: its compute time includes the first step's one-off work (optimizer states, kernels)")
     if config.ep_size > 1:
         notes.append("expert parallelism: the token exchange assumed symmetric (balanced routing); "
                      "the tally's timing includes its dispatch hook")

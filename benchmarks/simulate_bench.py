@@ -1,0 +1,55 @@
+"""One rank of a large job, simulated on this CPU (issue 61, item 4): `hf-fsdp2 simulate`'s route (torch's fake
+process group, the model from its config, shard_model, AdamW steps) at real shapes, ranks 0 and N-1, per-rank
+RSS and glibc live bytes against `estimate-memory`'s peak for the same setup.
+
+    python benchmarks/simulate_bench.py                      # both cases (tens of minutes on 2 cores)
+    python benchmarks/simulate_bench.py --cases llama32_1b_8  # one of them
+
+Cases (random weights, fp32 storage and compute, AdamW, batch 1):
+  llama32_1b_8   Llama-3.2-1B's shape (1.24B, tied embeddings) on 8 ranks, seq 512, 2 steps.
+  llama31_8b_64  Llama-3.1-8B's shape (8.03B) on 64 ranks, seq 256, 1 step.
+Results: stdout and benchmarks/results/simulate-*.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import harness
+
+CASES = {
+    "llama32_1b_8": dict(world=8, seq=512, steps=2, shape=dict(
+        model_type="llama", vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+        num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=True, max_position_embeddings=4096)),
+    "llama31_8b_64": dict(world=64, seq=256, steps=1, shape=dict(
+        model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False, max_position_embeddings=8192,
+        rope_theta=500000.0)),
+}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--cases", default=",".join(CASES), help=f"comma-separated subset of {list(CASES)}")
+    args = p.parse_args()
+    from transformers import AutoConfig
+
+    from hf_fsdp2 import FSDP2Config
+    from hf_fsdp2.tools.simulate import format_reports, simulate_ranks
+
+    results = {}
+    for name in [c.strip() for c in args.cases.split(",") if c.strip()]:
+        case = CASES[name]
+        shape = dict(case["shape"])
+        config = AutoConfig.for_model(shape.pop("model_type"), **shape)
+        reports = simulate_ranks([0, case["world"] - 1], config, case["world"], FSDP2Config(), batch_size=1,
+                                 seq_len=case["seq"], steps=case["steps"])
+        print(f"== {name}\n{format_reports(reports)}", flush=True)
+        results[name] = {"world": case["world"], "seq_len": case["seq"], "steps": case["steps"],
+                         "ranks": [r.to_dict() for r in reports]}
+    path = harness.write_results("simulate", None, cases=results)
+    print(f"results: {path}")
+
+
+if __name__ == "__main__":
+    main()
