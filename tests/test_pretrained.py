@@ -325,3 +325,21 @@ def test_peft_added_after_sharding_is_refused_with_a_route_that_works(tmp_path):
     expected = reference(input_ids=ids, labels=ids).loss.item()
     assert expected != pytest.approx(build_model()(input_ids=ids, labels=ids).loss.item(), abs=1e-3)  # it matters
     assert [r["loss"] for r in out] == pytest.approx([expected] * 2, abs=1e-5)
+
+
+def test_from_pretrained_keywords_are_honoured_or_refused_by_name(tmp_path):
+    """Issue 65: `hf_fsdp2.from_pretrained(cls, dir, ep_size=2)` passed the keyword on to transformers' config,
+    which drops keys it does not know: no EP, no word (so did `activation_checkpointing=True`). An FSDP2Config
+    field is honoured now (tests/test_expert_parallel.py: ep_size and activation_checkpointing on 2 ranks), with
+    `config=` too refused; a keyword the model's config takes still goes to it; any other is refused by name,
+    before anything distributed starts."""
+    from hf_fsdp2.checkpoint.pretrained import build_on_meta
+
+    build_model().save_pretrained(tmp_path / "hf")
+    with pytest.raises(ValueError, match=r"`use_cahce`=False is neither an FSDP2Config field nor a setting of "
+                                         r"LlamaConfig, so nothing would take it"):
+        hf_fsdp2.from_pretrained(LlamaForCausalLM, tmp_path / "hf", use_cahce=False)
+    with pytest.raises(ValueError, match=r"got `config` and FSDP2Config fields as keywords \(activation_checkpointing="
+                                         r"True\); give one: `config=config\.replace\(activation_checkpointing=True\)`"):
+        hf_fsdp2.from_pretrained(AutoModelForCausalLM, tmp_path / "hf", FSDP2Config(), activation_checkpointing=True)
+    assert build_on_meta(AutoModelForCausalLM, tmp_path / "hf", use_cache=False).config.use_cache is False

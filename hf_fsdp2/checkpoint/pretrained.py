@@ -9,6 +9,7 @@ the meta device, shards it and loads it, so the full model never exists on any r
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import re
 from pathlib import Path
@@ -133,9 +134,15 @@ def from_pretrained(model_class, directory: str | os.PathLike, config: FSDP2Conf
     float checkpoint (quantization/bnb_4bit.py). `peft_config`: a PEFT config applied before
     sharding (a QLoRA model is built this way); its adapters are initialised by PEFT on rank 0 and
     broadcast, so every rank starts from the same adapter. Returns the `PeftModel` then.
+
+    Other keywords: an `FSDP2Config` field (`ep_size=2`, `activation_checkpointing=True`, ...) is honoured, the
+    config built from those keywords (with `config=` too, refused: give one or the other); the rest go to the
+    model's config as transformers' `from_pretrained` passes them (`dtype`, `use_cache`, ...), and a keyword it does
+    not take is refused by name rather than dropped.
     Collective: call on every rank.
     """
     directory = existing_dir(Path(directory))
+    config = _config_with_keywords(config, model_kwargs)
     torch_dtype = parse_dtype(torch_dtype, "torch_dtype")
     model = build_on_meta(model_class, directory, torch_dtype, **model_kwargs)
     if quantization_config is not None:
@@ -164,6 +171,22 @@ def from_pretrained(model_class, directory: str | os.PathLike, config: FSDP2Conf
     return model
 
 
+_FIELDS = tuple(field.name for field in dataclasses.fields(FSDP2Config))
+
+
+def _config_with_keywords(config: FSDP2Config | None, model_kwargs: dict) -> FSDP2Config | None:
+    """`config`, or one built from the FSDP2Config fields among `model_kwargs` (taken out of it): transformers'
+    config would take them as unknown keys and drop them."""
+    fields = {name: model_kwargs.pop(name) for name in _FIELDS if name in model_kwargs}
+    if not fields:
+        return config
+    if config is not None:
+        given = ", ".join(f"{name}={value!r}" for name, value in fields.items())
+        raise ValueError(f"hf_fsdp2.from_pretrained got `config` and FSDP2Config fields as keywords ({given}); "
+                         f"give one: `config=config.replace({given})`.")
+    return FSDP2Config(**fields)
+
+
 def build_on_meta(model_class, directory: Path, torch_dtype: torch.dtype | None = None, *, config=None,
                   **model_kwargs) -> nn.Module:
     """`model_class` (a model or an Auto class) from `config` or `directory`'s, parameters on the meta device,
@@ -180,16 +203,28 @@ def build_on_meta(model_class, directory: Path, torch_dtype: torch.dtype | None 
             if config is not None:
                 model = model_class(config) if hasattr(model_class, "config_class") else model_class.from_config(config)
             elif hasattr(model_class, "config_class"):  # a model class
-                model = model_class(model_class.config_class.from_pretrained(str(directory), **model_kwargs))
+                model = model_class(_model_config(model_class.config_class, directory, model_kwargs))
             else:  # an Auto class (AutoModelForCausalLM, ...)
                 from transformers import AutoConfig
 
-                model = model_class.from_config(AutoConfig.from_pretrained(str(directory), **model_kwargs))
+                model = model_class.from_config(_model_config(AutoConfig, directory, model_kwargs))
     finally:
         torch.set_default_dtype(previous)
     if torch_dtype is not None:
         _cast_as_transformers_loads(model, torch_dtype)
     return model
+
+
+def _model_config(config_class, directory: Path, model_kwargs: dict):
+    """`directory`'s config with `model_kwargs` set on it; a keyword the config does not take (transformers' config
+    returns it unused, and its from_pretrained would pass it to the model's __init__, which hf_fsdp2 does not
+    call with keywords) is refused by name."""
+    config, unused = config_class.from_pretrained(str(directory), return_unused_kwargs=True, **model_kwargs)
+    if unused:
+        names = ", ".join(f"`{name}`={value!r}" for name, value in unused.items())
+        raise ValueError(f"hf_fsdp2.from_pretrained: {names} is neither an FSDP2Config field nor a setting of "
+                         f"{type(config).__name__}, so nothing would take it; leave it out.")
+    return config
 
 
 def _cast_as_transformers_loads(model: nn.Module, dtype: torch.dtype) -> None:
