@@ -16,6 +16,8 @@ from .checkpoint import async_save as _async_save  # noqa: E402
 from .runtime import host_allocator as _host_allocator  # noqa: E402
 from .checkpoint.async_save import SaveHandle, wait_pending as wait_for_saves  # noqa: E402
 from .sharding import no_sync  # noqa: E402
+from .sharding import grad_clip as _grad_clip  # noqa: E402
+from .sharding.grad_clip import clip_grad_norm_  # noqa: E402
 from .shard import shard_model  # noqa: E402
 from .quantization.bnb_optimizers import prepare as prepare_optimizer  # noqa: E402
 
@@ -55,6 +57,7 @@ def unregister() -> None:
     _trainer_backend.unregister()
     _accelerate_backend.unregister()
     _async_save.unregister()
+    _grad_clip.unregister()
     _host_allocator.release()  # the planner's glibc lever, if it pulled it (runtime/host_allocator.py)
 
 
@@ -64,6 +67,7 @@ __all__ = [
     "FSDP2Config",
     "SaveHandle",
     "build_mesh",
+    "clip_grad_norm_",
     "from_pretrained",
     "init_distributed",
     "latest_state",

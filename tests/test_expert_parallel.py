@@ -485,3 +485,116 @@ def test_estimate_counts_each_ranks_experts_and_the_token_exchange(tmp_path, cap
                  "--seq-len", "16"]) == 0
     out = capsys.readouterr().out
     assert "experts over ep 2 x efsdp 2" in out and "all-to-all: one token exchange" in out
+
+
+# Issue 65: what EP left to the user on 2 ranks (one run: generation, from_pretrained's keywords, clipping,
+# merging, ignored_modules).
+PROMPTS = [torch.tensor([[5, 9, 13, 17]]), torch.tensor([[3, 6, 9, 12]])]  # one per rank
+NEW_TOKENS, MAX_NORM = 12, 0.05
+
+
+def _greedy(model, ids, eos=None):
+    with torch.no_grad():
+        return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
+                              do_sample=False, eos_token_id=eos, pad_token_id=0)
+
+
+def _refused(call) -> str | None:
+    try:
+        call()
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+def _issue65_rank(rank, world, directory, eos):
+    import hf_fsdp2
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+    from transformers import AutoModelForCausalLM
+
+    out = {"refusals": {}}
+    refusals = out["refusals"]
+    # FSDP2Config fields as keywords: honoured (transformers' config would drop them), or refused by name
+    refusals["config_and_keyword"] = _refused(lambda: hf_fsdp2.from_pretrained(
+        AutoModelForCausalLM, directory, FSDP2Config(), ep_size=2))
+    refusals["unknown_keyword"] = _refused(lambda: hf_fsdp2.from_pretrained(
+        AutoModelForCausalLM, directory, ep_sise=2))
+    model = hf_fsdp2.from_pretrained(AutoModelForCausalLM, directory, ep_size=2, activation_checkpointing=True,
+                                     progress=False)
+    out["mesh"] = model.model.layers[0].mlp.experts.gate_up_proj.device_mesh.mesh_dim_names
+    out["checkpointed"] = all(isinstance(layer, CheckpointWrapper) for layer in model.model.layers)
+    # generate(): this rank's prompt; one rank's sequence ends at `eos` after 2 tokens, the other's runs 12
+    model.eval()
+    out["generated"] = _greedy(model, PROMPTS[rank], eos)
+    refusals["unsynced"] = _refused(lambda: model.generate(input_ids=PROMPTS[rank], max_new_tokens=2,
+                                                           synced_gpus=False))
+    # clipping: torch's refuses by name, ours gives one process's norm and update
+    model.train()
+    ids = local_rows(batches(1)[0], rank, world)
+    model(input_ids=ids, labels=ids).loss.backward()
+    refusals["torch_clip"] = _refused(lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM))
+    out["norm"] = hf_fsdp2.clip_grad_norm_(model, MAX_NORM).item()
+    torch.optim.SGD(model.parameters(), lr=1.0).step()
+    out["weights"] = {name.replace("._checkpoint_wrapped_module", ""): _full(p).detach().clone()
+                      for name, p in model.named_parameters()}
+    # merge_and_unload / merge_adapter with LoRA on split experts: refused before anything changes
+    peft_model = with_lora(build_moe(), "qwen3_moe", "experts")
+    shard_model(peft_model, FSDP2Config(ep_size=2))
+    before = global_mean(peft_model(input_ids=ids, labels=ids).loss)
+    refusals["merge_and_unload"] = _refused(peft_model.merge_and_unload)
+    refusals["merge_adapter"] = _refused(peft_model.merge_adapter)
+    out["intact"] = global_mean(peft_model(input_ids=ids, labels=ids).loss) == before
+    # ignored_modules that take in the experts: EP would split them all the same
+    refusals["ignored_experts"] = _refused(lambda: shard_model(build_moe(), FSDP2Config(
+        ep_size=2, ignored_modules=r"model\.layers\.1\.mlp\.experts")))
+    return out
+
+
+def test_ep_generation_clipping_keywords_merging_and_ignored_modules_on_two_ranks(tmp_path):
+    """Issue 65 on 2 ranks. generate() where one rank's sequence stops early (EOS after 2 tokens, 12 on the
+    other): each rank's tokens are one process's for its prompt, no hang (every rank keeps stepping through the
+    experts' all-to-alls: synced_gpus; `synced_gpus=False` refused). `hf_fsdp2.from_pretrained(..., ep_size=2,
+    activation_checkpointing=True)` splits and checkpoints (keywords transformers' config would drop); with
+    `config=` too, or an unknown keyword, refused by name. torch's clip_grad_norm_ refuses gradients on two meshes
+    naming hf_fsdp2.clip_grad_norm_, which gives one process's norm and update. merge_and_unload()/merge_adapter()
+    with LoRA on split experts, and `ignored_modules` taking in experts, refused by name."""
+    from transformers import AutoModelForCausalLM
+
+    build_moe().save_pretrained(tmp_path / "src")
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path / "src").eval()
+    free = [_greedy(reference, ids)[0, ids.shape[1]:].tolist() for ids in PROMPTS]
+    eos = next(t for t in free[0][1:] if t not in free[1])  # rank 0's 2nd token or later, never rank 1's
+    expected = [_greedy(reference, ids, eos) for ids in PROMPTS]
+    assert expected[0].shape[1] - PROMPTS[0].shape[1] < NEW_TOKENS == expected[1].shape[1] - PROMPTS[1].shape[1]
+
+    out = run_ranks(_issue65_rank, 2, str(tmp_path / "src"), eos, timeout=300, pg_timeout=60)
+    for rank, result in enumerate(out):
+        assert torch.equal(result["generated"], expected[rank]), (rank, result["generated"], expected[rank])
+        assert result["mesh"] == ("efsdp", "ep") and result["checkpointed"]
+
+    # one process: the mean of the ranks' losses, torch's clipping, the same SGD step
+    reference.train()
+    ids = batches(1)[0]
+    loss = sum(reference(input_ids=local_rows(ids, r, 2), labels=local_rows(ids, r, 2)).loss for r in range(2)) / 2
+    loss.backward()
+    norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), MAX_NORM).item()
+    torch.optim.SGD(reference.parameters(), lr=1.0).step()
+    assert norm > MAX_NORM and all(r["norm"] == pytest.approx(norm, rel=1e-5) for r in out)
+    for name, value in reference.named_parameters():
+        torch.testing.assert_close(out[0]["weights"][name], value.detach(), rtol=1e-5, atol=1e-6, msg=name)
+
+    refusals = out[0]["refusals"]
+    assert out[1]["refusals"] == refusals and all(refusals.values()), refusals
+    assert re.search(r"got `config` and FSDP2Config fields as keywords \(ep_size=2\).*config\.replace\(ep_size=2\)",
+                     refusals["config_and_keyword"])
+    assert "`ep_sise`=2 is neither an FSDP2Config field nor a setting of Qwen3MoeConfig" in refusals["unknown_keyword"]
+    assert "`synced_gpus`=False with expert parallelism (`ep_size`=2)" in refusals["unsynced"]
+    assert re.search(r"torch\.nn\.utils\.clip_grad_norm_ cannot combine gradients on 2 device meshes .* use "
+                     r"hf_fsdp2\.clip_grad_norm_\(model, max_norm\)", refusals["torch_clip"])
+    for method in ("merge_and_unload", "merge_adapter"):
+        assert re.search(rf"`{method}\(\)` with LoRA on experts that expert parallelism split \(`ep_size`=2: "
+                         r"model\.layers\.0\.mlp\.experts.*save_pretrained\(model, directory, merge_adapters=True\)",
+                         refusals[method])
+    assert all(r["intact"] for r in out)
+    assert re.search(r"`ignored_modules`='model\\\\.layers\\\\.1\\\\.mlp\\\\.experts' takes in the experts "
+                     r"model\.layers\.1\.mlp\.experts, which `ep_size`=2 splits", refusals["ignored_experts"])

@@ -125,6 +125,10 @@ SEAMS: tuple[Seam, ...] = (
     # torch.
     Seam("torch.distributed.destroy_process_group", PATCHED, "checkpoint/async_save.py",
          "a background save still needs its agreement group: wait for it before the groups go"),
+    Seam("torch.nn.utils.clip_grad_norm_", PATCHED, "sharding/grad_clip.py",
+         "once a model is split by expert parallelism, a call on gradients of several device meshes (which torch "
+         "cannot combine: a DTensor mesh error) is refused naming hf_fsdp2.clip_grad_norm_; every other call is "
+         "torch's, unchanged (group \"grad-clip\")"),
     Seam("torch.nn.Module.register_parameter", SCOPED, "checkpoint/pretrained.py",
          "build a model with parameters on meta but real buffers (rotary inv_freq is not in checkpoints)"),
     Seam("torch.distributed.fsdp._fully_shard._fully_shard.fully_shard", CLASS_SWAPPED,
@@ -153,6 +157,11 @@ SEAMS: tuple[Seam, ...] = (
          "sharding/expert_lora.py",
          "the EP forward that transformers installs on split experts runs, with LoRA, on each rank's rows plus the "
          "delta of those experts only", where_present=True),
+    Seam("peft.tuners.tuners_utils.BaseTuner.merge_and_unload", INSTANCE_WRAPPED, "sharding/expert_lora.py",
+         "on a model whose split experts (ep_size > 1) carry LoRA, refused by name before PEFT merges a module: "
+         "each rank holds only its experts' rows (save_pretrained(merge_adapters=True) writes the merged model)"),
+    Seam("peft.tuners.tuners_utils.BaseTuner.merge_adapter", INSTANCE_WRAPPED, "sharding/expert_lora.py",
+         "the same for merge_adapter()"),
     Seam("transformers.generation.utils.GenerationMixin.generate", INSTANCE_WRAPPED, "sharding/generation.py",
          "on a model hf_fsdp2 sharded, each group is gathered once per generate() call, not once per token"),
     Seam("torch.distributed.tensor.experimental._context_parallel._attention.custom_ops", REGISTERED,

@@ -19,8 +19,9 @@ The adapters (`lora_A`/`lora_B`, small: r x E rows) stay whole in their layer's 
 A rank's gradient holds only its experts' slices, from every token its EP group sent them; FSDP2's mean over all
 ranks sums each slice over the ranks that hold its expert: the one-process gradient.
 
-Not done, refused by name: merged adapters (`merge_adapter()`) on split experts, mixed-adapter batches
-(PEFT refuses those for `ParamWrapper` itself).
+Not done, refused by name: merged adapters (`merge_adapter()`, `merge_and_unload()`: refused before PEFT changes
+a module, `refuse_merging`) on split experts, mixed-adapter batches (PEFT refuses those for `ParamWrapper` itself).
+`hf_fsdp2.save_pretrained(model, dir, merge_adapters=True)` writes the merged model, gather-free.
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ from ..runtime import upstream
 WRAPPER_FORWARD = "peft.tuners.lora.layer.ParamWrapper.forward"
 EP_FORWARD = "transformers.distributed.expert_parallel.EpDispatchExpertsParallel.install_forward"
 PARAMETERS = "torch.nn.Module._parameters"
+MERGES = {"merge_and_unload": "peft.tuners.tuners_utils.BaseTuner.merge_and_unload",
+          "merge_adapter": "peft.tuners.tuners_utils.BaseTuner.merge_adapter"}
 
 
 def _is_param_wrapper(module: nn.Module) -> bool:
@@ -100,6 +103,28 @@ def install(experts_modules: list[nn.Module], wrappers: list[nn.Module], ep_mesh
                                           _with_local_adapters, chain, experts, ep_rank, ep_forward))
 
 
+def refuse_merging(peft_model: nn.Module, base: nn.Module, experts_names: list[str], ep_size: int) -> None:
+    """PEFT's merges (`merge_and_unload()`, `merge_adapter()`, reached through the `PeftModel` from its tuner)
+    refused by name on a model whose split experts carry LoRA: each rank holds only its experts' rows, which
+    PEFT's merge adds a whole-model delta to (a DTensor mesh error). Refused before PEFT changes anything: it
+    merges and unloads module by module, a layer's attention before its experts."""
+    adapted = [name for name in experts_names if adapter_chain(base.get_submodule(name))[0]]
+    if not adapted:
+        return
+    for method, target in MERGES.items():
+        upstream.wrap_instance_method(peft_model.base_model, method, target,
+                                      lambda original, method=method: functools.partial(
+                                          _refuse_merge, method, adapted, ep_size))
+
+
+def _refuse_merge(method: str, adapted: list[str], ep_size: int, *args, **kwargs):
+    raise ValueError(f"`{method}()` with LoRA on experts that expert parallelism split (`ep_size`={ep_size}: "
+                     f"{', '.join(adapted[:2])}{', ...' if len(adapted) > 2 else ''}) is not done in hf_fsdp2: each "
+                     "rank holds only its own experts' rows. Write the merged model with "
+                     "hf_fsdp2.save_pretrained(model, directory, merge_adapters=True) (gather-free; it loads with "
+                     "transformers' from_pretrained), and keep the adapters unmerged here.")
+
+
 def _call_experts(experts: nn.Module, x, *args, **kwargs):
     """The outermost `ParamWrapper`'s forward: the experts module, which applies the adapters itself."""
     if kwargs.get("adapter_names") is not None:  # as PEFT's ParamWrapper refuses them
@@ -157,4 +182,4 @@ def _with_local_adapters(chain: list[nn.Module], experts: nn.Module, ep_rank: in
             upstream.set_entry(experts, "_parameters", name, weight, PARAMETERS)
 
 
-__all__ = ["adapter_chain", "install", "plan_through_adapters", "unwrapped_name"]
+__all__ = ["adapter_chain", "install", "plan_through_adapters", "refuse_merging", "unwrapped_name"]

@@ -30,8 +30,12 @@ PEFT LoRA on the linear layers (attention, a shared expert, dense MLPs) trains w
 in their own groups; LoRA on the fused experts themselves (`target_parameters`) is applied on each rank's
 rows by sharding/expert_lora.py (EP is applied to the module PEFT's wrappers adapt).
 
+Every forward exchanges tokens, so `generate()` keeps the ranks stepping together (`synced_gpus`,
+sharding/generation.py). The experts' gradients are on the expert mesh, the rest on the dense one: torch's
+`clip_grad_norm_` cannot combine them and refuses by name; `hf_fsdp2.clip_grad_norm_` does (sharding/grad_clip.py).
+
 Not done, refused by name when asked for: HSDP replicas, tensor or context parallelism, 4-bit or FP8
-experts, compile, CPU or activation offload.
+experts, compile, CPU or activation offload, `ignored_modules` that take in experts.
 A model on the meta device (`hf_fsdp2.from_pretrained`) is split the same way before anything is
 allocated, and each rank reads its experts' rows only.
 """
@@ -42,7 +46,8 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from ..runtime import collectives
-from . import expert_lora, parallel_plans
+from . import expert_lora, grad_clip, parallel_plans
+from .groups import ignored_parameters
 from .model_parts import ModelParts
 
 EP_DIM, EFSDP_DIM = "ep", "efsdp"
@@ -126,13 +131,30 @@ def apply_expert_parallel(parts: ModelParts, config, mesh: DeviceMesh) -> tuple[
     from transformers.distributed.expert_parallel import apply_expert_parallelism
 
     plan = resolved_plan(parts.base, mesh.size(), config.ep_size)
+    names = [name for name, style in plan.items() if style == DISPATCH_STYLE]
+    _refuse_ignored_experts(parts, config, {name: parts.base.get_submodule(name) for name in names})
     experts_mesh = expert_mesh(mesh, config.ep_size)
     apply_expert_parallelism(parts.base, experts_mesh[EP_DIM], _batch_mesh(mesh), plan)
-    names = [name for name, style in plan.items() if style == DISPATCH_STYLE]
     experts = [parts.base.get_submodule(name) for name in names]
     expert_lora.install(experts, [parts.base.get_submodule(expert_lora.unwrapped_name(name)) for name in names],
                         experts_mesh[EP_DIM])
+    if parts.has_peft:
+        expert_lora.refuse_merging(parts.model, parts.base, [expert_lora.unwrapped_name(name) for name in names],
+                                   config.ep_size)
+    grad_clip.refuse_in_torch()  # torch's clip_grad_norm_ cannot combine the expert and dense meshes' gradients
     return experts, experts_mesh
+
+
+def _refuse_ignored_experts(parts: ModelParts, config, experts: dict[str, nn.Module]) -> None:
+    """`ignored_modules` keeps modules out of FSDP2 whole on every rank; experts that EP splits cannot be: refused
+    by name before the split (transformers' `apply_expert_parallelism` would split them all the same)."""
+    ignored = ignored_parameters(parts.model, config.ignored_modules)
+    hit = [name for name, module in experts.items() if any(p in ignored for p in module.parameters())]
+    if hit:
+        raise ValueError(f"`ignored_modules`={config.ignored_modules!r} takes in the experts {', '.join(hit[:3])}"
+                         f"{', ...' if len(hit) > 3 else ''}, which `ep_size`={config.ep_size} splits over the EP "
+                         "ranks (expert parallelism cannot leave them whole); keep the experts out of "
+                         "`ignored_modules`, or leave ep_size at 1.")
 
 
 def shard_experts(experts: nn.Module, experts_mesh: DeviceMesh, data_parallel_size: int, fully_shard,

@@ -10,7 +10,9 @@ execution order while their gathered bytes fit in a fraction of the memory free 
 ranks: every rank must gather the same groups); the rest gather per token as before. When every
 group is kept, transformers' per-token end-of-sequence all-reduce (`synced_gpus`) is turned off
 unless the caller set it: nothing collective is left in the decoding loop, so a rank whose sequences
-end first returns while the others go on.
+end first returns while the others go on. Under expert parallelism every forward exchanges tokens between
+ranks, so `synced_gpus` is turned on instead (every rank steps until all are done; `synced_gpus=False` is
+refused by name).
 
 `shard_model` wraps the model instance's `generate` (runtime/upstream.py seam
 `GenerationMixin.generate`), so transformers' `generate`, TRL's `unwrap_model_for_generation` (which
@@ -47,6 +49,9 @@ def wrap_generate(model: nn.Module) -> None:
 def _generate(model: nn.Module, original):
     @functools.wraps(original)
     def generate(*args, **kwargs):
+        ep_size = _expert_parallel_size(model)
+        if ep_size > 1:  # before anything collective: a refusal leaves every rank where it was
+            kwargs["synced_gpus"] = _synced_for_experts(kwargs.get("synced_gpus"), ep_size)
         with gathered_for_generation(model) as kept, compute_cast.cast_once(model), _traced_kept(model) as traced:
             if kwargs.get("synced_gpus") is None and len(kept) == len(_groups(model)) and traced is not False:
                 # transformers turns `synced_gpus` on for FSDP models (generation/utils.py: it checks
@@ -57,6 +62,26 @@ def _generate(model: nn.Module, original):
                 kwargs["synced_gpus"] = False
             return original(*args, **kwargs)
     return generate
+
+
+def _expert_parallel_size(model: nn.Module) -> int:
+    from .record import record_of
+
+    record = record_of(model)
+    return record.config.ep_size if record is not None and record.config is not None else 1
+
+
+def _synced_for_experts(synced_gpus: bool | None, ep_size: int) -> bool:
+    """Expert parallelism: every forward exchanges tokens with the other ranks of the EP group (two all-to-alls
+    per MoE layer, sharding/expert_parallel.py), so every rank must run as many forwards as the slowest. That is
+    transformers' `synced_gpus=True` (generation/utils.py `_has_unfinished_sequences`: a rank whose sequences
+    ended keeps running forwards, its tokens not appended, until an all-reduce says every rank is done); each
+    rank's tokens are those it would decode alone."""
+    if synced_gpus is False:
+        raise ValueError(f"`synced_gpus`=False with expert parallelism (`ep_size`={ep_size}): a rank whose sequences "
+                         "end first would stop joining the experts' all-to-alls and the others would wait forever; "
+                         "leave `synced_gpus` unset (hf_fsdp2 sets it to True for this model).")
+    return True
 
 
 @contextlib.contextmanager
