@@ -16,7 +16,7 @@ import torch
 from hf_fsdp2 import FSDP2Config
 
 from .common import build_model
-from .dist_harness import accelerate_launch, free_port
+from .dist_harness import accelerate_launch, free_port, run_ranks
 from .launched_runs import launch, launch_forked, reference_losses
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -133,6 +133,124 @@ def test_a_trained_adapter_loaded_before_prepare_under_deferred_loading_is_kept(
                                                                   is_trainable=True))
     assert trained[0] != pytest.approx(reference_losses(1)[0], abs=1e-3)  # the adapter matters
     assert out["losses"] == pytest.approx(trained, abs=1e-4)
+
+
+def test_weights_loaded_into_a_deferred_model_before_prepare_are_kept(tmp_path):
+    """Issue 65: on the deferred model (meta until prepare) `model.load_state_dict(other_weights)` copied into meta
+    tensors (a no-op) and prepare read the directory's weights over it; an adapter's `modules_to_save` copy
+    (lm_head) was read from the directory as PEFT's fresh copy. Every value loaded before prepare is now kept and
+    written over the directory's rows: the losses are one process's with those weights and that adapter."""
+    from peft import PeftModel
+    from safetensors.torch import save_file
+
+    from .common import lora
+
+    build_model().save_pretrained(tmp_path / "base")
+    save_file(build_model(seed=1).state_dict(), tmp_path / "other.safetensors")
+    trained = lora(build_model(), modules_to_save=["lm_head"])
+    with torch.no_grad():  # a trained head: it differs from the directory's lm_head
+        trained.base_model.model.lm_head.modules_to_save["default"].weight.mul_(1.5)
+    trained.save_pretrained(tmp_path / "adapter")
+    out = launch_forked("fsdp2.yaml", 2, tmp_path / "a.json", "--steps", "2", "--from-pretrained",
+                        str(tmp_path / "base"), "--load-weights", str(tmp_path / "other.safetensors"),
+                        "--adapter", str(tmp_path / "adapter"), launch_args=RAM_EFFICIENT, env=AUTO_AMPLE)
+    assert out["loaded_on_meta_everywhere"] is True
+    expected = reference_losses(2, model=PeftModel.from_pretrained(build_model(seed=1), tmp_path / "adapter",
+                                                                   is_trainable=True))
+    assert out["losses"] == pytest.approx(expected, abs=1e-4)
+
+
+def test_an_in_place_change_to_a_deferred_model_before_prepare_is_refused_by_name(tmp_path):
+    """Issue 65: an in-place edit of a weight on the meta device (lm_head zeroed) is lost there, and prepare read the
+    directory's weights: it trained the base silently. Prepare now refuses it, naming the weight and the way out."""
+    build_model().save_pretrained(tmp_path / "base")
+    with pytest.raises(AssertionError, match=r"lm_head.weight.*changed in place before accelerator.prepare"):
+        launch_forked("fsdp2.yaml", 2, tmp_path / "a.json", "--steps", "1", "--from-pretrained",
+                      str(tmp_path / "base"), "--zero-lm-head", launch_args=RAM_EFFICIENT, env=AUTO_AMPLE)
+
+
+def _changed_before_prepare(rank, world, base, other):
+    """Each change to a deferred model before prepare, then prepare's fill (loading.Deferred): the full tensors."""
+    from peft import LoraConfig, get_peft_model
+    from safetensors.torch import load_file
+    from torch.distributed.tensor import DTensor
+    from transformers import AutoModelForCausalLM
+
+    from hf_fsdp2 import FSDP2Config
+    from hf_fsdp2.checkpoint import loading
+    from hf_fsdp2.integrations import deferred_load
+
+    head = LoraConfig(r=2, target_modules=["q_proj"], modules_to_save=["lm_head"])
+    changes = {
+        "modules_to_save of a fresh adapter": lambda m: get_peft_model(m, head),
+        "weights loaded, then an adapter": lambda m: (m.load_state_dict(load_file(other)), get_peft_model(m, head))[1],
+        "weights assigned": lambda m: (m.load_state_dict(load_file(other), assign=True), m)[1],
+        "a new Parameter": lambda m: (setattr(m.lm_head, "weight", torch.nn.Parameter(torch.zeros(128, 64))), m)[1],
+    }
+    out = {}
+    for what, change in changes.items():
+        model = change(deferred_load.load_on_meta(AutoModelForCausalLM, base, (), {}))
+        deferred_load.keep_changes(model)  # as Accelerate's prepare calls it
+        fill = loading.Deferred(base)
+        loading.shard_and_fill(model, loading.plan_for(model, FSDP2Config(), fill), fill)
+        out[what] = {n: (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+                     for n, t in model.state_dict().items()}
+    return out
+
+
+def test_every_change_given_to_a_deferred_model_before_prepare_is_what_prepare_leaves(tmp_path):
+    """Issue 65: what a deferred model (meta until prepare) was given before prepare, by load, assignment or PEFT's
+    modules_to_save, is what the prepared model holds, tensor for tensor as one process has it (the LoRA factors
+    aside: PEFT initialises them at random). The `original_module` PEFT keeps beside a modules_to_save copy (run
+    by `disable_adapter()`) was left uninitialised; it holds the loaded layer now."""
+    from peft import LoraConfig, get_peft_model
+    from safetensors.torch import load_file, save_file
+
+    build_model().save_pretrained(tmp_path / "base")
+    save_file(build_model(seed=1).state_dict(), tmp_path / "other.safetensors")
+    got = run_ranks(_changed_before_prepare, 2, tmp_path / "base", tmp_path / "other.safetensors")[0]
+    other = load_file(tmp_path / "other.safetensors")
+    head = LoraConfig(r=2, target_modules=["q_proj"], modules_to_save=["lm_head"])
+    zero_head = build_model()
+    zero_head.lm_head.weight = torch.nn.Parameter(torch.zeros(128, 64))
+    expected = {
+        "modules_to_save of a fresh adapter": get_peft_model(build_model(), head),
+        "weights loaded, then an adapter": get_peft_model((lambda m: (m.load_state_dict(other), m)[1])(build_model()),
+                                                          head),
+        "weights assigned": build_model(seed=1),
+        "a new Parameter": zero_head,
+    }
+    wrong = {}
+    for what, model in expected.items():
+        want = {n: t for n, t in model.state_dict().items() if ".lora_" not in n}
+        assert want.keys() <= got[what].keys(), what
+        wrong[what] = [n for n, t in want.items() if not torch.equal(got[what][n], t)]
+    assert wrong == dict.fromkeys(expected, [])
+
+
+def test_an_in_place_change_on_meta_is_refused_at_prepare_and_a_load_is_not(tmp_path):
+    """Issue 65: the version counter of each meta tensor, noted when its values were last known (built, or loaded:
+    kept), tells an in-place change (lost on meta) from none. `keep_changes` (prepare) refuses the first by name."""
+    from transformers import AutoModelForCausalLM
+
+    from hf_fsdp2.integrations import deferred_load
+
+    build_model().save_pretrained(tmp_path)
+    for change in (lambda m: m.lm_head.weight.zero_(), lambda m: torch.nn.init.ones_(m.model.norm.weight),
+                   lambda m: m.model.layers[1].mlp.up_proj.reset_parameters(),
+                   lambda m: (m.load_state_dict(build_model(seed=1).state_dict()), m.lm_head.weight.mul_(2))):
+        model = deferred_load.load_on_meta(AutoModelForCausalLM, tmp_path, (), {})
+        with torch.no_grad():
+            change(model)
+        with pytest.raises(RuntimeError, match=r"(lm_head|norm|up_proj)\.weight: changed in place before "
+                                               r"accelerator.prepare.*load_state_dict"):
+            deferred_load.keep_changes(model)
+    model = deferred_load.load_on_meta(AutoModelForCausalLM, tmp_path, (), {})
+    model.load_state_dict(build_model(seed=1).state_dict())  # torch's copy counts as a change: kept, not refused
+    deferred_load.keep_changes(model)
+    from hf_fsdp2.sharding import record_of
+
+    assert torch.equal(record_of(model).deferred_values["lm_head.weight"], build_model(seed=1).lm_head.weight)
 
 
 def test_a_deferred_model_used_before_prepare_fails_naming_the_deferral(tmp_path):

@@ -7,7 +7,7 @@ one object), then `shard_and_fill` with one of the ways a sharded model gets its
 - `FromDirectory(path)`: each rank reads its own rows of a Hugging Face directory (`hf_fsdp2.from_pretrained`,
   `load_pretrained`);
 - `Deferred(path)`: a model transformers' `from_pretrained` built on meta (integrations/deferred_load.py):
-  adapters PEFT added initialised (or the values loaded before prepare restored), then the directory's rows.
+  adapters PEFT added initialised, the directory's rows, then the values given to it before prepare.
 
 Every loader of hf_fsdp2 goes through here: `hf_fsdp2.from_pretrained` (checkpoint/pretrained.py) and
 Accelerate's prepare (integrations/accelerate.py).
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from pathlib import Path
 
 import torch
@@ -27,10 +28,10 @@ from ..quantization import quantized
 from ..runtime import collectives, upstream
 from ..runtime.distributed import local_tensor
 from ..shard import Layout, plan
-from ..sharding import engine, record_of
+from ..sharding import canonical_name, engine, record_of
 from ..sharding.model_parts import ModelParts, model_parts
 from . import async_save
-from .tensor_export import model_tensors, row_range
+from .tensor_export import block_range, model_tensors, row_range
 from .weights_io import WeightsPlan, existing_dir
 
 INITIALISE = "initialise"
@@ -74,9 +75,10 @@ def shard_and_fill(model: nn.Module, layout: Layout, fill: Fill) -> nn.Module:
     if isinstance(fill, Deferred):
         parts = model_parts(model)
         init_meta_adapters(model, layout.mesh)
-        _restore_adapter_values(parts)
         engine.shard_planned(parts, layout.config, mesh=layout.mesh, init_weights=False)
         read_directory(model, fill.path)
+        _fill_peft_originals(parts)
+        _restore_deferred_values(parts)
         record_of(model).deferred_checkpoint = None
         return model
     if isinstance(fill, FromDirectory):
@@ -127,26 +129,51 @@ def init_meta_adapters(model: nn.Module, mesh) -> None:
                     collectives.broadcast_from_first(param.data, mesh)
 
 
-def _restore_adapter_values(parts: ModelParts) -> None:
-    """The adapter values loaded before prepare (deferred_load's `_keep_adapter_values`) into the adapters, now
-    real: every rank read the same adapter files, so every rank holds the same values, as init's broadcast
-    would give."""
+def _fill_peft_originals(parts: ModelParts) -> None:
+    """PEFT's `modules_to_save` wraps a layer as `original_module` beside its copies (`modules_to_save.<adapter>`),
+    all deep copies of the loaded layer; the directory's read fills the copies under the layer's name and not the
+    original (weights_io: `base_model_name`), which the sharding left uninitialised, and which runs wherever the
+    adapter is disabled (`disable_adapter()`: TRL's reference model). It takes a copy's values, as read."""
+    tensors = {canonical_name(n): t for n, t in [*parts.base.named_parameters(remove_duplicate=False),
+                                                  *parts.base.named_buffers(remove_duplicate=False)]}
+    with torch.no_grad():
+        for name, original in tensors.items():
+            layer, found, rest = name.partition(".original_module.")
+            if not found:
+                continue
+            copy = re.compile(rf"{re.escape(layer)}\.modules_to_save\.[^.]+\.{re.escape(rest)}")
+            source = next((t for n, t in tensors.items() if copy.fullmatch(n)), None)
+            if source is None:
+                continue
+            if block_range(source) != block_range(original):  # one layer, one group: never seen
+                raise ValueError(f"{name}: sharded unlike its modules_to_save copy; it cannot take the copy's rows")
+            local_tensor(original).copy_(local_tensor(source))
+
+
+def _restore_deferred_values(parts: ModelParts) -> None:
+    """The values given to the deferred model before prepare (deferred_load: loaded with `load_state_dict`, or
+    assigned real tensors), written over what the directory and the adapters' init gave: each rank its own block
+    of every tensor. Every rank was given the same values, as init's broadcast or the directory would give."""
     record = record_of(parts)
-    kept = record.deferred_adapter_values
+    kept = record.deferred_values
     if not kept:
         return
-    params = dict(parts.base.named_parameters())
-    missing = sorted(set(kept) - set(params))
+    tensors = {canonical_name(n): t for n, t in [*parts.base.named_parameters(remove_duplicate=False),
+                                                  *parts.base.named_buffers(remove_duplicate=False)]}
+    missing = sorted(set(kept) - set(tensors))
     if missing:
-        raise ValueError(f"adapter weights loaded before prepare name no parameter of the model: {missing[:5]}")
+        raise ValueError(f"weights given to the model before prepare name no tensor of the prepared model: "
+                         f"{missing[:5]}")
     with torch.no_grad():
         for name, value in kept.items():
-            param = params[name]
-            if param.is_meta or tuple(param.shape) != tuple(value.shape):
-                raise ValueError(f"adapter weight {name} loaded before prepare: shape {tuple(value.shape)} does not "
-                                 f"fit the model's {tuple(param.shape)}")
-            param.copy_(value)
-    record.deferred_adapter_values = {}
+            target = tensors[name]
+            if tuple(target.shape) != tuple(value.shape):
+                raise ValueError(f"{name} given before prepare: shape {tuple(value.shape)} does not fit the prepared "
+                                 f"model's {tuple(target.shape)}")
+            start, stop, cols = block_range(target)
+            block = value[start:stop] if value.dim() else value
+            local_tensor(target).copy_(block if cols is None else block[:, cols[0]:cols[1]])
+    record.deferred_values = {}
 
 
 # ---------------------------------------------------------------------------------------------

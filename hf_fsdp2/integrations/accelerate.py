@@ -358,6 +358,8 @@ def _prepare_fsdp2(self, *args):
     upstream.set_state(plugin, "transformer_cls_names_to_wrap", names,
                        "accelerate.utils.dataclasses.FullyShardedDataParallelPlugin.transformer_cls_names_to_wrap")
     deferred = model is not None and deferred_load.deferred_checkpoint(model) is not None
+    if deferred:  # what was changed on the meta model since the load: kept for the fill, or refused by name
+        deferred_load.keep_changes(model)
     optimizer_names = deferred_load.optimizer_parameter_names(args, model) if deferred else None
     if model is not None:  # Accelerate would pass it through: FSDP2 modules are in it
         refuse_parameters_added_after(model)

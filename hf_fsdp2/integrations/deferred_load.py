@@ -14,11 +14,12 @@ hub-only arguments) whose checkpoint holds every weight of
 the model in the shapes it builds. Anything else (other keyword arguments, a hub id, .bin files, keys
 missing from the checkpoint) loads as transformers does, said on rank 0 with the reason. What may happen
 between the load and `prepare` is what transformers' ram-efficient loading already allows on the meta
-ranks: PEFT's `get_peft_model` (adapters initialised at prepare by PEFT, rank 0's broadcast), a saved adapter
-loaded with `PeftModel.from_pretrained` / `AutoPeftModelForCausalLM` (its values kept at the load, restored at
-prepare: `_keep_adapter_values`), gradient
-checkpointing, config changes; anything that needs the weights' values (resizing embeddings, generate)
-does not work before `prepare`.
+ranks: PEFT's `get_peft_model` (adapters initialised at prepare by PEFT, rank 0's broadcast), values given with
+`load_state_dict` (a saved adapter loaded with `PeftModel.from_pretrained` / `AutoPeftModelForCausalLM`, its
+`modules_to_save` too, or other weights: kept at the load, `_keep_loaded_values`) or as real tensors (kept at
+prepare, `keep_changes`), written over the directory's rows at prepare; gradient checkpointing, config changes.
+An in-place change of a weight on meta is lost there: refused by name at prepare. Anything that needs the
+weights' values (resizing embeddings, generate) does not work before `prepare`.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import re
 import weakref
 from pathlib import Path
 
@@ -37,6 +39,7 @@ from ..checkpoint.pretrained import build_on_meta, check_pretrained
 from ..config import parse_dtype
 from ..runtime import collectives, upstream
 from ..sharding import record_of
+from ..sharding.model_parts import model_parts
 
 SEAM = "transformers.modeling_utils.PreTrainedModel.from_pretrained"
 _RESIZE_SEAM = "transformers.modeling_utils.PreTrainedModel.resize_token_embeddings"
@@ -67,8 +70,12 @@ def load_on_meta(model_class, path, args: tuple, kwargs: dict) -> nn.Module | No
             _LOG.warning("hf_fsdp2: %s.from_pretrained(%r) loads the whole checkpoint on every rank (transformers' "
                          "loading): %s.", getattr(model_class, "__name__", model_class), str(path), why)
         return None
-    record_of(model, create=True).deferred_checkpoint = Path(path)
-    model.register_load_state_dict_pre_hook(_keep_adapter_values)
+    record = record_of(model, create=True)
+    record.deferred_checkpoint = Path(path)
+    record.deferred_versions = {id(t): (name, t, t._version) for name, t in _state_tensors(model).items()}
+    loaded: list = []  # (name, tensor) the load in progress gives values to
+    model.register_load_state_dict_pre_hook(functools.partial(_keep_loaded_values, loaded))
+    model.register_load_state_dict_post_hook(functools.partial(_note_loaded_versions, loaded))
     model.register_forward_pre_hook(functools.partial(_not_before_prepare, id(model)))
     # PEFT's LoraModel calls `model.forward(...)` itself (its hooks never run): the input embedding's own
     # call is where every forward of the model passes.
@@ -123,16 +130,80 @@ def _inner_not_before_prepare(embedding_id: int, model_ref, module: nn.Module, a
         _not_before_prepare(id(model), model, args)
 
 
-def _keep_adapter_values(module: nn.Module, state_dict: dict, prefix: str, *args) -> None:
-    """Adapter values loaded into the model before prepare (PEFT's `PeftModel.from_pretrained` or
-    `load_adapter` on it, AutoPeftModelForCausalLM: `load_state_dict` of the adapter's keys), kept for
-    prepare: its adapters are on meta until then, where torch's copy is a no-op, and prepare would
-    initialise them afresh (a trained adapter silently replaced). A `load_state_dict` pre-hook, torch's
-    public API on this one model; the values are the adapter's, small."""
-    kept = record_of(module).deferred_adapter_values
+def _state_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The tensors `load_state_dict` fills, by the names it matches (tied weights under each of their names)."""
+    return model.state_dict(keep_vars=True)
+
+
+def _keep_loaded_values(loaded: list, module: nn.Module, state_dict: dict, prefix: str, *args) -> None:
+    """Values loaded into the deferred model before prepare (`model.load_state_dict(weights)`, PEFT's
+    `PeftModel.from_pretrained` / `load_adapter` / AutoPeftModelForCausalLM: adapters and `modules_to_save`), kept
+    for prepare: torch's copy into a meta tensor is a no-op, and prepare would read the directory's values or
+    initialise adapters afresh (the load silently undone). A `load_state_dict` pre-hook (torch's public API on this
+    one model) sees the keys torch will match; a copy, as torch's load copies, taken for those only (unexpected
+    keys and shape mismatches are torch's to ignore or raise), by tensor: PEFT renames what it wraps."""
+    record = record_of(module)
+    loaded.clear()
+    if record is None or record.deferred_checkpoint is None:  # prepared: a load is torch's own
+        return
+    targets = _state_tensors(module)
     for key, value in state_dict.items():
-        if key.startswith(prefix) and ".lora_" in key and isinstance(value, torch.Tensor):
-            kept[key[len(prefix):]] = value.detach().to("cpu", copy=True)
+        name = key[len(prefix):]
+        target = targets.get(name)
+        if key.startswith(prefix) and isinstance(value, torch.Tensor) and target is not None \
+                and tuple(value.shape) == tuple(target.shape):
+            record.deferred_loaded[id(target)] = (target, value.detach().to("cpu", copy=True), name)
+            loaded.append((name, target))
+
+
+def _note_loaded_versions(loaded: list, module: nn.Module, incompatible_keys) -> None:
+    """After a load: the loaded tensors' values are known again (kept), at their current version counter (torch's
+    copy into them counted one change)."""
+    record = record_of(module)
+    if record is not None and record.deferred_checkpoint is not None:
+        for name, target in loaded:
+            record.deferred_versions[id(target)] = (name, target, target._version)
+    loaded.clear()
+
+
+# PEFT's wrapping in a name: `q_proj.base_layer.weight`, `lm_head.original_module.weight`,
+# `lm_head.modules_to_save.default.weight` are all `q_proj.weight` / `lm_head.weight` of the model as loaded.
+_PEFT_WRAPPING = re.compile(r"(\.(base_layer|original_module|modules_to_save\.[^.]+))+\.")
+
+
+def keep_changes(model: nn.Module) -> None:
+    """At prepare, before anything touches the deferred model: what was changed since the load survives it or is
+    refused by name. The values given to it, by the names its tensors have now (`record.deferred_values`, which
+    the fill writes over the directory's rows): a parameter given real values (`load_state_dict(...,
+    assign=True)`, a new `nn.Parameter`) as it is; a tensor loaded into on meta, the values kept at the load; a
+    `modules_to_save` copy PEFT made of a layer after weights were loaded into it, those (PEFT deep-copies the
+    layer: one process's copy holds the loaded values). A tensor still on meta whose version
+    counter moved since its values were last known (an in-place edit: `weight.zero_()`, an `nn.init` call, a
+    module's `reset_parameters`) lost that change on meta: refused by name. (A change in place through `.data` has
+    a version counter of its own: torch cannot tell it from no change.)"""
+    record = record_of(model)
+    changed = sorted({name for name, tensor, version in record.deferred_versions.values()
+                      if tensor.is_meta and tensor._version != version})
+    if changed:
+        raise RuntimeError(
+            f"{', '.join(changed[:5])}{' ...' if len(changed) > 5 else ''}: changed in place before "
+            "accelerator.prepare, while hf_fsdp2 deferred loading the weights to prepare (shard_size='auto' with "
+            "fsdp_cpu_ram_efficient_loading builds the model on the meta device, where an in-place change is lost). "
+            "Make the change after prepare, give the values with model.load_state_dict(...) (kept for prepare), or "
+            "load the model without ram-efficient loading.")
+    values, copied_from = {}, {}
+    for name, tensor in _state_tensors(model_parts(model).base).items():
+        kept = record.deferred_loaded.get(id(tensor))
+        if isinstance(tensor, nn.Parameter) and not tensor.is_meta:  # the sharding replaces it: this reference
+            values[name] = tensor.detach()  # keeps its values until the fill
+        elif kept is not None and kept[0] is tensor:
+            values[name] = kept[1]
+            if kept[2] == _PEFT_WRAPPING.sub(".", kept[2]):  # loaded before PEFT wrapped its layer
+                copied_from[_PEFT_WRAPPING.sub(".", name)] = kept[1]
+    for name in _state_tensors(model_parts(model).base):
+        if name not in values and ".modules_to_save." in name and _PEFT_WRAPPING.sub(".", name) in copied_from:
+            values[name] = copied_from[_PEFT_WRAPPING.sub(".", name)]
+    record.deferred_loaded, record.deferred_versions, record.deferred_values = {}, {}, values
 
 
 def _try_meta(model_class, path, args: tuple, kwargs: dict) -> tuple[nn.Module | None, str]:
@@ -201,5 +272,5 @@ def repoint_optimizers(result: tuple, names: list[list[list[str]]]) -> None:
             group["params"] = [prepared[n] for n in canonical]
 
 
-__all__ = ["SEAM", "deferred_checkpoint", "load_on_meta", "optimizer_parameter_names", "ram_efficient_fsdp2",
-           "repoint_optimizers"]
+__all__ = ["SEAM", "deferred_checkpoint", "keep_changes", "load_on_meta", "optimizer_parameter_names",
+           "ram_efficient_fsdp2", "repoint_optimizers"]

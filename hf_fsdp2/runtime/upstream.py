@@ -270,6 +270,8 @@ PRIVATE: tuple[Private, ...] = (
             since=(5, 23)),  # with transformers' EP (sharding/expert_parallel.py require_available)
     Private("torch.distributed.tensor.placement_types", "_StridedShard", "checkpoint/tensor_export.py"),
     Private("torch.distributed.checkpoint.filesystem", "_StorageInfo", "checkpoint/convert.py"),
+    # torch: a tensor's version counter (bumped by every in-place op, on meta too): a deferred model's lost change
+    Private("torch", "Tensor._version", "integrations/deferred_load.py"),
     # torch: nn.Module internals.
     Private("torch.nn", "Module._parameters", f"sharding/engine.py, {_CC}, checkpoint/loading.py, "
             "checkpoint/pretrained.py, quantization/bnb_4bit.py, sharding/expert_lora.py", instance=True),

@@ -39,8 +39,13 @@ class ShardedModel:
     compute_cast: Any = None  # sharding/compute_cast.py's state, when DDP's reducer trains with a param_dtype cast
     gather: Any = None  # compile="model": compiled_collectives' parameter gather (its generation cache)
     deferred_checkpoint: Any = None  # integrations/deferred_load.py: a directory prepare() reads each rank's rows from
-    # integrations/deferred_load.py: adapter values loaded into the meta model before prepare, name -> tensor
-    deferred_adapter_values: dict = dataclasses.field(default_factory=dict)
+    # integrations/deferred_load.py, for a model on meta until prepare: values loaded into it (id -> (tensor,
+    # value)); each meta tensor's version counter when its values were last known (id -> (name, tensor, version)):
+    # an in-place change after that is lost on meta; and at prepare, every value given to it (loaded or assigned)
+    # by the name it has then (name -> value), written over the directory's rows (checkpoint/loading.py)
+    deferred_loaded: dict = dataclasses.field(default_factory=dict)
+    deferred_versions: dict = dataclasses.field(default_factory=dict)
+    deferred_values: dict = dataclasses.field(default_factory=dict)
     # the transformers model's parameter names once sharded: one added later is in no group (note_parameters)
     parameter_names: frozenset | None = None
 

@@ -37,6 +37,9 @@ parser.add_argument("--fsdp2-config", default="{}", help="with --hf-fsdp2-from-p
 parser.add_argument("--load-in-4bit", action="store_true", help="with --from-pretrained: stock bitsandbytes 4-bit load")
 parser.add_argument("--fsdp-size", type=int, help="with --from-pretrained: transformers shards it at load "
                     "(DistributedConfig(fsdp_size=N))")
+parser.add_argument("--load-weights", help="with --from-pretrained: model.load_state_dict(safetensors file) right after "
+                    "the load (on a deferred model: before prepare)")
+parser.add_argument("--zero-lm-head", action="store_true", help="zero lm_head's weight in place before prepare")
 parser.add_argument("--scramble-other-ranks", action="store_true",
                     help="every rank but 0 changes its loaded weights before prepare (fsdp_cpu_ram_efficient_loading "
                          "must give every shard rank 0's)")
@@ -84,6 +87,10 @@ if args.from_pretrained:
     if torch.distributed.is_initialized():
         torch.distributed.all_reduce(on_meta, op=torch.distributed.ReduceOp.MIN)
     loaded_on_meta_everywhere = bool(on_meta.item())
+    if args.load_weights:
+        from safetensors.torch import load_file
+
+        model.load_state_dict(load_file(args.load_weights))
 elif args.hf_fsdp2_from_pretrained:
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM
@@ -114,6 +121,9 @@ if args.adapter:
     from peft import PeftModel
 
     model = PeftModel.from_pretrained(model, args.adapter, is_trainable=True)
+if args.zero_lm_head:
+    with torch.no_grad():
+        model.get_output_embeddings().weight.zero_()
 if args.scramble_other_ranks and accelerator.process_index != 0:
     with torch.no_grad():
         for p in model.parameters():
