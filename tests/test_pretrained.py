@@ -342,4 +342,6 @@ def test_from_pretrained_keywords_are_honoured_or_refused_by_name(tmp_path):
     with pytest.raises(ValueError, match=r"got `config` and FSDP2Config fields as keywords \(activation_checkpointing="
                                          r"True\); give one: `config=config\.replace\(activation_checkpointing=True\)`"):
         hf_fsdp2.from_pretrained(AutoModelForCausalLM, tmp_path / "hf", FSDP2Config(), activation_checkpointing=True)
+    with pytest.raises(TypeError, match=r"`config` must be an FSDP2Config \(how to shard\), got LlamaConfig"):
+        hf_fsdp2.from_pretrained(LlamaForCausalLM, tmp_path / "hf", config=build_model().config)
     assert build_on_meta(AutoModelForCausalLM, tmp_path / "hf", use_cache=False).config.use_cache is False

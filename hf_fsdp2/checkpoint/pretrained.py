@@ -177,6 +177,9 @@ _FIELDS = tuple(field.name for field in dataclasses.fields(FSDP2Config))
 def _config_with_keywords(config: FSDP2Config | None, model_kwargs: dict) -> FSDP2Config | None:
     """`config`, or one built from the FSDP2Config fields among `model_kwargs` (taken out of it): transformers'
     config would take them as unknown keys and drop them."""
+    if config is not None and not isinstance(config, FSDP2Config):
+        raise TypeError(f"`config` must be an FSDP2Config (how to shard), got {type(config).__name__}; the model's "
+                        "own config is read from `directory`, its settings given as keywords (`use_cache=False`).")
     fields = {name: model_kwargs.pop(name) for name in _FIELDS if name in model_kwargs}
     if not fields:
         return config
