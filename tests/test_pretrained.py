@@ -327,6 +327,28 @@ def test_peft_added_after_sharding_is_refused_with_a_route_that_works(tmp_path):
     assert [r["loss"] for r in out] == pytest.approx([expected] * 2, abs=1e-5)
 
 
+def _modules_to_save_worker(rank, world, directory):
+    from peft import LoraConfig
+    from torch.distributed.tensor import DTensor
+
+    model = hf_fsdp2.from_pretrained(AutoModelForCausalLM, directory, FSDP2Config(),
+                                     peft_config=LoraConfig(r=2, target_modules=["q_proj"], modules_to_save=["lm_head"]))
+    return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+            for n, p in model.named_parameters() if "lm_head" in n}
+
+
+def test_from_pretrained_fills_the_layer_peft_keeps_beside_a_modules_to_save_copy(tmp_path):
+    """Issue 65: with `peft_config`'s modules_to_save, PEFT keeps the loaded layer as `original_module` (what runs
+    under `disable_adapter()`) beside its trainable copy; the read filled the copy only, and the original held the
+    uninitialised memory the sharding allocated. Both hold the checkpoint's lm_head now."""
+    build_model().save_pretrained(tmp_path)
+    head = build_model().lm_head.weight
+    got = run_ranks(_modules_to_save_worker, 2, str(tmp_path))[0]
+    assert sorted(got) == ["base_model.model.lm_head.modules_to_save.default.weight",
+                           "base_model.model.lm_head.original_module.weight"]
+    assert all(torch.equal(t, head) for t in got.values())
+
+
 def test_from_pretrained_keywords_are_honoured_or_refused_by_name(tmp_path):
     """Issue 65: `hf_fsdp2.from_pretrained(cls, dir, ep_size=2)` passed the keyword on to transformers' config,
     which drops keys it does not know: no EP, no word (so did `activation_checkpointing=True`). An FSDP2Config

@@ -84,6 +84,7 @@ def shard_and_fill(model: nn.Module, layout: Layout, fill: Fill) -> nn.Module:
     if isinstance(fill, FromDirectory):
         engine.shard_planned(model, layout.config, mesh=layout.mesh, init_weights=False)
         read_directory(model, fill.path, progress=fill.progress)
+        _fill_peft_originals(model_parts(model))  # peft_config's modules_to_save (checkpoint/pretrained.py)
         return model
     raise TypeError(f"no such way to fill a sharded model: {fill!r}")
 
@@ -131,9 +132,10 @@ def init_meta_adapters(model: nn.Module, mesh) -> None:
 
 def _fill_peft_originals(parts: ModelParts) -> None:
     """PEFT's `modules_to_save` wraps a layer as `original_module` beside its copies (`modules_to_save.<adapter>`),
-    all deep copies of the loaded layer; the directory's read fills the copies under the layer's name and not the
-    original (weights_io: `base_model_name`), which the sharding left uninitialised, and which runs wherever the
-    adapter is disabled (`disable_adapter()`: TRL's reference model). It takes a copy's values, as read."""
+    all deep copies of the loaded layer; a read of the base model's directory fills the copies under the layer's
+    name and not the original (weights_io: `base_model_name`), which the sharding left uninitialised, and which
+    runs wherever the adapter is disabled (`disable_adapter()`: TRL's reference model). It takes a copy's values,
+    as read. (After a read of the base checkpoint only: the fills of a meta model, never `load_pretrained`.)"""
     tensors = {canonical_name(n): t for n, t in [*parts.base.named_parameters(remove_duplicate=False),
                                                   *parts.base.named_buffers(remove_duplicate=False)]}
     with torch.no_grad():
