@@ -223,10 +223,19 @@ SEAMS: tuple[Seam, ...] = (
          "_no_split_modules)"),
     # Import hooks (IMPORT_HOOK): the modules whose loader runtime/import_hooks.py wraps, so the Trainer's seams
     # are installed when the script imports them (importing the Trainer costs ~2 s a process).
-    Seam("transformers.training_args", IMPORT_HOOK, "runtime/import_hooks.py",
+    # hf-fsdp2 run's start-up switch (startup/sitecustomize.py) wraps them too, and accelerate's, transformers'
+    # modeling_utils' and TRL's models.utils: register() runs once the outermost of these imports has completed.
+    Seam("transformers.training_args", IMPORT_HOOK, "runtime/import_hooks.py, startup/sitecustomize.py",
          "TrainingArguments' seam installed once the script imports it (integrations/trainer.py)"),
-    Seam("transformers.trainer", IMPORT_HOOK, "runtime/import_hooks.py",
+    Seam("transformers.trainer", IMPORT_HOOK, "runtime/import_hooks.py, startup/sitecustomize.py",
          "the Trainer's seams installed once the script imports it, and again after importlib.reload"),
+    Seam("accelerate", IMPORT_HOOK, "startup/sitecustomize.py",
+         "hf-fsdp2 run: register() once the process has imported Accelerate, not at start-up"),
+    Seam("transformers.modeling_utils", IMPORT_HOOK, "startup/sitecustomize.py",
+         "hf-fsdp2 run: register() patches its from_pretrained, so it waits for this import to complete"),
+    Seam("trl.models.utils", IMPORT_HOOK, "startup/sitecustomize.py",
+         "hf-fsdp2 run: register() patches its prepare_fsdp, so it waits for this import (which imports accelerate) "
+         "to complete"),
 )
 _BY_TARGET = {seam.target: seam for seam in SEAMS}
 
