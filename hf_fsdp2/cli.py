@@ -84,12 +84,16 @@ def _add_config(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--memory-budget", default=None, metavar="SIZE",
                    help="per-rank bytes (e.g. 20GiB) the auto layout must fit (written as HF_FSDP2_SHARD_SIZE=auto "
                         "HF_FSDP2_MEMORY_BUDGET=SIZE for the launch)")
-    p.add_argument("-o", "--output", default=None, help="file to write (default: print it)")
+    p.add_argument("-o", "--output", default=None,
+                   help="file to write (default: print it); refused if it exists (unless --overwrite) or lies inside "
+                        "hf_fsdp2's own folder (a checkout's accelerate_configs/); written whole or not at all, a "
+                        "symlink replaced by the file (its target untouched)")
+    p.add_argument("--overwrite", action="store_true", help="replace OUTPUT if it exists")
     p.set_defaults(handler=_run_config)
 
 
 def _run_config(args: argparse.Namespace) -> int:
-    from .tools.config_writer import write_config
+    from .tools.config_writer import write_config, write_file
 
     model = Path(args.model)
     if not (model / "config.json" if model.is_dir() else model).is_file():
@@ -100,7 +104,7 @@ def _run_config(args: argparse.Namespace) -> int:
     if args.output is None:
         print(text, end="")
     else:
-        Path(args.output).write_text(text)
+        write_file(args.output, text, overwrite=args.overwrite)
         print(f"{args.output}: written, OK for hf_fsdp2 (check-config)", file=sys.stderr)
     return 0
 

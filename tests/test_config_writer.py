@@ -75,3 +75,41 @@ def test_a_config_hf_fsdp2_would_refuse_is_not_written(tmp_path, monkeypatch, ca
     assert "hf_fsdp2 would refuse this config: num_processes" in capsys.readouterr().err
     assert not (tmp_path / "out.yaml").exists()
     assert main(["config", str(tmp_path / "missing")]) != 0
+
+
+def test_the_output_never_replaces_a_file_unasked_nor_reaches_into_the_package(llama, tmp_path, capsys):
+    """Issue 65: `-o` replaced an existing file without a word, wrote through a symlink onto its target, and
+    `-o accelerate_configs/fsdp2.yaml` in a checkout rewrote the shipped template (so `config-file fsdp2.yaml`
+    handed out another model's config)."""
+    from pathlib import Path
+
+    out = tmp_path / "mine.yaml"
+    out.write_text("keep me\n")
+    assert main(["config", str(llama), "-o", str(out)]) == 1
+    assert "exists; pass --overwrite to replace it" in capsys.readouterr().err and out.read_text() == "keep me\n"
+    assert main(["config", str(llama), "-o", str(out), "--overwrite"]) == 0
+    assert out.read_text() == (CONFIGS / "fsdp2.yaml").read_text()
+    # a symlink: refused as it stands; with --overwrite the link itself becomes the file, its target untouched
+    target, link = tmp_path / "target.yaml", tmp_path / "link.yaml"
+    target.write_text("someone else's\n")
+    link.symlink_to(target)
+    assert main(["config", str(llama), "-o", str(link)]) == 1
+    assert "(the link itself: its target is left as it is)" in capsys.readouterr().err
+    assert main(["config", str(llama), "-o", str(link), "--overwrite", "--num-processes", "4"]) == 0
+    assert target.read_text() == "someone else's\n" and not link.is_symlink() and "num_processes: 4" in link.read_text()
+    # the package's own files, by a checkout's accelerate_configs/ link or by name, even with --overwrite
+    shipped = {p: p.read_bytes() for p in CONFIGS.iterdir()}
+    checkout = Path(__file__).resolve().parents[1] / "accelerate_configs"
+    for path in (checkout / "fsdp2.yaml", CONFIGS / "fsdp2_lora.yaml", CONFIGS / "new.yaml", CONFIGS.parent / "x.yaml"):
+        assert main(["config", str(llama), "-o", str(path), "--overwrite", "--num-processes", "4"]) == 1, path
+        assert "is inside hf_fsdp2's own files" in capsys.readouterr().err
+    assert {p: p.read_bytes() for p in CONFIGS.iterdir()} == shipped and not (CONFIGS.parent / "x.yaml").exists()
+
+
+def test_a_config_json_nested_too_deep_is_one_line_of_error(tmp_path, capsys):
+    """transformers reads a directory's config.json with plain json: a RecursionError traceback (issue 65)."""
+    (tmp_path / "config.json").write_text('{"model_type": "llama", "x": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    assert main(["config", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("hf-fsdp2 config: error: ") and "nested more than Python can parse" in err, err[-2000:]
+    assert len(err.strip().splitlines()) == 1

@@ -15,12 +15,15 @@ variables, before it is written: a config hf_fsdp2 would refuse is never written
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
 from ..config import FSDP2Config
+from ..runtime import user_files
 
-CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+PACKAGE = Path(__file__).resolve().parent.parent
+CONFIGS = PACKAGE / "configs"
 TEMPLATES = ("fsdp2", "fsdp2_lora", "fsdp2_qlora", "fsdp2_tp", "fsdp2_cp", "hsdp")
 _VALUE = r"(?P<value>'[^']*'|\"[^\"]*\"|[^\s#]+)"
 
@@ -31,6 +34,9 @@ def decoder_layer_classes(model_path: str | Path) -> tuple[str, ...]:
     from ..planner.meta_model import build_meta_model
     from ..sharding.groups import resolve_layer_class_names
 
+    path = Path(model_path)
+    if path.is_dir():  # transformers reads a directory's config.json unbounded: a RecursionError on deep nesting
+        user_files.load_json(path / "config.json", "a Hugging Face config.json")
     return tuple(resolve_layer_class_names(build_meta_model(str(model_path)), FSDP2Config()))
 
 
@@ -65,6 +71,32 @@ def write_config(model_path: str | Path, *, template: str = "fsdp2", num_process
         expert_parallel.require_available(ep_size)
         expert_parallel.resolved_plan(build_meta_model(str(model_path)), _int(text, "num_processes"), ep_size)
     return text
+
+
+def write_file(output: str | Path, text: str, *, overwrite: bool = False) -> None:
+    """`text` at `output`, whole or not at all (written beside it, then `os.replace`d onto the name). Refused if
+    something is there unless `overwrite` (as `convert` refuses DST), and anywhere inside hf_fsdp2's own folder: a
+    checkout's accelerate_configs/ links to the shipped templates, which `config-file` hands out. A symlink at
+    `output` is replaced by the file, its target left as it was."""
+    path = Path(output)
+    landing = path.parent.resolve() / path.name  # the folder's links followed, the name's own not
+    if landing == PACKAGE or PACKAGE in landing.parents:
+        raise ValueError(f"`--output` {str(output)!r} is inside hf_fsdp2's own files ({landing}): the shipped "
+                         "configs are the templates every config is written from; write yours elsewhere.")
+    if os.path.lexists(path):
+        if path.is_dir() and not path.is_symlink():
+            raise ValueError(f"`--output` {str(output)!r} is a directory; name the file to write.")
+        if not overwrite:
+            raise ValueError(f"`--output` {str(output)!r} exists; pass --overwrite to replace it"
+                             + (" (the link itself: its target is left as it is)." if path.is_symlink() else "."))
+    partial = landing.parent / f".{path.name}.{os.getpid()}.partial"
+    try:
+        with open(partial, "x") as f:
+            f.write(text)
+        os.replace(partial, landing)
+    finally:
+        if os.path.lexists(partial):
+            os.unlink(partial)
 
 
 def _set(text: str, key: str, value: str) -> str:
@@ -123,4 +155,4 @@ def _check(text: str, environ: dict[str, str]) -> None:
         raise ValueError("hf_fsdp2 would refuse this config: " + "; ".join(f"{f.key}: {f.message}" for f in errors))
 
 
-__all__ = ["TEMPLATES", "decoder_layer_classes", "launch_environment", "write_config"]
+__all__ = ["TEMPLATES", "decoder_layer_classes", "launch_environment", "write_config", "write_file"]
