@@ -251,6 +251,13 @@ def _adopt(rank, world, directory, root):
     model = AutoModelForCausalLM.from_pretrained(directory, distributed_config=DistributedConfig(fsdp_size=4, ep_size=2))
     shard_model(model)  # taken as transformers sharded it
     losses = _train(model, rank, world, root)[0]
+    ids = local_rows(batches(1)[0], rank, world)
+    model(input_ids=ids, labels=ids).loss.backward()  # its experts' gradients on transformers' expert mesh
+    try:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        clip_refusal = None
+    except ValueError as error:
+        clip_refusal = str(error)
     # PEFT added afterwards (here LoRA on the experts it split): its adapters are in none of transformers' groups
     split = AutoModelForCausalLM.from_pretrained(directory, distributed_config=DistributedConfig(fsdp_size=4, ep_size=2))
     try:
@@ -258,7 +265,7 @@ def _adopt(rank, world, directory, root):
         refusal = None
     except NotImplementedError as error:
         refusal = str(error)
-    return {"losses": losses, "ep_size": record_of(model).config.ep_size, "refusal": refusal,
+    return {"losses": losses, "ep_size": record_of(model).config.ep_size, "refusal": refusal, "clip": clip_refusal,
             "weights": {name: _full(p).detach().clone() for name, p in model.named_parameters()}}
 
 
@@ -271,6 +278,7 @@ def test_a_model_transformers_split_with_ep_at_load_is_adopted(tmp_path):
     assert out["losses"] == pytest.approx(_reference(WORLD, "qwen3_moe")[0], rel=1e-5)
     assert re.search(r"PEFT wraps a FSDPQwen3MoeForCausalLM that transformers sharded at load .* Load the model "
                      r"without `distributed_config`", out["refusal"]), out["refusal"]
+    assert "use hf_fsdp2.clip_grad_norm_(model, max_norm)" in out["clip"]  # torch's cannot combine its meshes
     stock_model = build_moe(seed=7)
     stock_model.load_state_dict(out["weights"])
     stock_model.save_pretrained(tmp_path / "stock")

@@ -31,8 +31,8 @@ from .groups import ShardPlan, apply_frozen_dtype, plan_groups, replicated_froze
 from .model_parts import ModelParts, model_parts
 from .generation import wrap_generate
 from .record import note_parameters, record_of, refuse_parameters_added_after
-from . import (activation_offload, adopt, compiled_collectives, context_parallel, expert_parallel, replication,
-               selective_checkpoint, tensor_parallel)
+from . import (activation_offload, adopt, compiled_collectives, context_parallel, expert_parallel, grad_clip,
+               replication, selective_checkpoint, tensor_parallel)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -342,6 +342,8 @@ def _adopt(model: nn.Module, config: FSDP2Config, mesh: DeviceMesh | None) -> nn
     record.config, record.mesh, record.sharded_object = config, model_mesh, id(model)
     note_parameters(record, model)
     wrap_generate(model)
+    if config.ep_size > 1:  # its experts' gradients on their own mesh, as ours (sharding/grad_clip.py)
+        grad_clip.refuse_in_torch()
     return model
 
 
