@@ -358,8 +358,6 @@ def _prepare_fsdp2(self, *args):
     upstream.set_state(plugin, "transformer_cls_names_to_wrap", names,
                        "accelerate.utils.dataclasses.FullyShardedDataParallelPlugin.transformer_cls_names_to_wrap")
     deferred = model is not None and deferred_load.deferred_checkpoint(model) is not None
-    if deferred:  # what was changed on the meta model since the load: kept for the fill, or refused by name
-        deferred_load.keep_changes(model)
     optimizer_names = deferred_load.optimizer_parameter_names(args, model) if deferred else None
     if model is not None:  # Accelerate would pass it through: FSDP2 modules are in it
         refuse_parameters_added_after(model)
@@ -461,6 +459,8 @@ def _fsdp2_prepare_model(accelerator, model: nn.Module) -> nn.Module:
         config = config.replace(ignored_modules=_module_names_pattern(model, ignored))
     if sharded_by_transformers(model):  # from_pretrained(distributed_config=...) sharded it at load:
         return shard_model(model, config)  # kept as it is, on its own mesh (sharding/adopt.py)
+    if deferred_load.deferred_checkpoint(model) is not None:  # built on meta by transformers' from_pretrained:
+        deferred_load.keep_changes(model)  # what was changed since, kept for the fill or refused by name
     if accelerator.mixed_precision != "no":
         # Mixed precision keeps fp32 master weights for what trains (as Accelerate does);
         # frozen weights stay as they are, or in `frozen_dtype`.

@@ -172,12 +172,12 @@ _PEFT_WRAPPING = re.compile(r"(\.(base_layer|original_module|modules_to_save\.[^
 
 
 def keep_changes(model: nn.Module) -> None:
-    """At prepare, before anything touches the deferred model: what was changed since the load survives it or is
-    refused by name. The values given to it, by the names its tensors have now (`record.deferred_values`, which
-    the fill writes over the directory's rows): a parameter given real values (`load_state_dict(...,
-    assign=True)`, a new `nn.Parameter`) as it is; a tensor loaded into on meta, the values kept at the load; a
-    `modules_to_save` copy PEFT made of a layer after weights were loaded into it, those (PEFT deep-copies the
-    layer: one process's copy holds the loaded values). A tensor still on meta whose version
+    """At prepare, before the sharding (Accelerate's prepare, and TRL's reference models through it): what was
+    changed since the load survives it or is refused by name. The values given to it, by the names its tensors
+    have now (`record.deferred_values`, which the fill writes over the directory's rows): a parameter given real
+    values (`load_state_dict(..., assign=True)`, a new `nn.Parameter`) as it is; a tensor loaded into on meta, the
+    values kept at the load; a `modules_to_save` copy PEFT made of a layer after weights were loaded into it, those
+    (PEFT deep-copies the layer: one process's copy holds the loaded values). A tensor still on meta whose version
     counter moved since its values were last known (an in-place edit: `weight.zero_()`, an `nn.init` call, a
     module's `reset_parameters`) lost that change on meta: refused by name. (A change in place through `.data` has
     a version counter of its own: torch cannot tell it from no change.)"""
