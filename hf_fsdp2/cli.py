@@ -414,7 +414,7 @@ def _layout_setup(args: argparse.Namespace, **extra) -> tuple[object, dict]:
         raise ValueError(f"`--hsdp` {replicate}x{shard} x `--tp-size` {args.tp_size} covers "
                          f"{replicate * shard * args.tp_size} ranks but `--world-size` is {args.world_size}; "
                          "R*S*T must equal the world size.")
-    layout = dict(replicate_size=replicate, shard_size=shard, **extra)
+    layout = {"replicate_size": replicate, "shard_size": shard, **extra}  # simulate's auto layout replaces the shard size
     return _model_setup(args, cpu_offload=args.offload, activation_checkpointing=args.activation_checkpointing,
                         checkpoint_every=args.checkpoint_every, checkpoint_save_matmuls=args.checkpoint_save_matmuls,
                         tp_size=args.tp_size, ep_size=args.ep_size, **layout)
@@ -460,6 +460,9 @@ def _add_simulate(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--steps", type=_positive_int, default=3, help="optimizer steps; the first is timed only when it is the only one (default 3)")
     p.add_argument("--memory-budget", default=None, metavar="SIZE",
                    help="shard_size='auto' with this budget per rank (e.g. 80GB): the layout the planner picks")
+    p.add_argument("--replication", choices=("ddp", "fsdp2"), default=None,
+                   help="how one-rank shard groups train (FSDP2Config.replication); DDP's reducer (the default) cannot "
+                        "run under the fake group and is refused by name")
     p.add_argument("--device", choices=("cuda", "cpu"), default=None, help="default: cuda when present, else cpu")
     p.add_argument("--intra-node-gbps", type=float, default=None, metavar="GB/s",
                    help="bus bandwidth inside a node, for the prediction (default 360: an assumption, printed)")
@@ -485,6 +488,8 @@ def _run_simulate(args: argparse.Namespace) -> int:
             raise ValueError("`--memory-budget` lets the planner pick the replicas and shards; drop `--hsdp`.")
         extra = dict(shard_size="auto", memory_budget=args.memory_budget, plan_batch_size=args.batch_size,
                      plan_seq_len=args.seq_len)
+    if args.replication is not None:
+        extra["replication"] = args.replication
     config, setup = _layout_setup(args, **extra)
     if setup.pop("load_in_4bit"):
         raise ValueError("`--load-in-4bit`: not done under simulate (random 4-bit weights are not built from a "

@@ -118,3 +118,19 @@ def test_side_groups_are_fake_under_the_fake_group():
         assert collectives.all_reduce_int(3, "max", purpose="background-saves") == 3
         assert device_type() == ("cuda" if torch.cuda.is_available() else "cpu")
     assert not dist.is_initialized() and not collectives.is_simulated()
+
+
+@pytest.mark.ranks
+def test_auto_layout_fits_its_budget(model_dir, capsys):
+    """shard_size='auto' under the simulation: the planner picks as shard_model would, and the rank's whole RSS
+    (not only the estimate) stays within the budget; a layout on DDP's reducer, which the fake group cannot run,
+    is refused by name with the setting that simulates instead."""
+    assert main(["simulate", "--model", str(model_dir), "--world-size", str(WORLD), "--rank", str(WORLD - 1),
+                 "--seq-len", "64", "--steps", "2", "--memory-budget", "150MiB", "--replication", "fsdp2",
+                 "--json"]) == 0
+    (report,) = json.loads(capsys.readouterr().out)
+    assert report["rss_peak"] <= 150 * 2**20, report
+    assert any("shard_size='auto' chose: 1 replicas x 4 shards" in n for n in report["notes"]), report["notes"]
+    assert main(["simulate", "--model", str(model_dir), "--world-size", str(WORLD), "--seq-len", "64",
+                 "--memory-budget", "1GiB"]) == 1
+    assert "trains on DDP's reducer" in capsys.readouterr().err

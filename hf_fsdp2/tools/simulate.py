@@ -19,6 +19,7 @@ the buffers held: the loss is not reported).
 from __future__ import annotations
 
 import contextlib
+import gc
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Sequence
@@ -87,6 +88,19 @@ def refuse_unsimulated(config: FSDP2Config) -> None:
                          "the other ranks write); leave it off.")
 
 
+def refuse_reducer(mesh, config: FSDP2Config) -> None:
+    """A layout that trains on DDP's reducer (one-rank shard groups with replicas, as the auto layout picks when the
+    model fits): the reducer requires its all-reduce's future to hold a tensor, and the fake group's holds none
+    (an internal assert in torch's c10d/comm.cpp at the first backward). Refused by name before the model is built."""
+    from ..sharding.replication import mesh_trains_on_reducer
+
+    if mesh_trains_on_reducer(mesh, config):
+        raise ValueError("the layout trains on DDP's reducer (`shard_size`=1 with `replicate_size`="
+                         f"{config.replicate_size}, `replication`='ddp'), which torch's fake process group cannot run: "
+                         "not done under simulate. Simulate FSDP2's one-rank groups instead "
+                         "(FSDP2Config(replication='fsdp2'), hf-fsdp2 simulate --replication fsdp2), or a layout that shards.")
+
+
 @contextlib.contextmanager
 def fake_world(rank: int, world_size: int):
     """This process as rank `rank` of `world_size` under torch's fake process group, torn down after."""
@@ -126,7 +140,7 @@ def simulate_rank(
     may exist); `model`: a transformers config, a model directory or its config.json (random weights, this rank's
     rows only). Arguments as `estimate_memory`'s, whose estimate for the same setup the report carries."""
     from ..planner.memory import estimate_memory
-    from ..shard import shard_model
+    from ..shard import plan, shard_model
 
     config = config or FSDP2Config()
     refuse_unsimulated(config)
@@ -137,16 +151,24 @@ def simulate_rank(
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device not in ("cpu", "cuda") or (device == "cuda" and not torch.cuda.is_available()):
         raise ValueError(f"`device`={device!r} must be 'cpu' or 'cuda' (with a GPU present).")
-    # The estimate first: it builds its own meta model and allocates nothing the measurement would see.
-    estimate = estimate_memory(model, world_size, config, dtype=dtype, lora_r=lora_r, lora_targets=lora_targets,
-                               batch_size=batch_size, seq_len=seq_len,
-                               gradient_accumulation_steps=gradient_accumulation_steps)
     with fake_world(rank, world_size):
         if device == "cpu" and torch.cuda.is_available():
             raise ValueError("`device`='cpu' on a machine with a GPU is not done: hf_fsdp2 shards onto the GPU under "
                              "the fake group, as it would under NCCL.")
         if device == "cuda":
             torch.cuda.set_device(0)
+        # The meta model and its layout first (shard_size="auto" resolved as shard_model resolves it), then the
+        # estimate for that layout: neither allocates a real tensor, so both stay out of the measurement.
+        module = build_meta_model(model, dtype=dtype)
+        if lora_r is not None:
+            module = add_lora(module, lora_r, lora_targets)
+        layout = plan(module, config)
+        refuse_reducer(layout.mesh, layout.config)
+        estimate = estimate_memory(model, world_size, layout.config, dtype=dtype, lora_r=lora_r,
+                                   lora_targets=lora_targets, batch_size=batch_size, seq_len=seq_len,
+                                   gradient_accumulation_steps=gradient_accumulation_steps)
+        gc.collect()
+        if device == "cuda":
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
         cuda_base = torch.cuda.memory_allocated() if device == "cuda" else 0
@@ -156,11 +178,9 @@ def simulate_rank(
         heap = memory_probe.malloc_bytes()
         heap_base = heap["live"] if heap else None
         with memory_probe.RssSampler(malloc=heap is not None) as sampler:
-            module = build_meta_model(model, dtype=dtype)
-            if lora_r is not None:
-                module = add_lora(module, lora_r, lora_targets)
-            shard_model(module, config)
-            step_s, calls = _train(module, config, device, batch_size, seq_len, steps, gradient_accumulation_steps)
+            shard_model(module, layout.config, mesh=layout.mesh)
+            step_s, calls = _train(module, layout.config, device, batch_size, seq_len, steps,
+                                   gradient_accumulation_steps)
         if device == "cuda":
             torch.cuda.synchronize()
         rss_peak = max(memory_probe.hwm_bytes(), sampler.max) - rss_base
@@ -175,9 +195,14 @@ def simulate_rank(
         prediction = predict_step(compute, [c.collective for c in one_step], tokens_per_step_per_gpu=tokens,
                                   interconnect=interconnect)
     notes = ["losses not reported: under the fake group the gathered weights hold whatever the buffers held"]
+    if config.is_auto_layout:
+        c = layout.config
+        notes.append(f"shard_size='auto' chose: {c.replicate_size} replicas x {c.shard_size} shards, reshard_after_"
+                     f"forward={c.reshard_after_forward}, activation_checkpointing={c.activation_checkpointing}, "
+                     f"cpu_offload={c.cpu_offload} (budget {config.memory_budget} bytes)")
     if steps == 1:
         notes.append("one step: its compute time includes the first step's one-off work (optimizer states, kernels)")
-    if config.ep_size > 1:
+    if layout.config.ep_size > 1:
         notes.append("expert parallelism: the token exchange assumed symmetric (balanced routing); "
                      "the tally's timing includes its dispatch hook")
     return RankReport(
