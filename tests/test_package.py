@@ -37,8 +37,8 @@ def test_the_wheel_carries_the_accelerate_configs_and_the_startup_switch_and_the
 
 
 def test_the_wheel_outside_the_checkout_runs_the_main_job_with_a_config_it_wrote(tmp_path):
-    """Issue 52: the built wheel (not editable) in a fresh virtual environment (torch and the rest from the
-    system's site-packages), used from a folder outside the checkout: `hf-fsdp2 config` writes the Accelerate
+    """Issue 52: the built wheel (not editable) in a fresh virtual environment (torch and the rest from this
+    interpreter's packages), used from a folder outside the checkout: `hf-fsdp2 config` writes the Accelerate
     config for the example's model, and `accelerate launch` runs the README's main job with it (2 steps)."""
     import shutil
 
@@ -50,6 +50,7 @@ def test_the_wheel_outside_the_checkout_runs_the_main_job_with_a_config_it_wrote
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True, timeout=120)
     python = venv / "bin" / "python"
+    _see_this_interpreters_packages(python)
     subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(wheel)], check=True,
                    capture_output=True, text=True, timeout=300)
     work = tmp_path / "work"  # the example and its data, nothing else of the checkout
@@ -64,3 +65,19 @@ def test_the_wheel_outside_the_checkout_runs_the_main_job_with_a_config_it_wrote
                         str(work / "finetune.py"), "--max-steps", "2", "--output-dir", str(work / "out")], cwd=work,
                        timeout=600)
     assert (work / "out").is_dir() and any((work / "out").rglob("*.safetensors")), out.stdout[-2000:]
+
+
+def _see_this_interpreters_packages(python: Path) -> None:
+    """The new environment imports torch and the rest from where this interpreter does. `--system-site-packages`
+    alone is not that when the suite runs in a virtual environment itself (the README's install in a venv): a venv
+    made from a venv's Python shares the base interpreter's site-packages, not the venv's (issue 65). So a .pth
+    file lists this interpreter's sys.path, less the checkout (the wheel must be what `import hf_fsdp2` finds) and
+    the standard library the new environment has already; entries a .pth adds come after its own site-packages."""
+    import sysconfig
+
+    stdlib = [Path(sysconfig.get_paths()[key]) for key in ("stdlib", "platstdlib")]
+    entries = [Path(p) for p in sys.path if p and Path(p).is_dir()]
+    keep = [str(p) for p in entries if not any(p == d or d in p.parents for d in [ROOT, *stdlib])]
+    purelib = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                             check=True, capture_output=True, text=True, timeout=120).stdout.strip()
+    (Path(purelib) / "_hf_fsdp2_test_parent_packages.pth").write_text("".join(f"{p}\n" for p in dict.fromkeys(keep)))
