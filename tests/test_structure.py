@@ -1,49 +1,284 @@
-"""The package's layering, as docs/internals.md draws it, checked on the source: an import that climbs back
-up fails here by name."""
+"""The package's layering, as docs/internals.md draws it ("Layers"), checked on the source. Each rule is a
+checker function over a source tree (`root`: a folder holding `hf_fsdp2/`), run on the package and, in the
+test itself, on a copy of it with a deliberate violation added, so a rule that stops seeing is caught too.
+
+An import is any `import`/`from ... import` anywhere in a module (inside a function, under TYPE_CHECKING: a
+dependency all the same). Importing `hf_fsdp2.a.b` runs `hf_fsdp2/a/__init__.py` first, so it counts as an
+import of that package too (and of whatever the package's `__init__` imports). The root `hf_fsdp2/__init__.py`
+is the public facade at the top: it runs before any module of the package whoever imports it, so it is no
+module's dependency and is not followed.
+"""
 
 from __future__ import annotations
 
 import ast
+import collections
+import shutil
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parents[1] / "hf_fsdp2"
+import pytest
+
+SOURCE = Path(__file__).resolve().parents[1]  # holds hf_fsdp2/
+PACKAGE = SOURCE / "hf_fsdp2"
+
+# docs/internals.md, "Layers": lowest first; a module imports only from its own layer or the ones before it.
+LAYERS = [("hf_fsdp2.config",), ("hf_fsdp2.runtime",), ("hf_fsdp2.quantization",), ("hf_fsdp2.sharding",),
+          ("hf_fsdp2.planner",), ("hf_fsdp2.shard",), ("hf_fsdp2.checkpoint",), ("hf_fsdp2.integrations",),
+          ("hf_fsdp2.tools", "hf_fsdp2.cli"), ("hf_fsdp2.startup",)]
 
 
-def _imports(path: Path) -> set[str]:
-    """Absolute hf_fsdp2 module names `path` imports (relative imports resolved, nested ones too)."""
-    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+# ---------------------------------------------------------------------------------------------
+# The import graph of a source tree
+
+
+def _modules(root: Path) -> dict[str, Path]:
+    """Module name -> file, for every module of `root`/hf_fsdp2 (a package by its own name)."""
+    out = {}
+    for path in (root / "hf_fsdp2").rglob("*.py"):
+        parts = list(path.relative_to(root).with_suffix("").parts)
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+def _imports(path: Path, root: Path = SOURCE) -> set[str]:
+    """hf_fsdp2 module names importing `path` runs: each imported module, the packages it is in (their
+    `__init__`), and `from package import name` where name is a submodule. The root package left out."""
+    modules = _modules(root)
+    parts = list(path.relative_to(root).with_suffix("").parts)
     package = parts[:-1]
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom):
             base = package[:len(package) - node.level + 1] if node.level else []
             module = ".".join(base + ([node.module] if node.module else []))
-            found |= {module} | {f"{module}.{a.name}" for a in node.names}
+            found |= {module} | {f"{module}.{a.name}" for a in node.names if f"{module}.{a.name}" in modules}
         elif isinstance(node, ast.Import):
             found |= {a.name for a in node.names}
-    return {m for m in found if m.startswith("hf_fsdp2")}
+    this = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+    executed = {".".join(m.split(".")[:i]) for m in found if m.startswith("hf_fsdp2.")
+                for i in range(2, len(m.split(".")) + 1)}
+    return {m for m in executed if m in modules and m != this}
 
 
-def _offenders(folder: str, forbidden: str) -> list[str]:
-    return [f"{p.relative_to(PACKAGE.parent)} imports {m}" for p in sorted((PACKAGE / folder).rglob("*.py"))
-            for m in sorted(_imports(p)) if m == forbidden or m.startswith(forbidden + ".")]
+def _graph(root: Path) -> dict[str, set[str]]:
+    return {name: _imports(path, root) for name, path in _modules(root).items()}
+
+
+def _layer(module: str) -> int | None:
+    for i, prefixes in enumerate(LAYERS):
+        if any(module == p or module.startswith(p + ".") for p in prefixes):
+            return i
+    return None
+
+
+def _chain(graph: dict[str, set[str]], start: str, targets) -> list[str] | None:
+    """The shortest import chain from `start` to a module `targets(name)` accepts, or None."""
+    previous, queue = {start: None}, collections.deque([start])
+    while queue:
+        name = queue.popleft()
+        if name != start and targets(name):
+            chain = [name]
+            while previous[chain[-1]] is not None:
+                chain.append(previous[chain[-1]])
+            return chain[::-1]
+        for nxt in sorted(graph.get(name, ())):
+            if nxt not in previous:
+                previous[nxt] = name
+                queue.append(nxt)
+    return None
+
+
+def _under(*prefixes: str):
+    return lambda name: any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+# ---------------------------------------------------------------------------------------------
+# The rules: each returns what breaks it, as {module: why}
+
+
+def upward_imports(root: Path = SOURCE) -> dict[str, str]:
+    """Imports that climb a layer: module -> the higher-layer modules it imports."""
+    out = {}
+    for name, imported in sorted(_graph(root).items()):
+        if name == "hf_fsdp2":
+            continue
+        up = sorted(m for m in imported if _layer(m) is not None and _layer(m) > _layer(name))
+        if up:
+            out[name] = ", ".join(up)
+    return out
+
+
+def import_cycles(root: Path = SOURCE) -> dict[str, str]:
+    """Modules that reach themselves through other modules (package `__init__` files, which re-export what
+    their modules define, are left out as links: a module importing a sibling runs its package's `__init__`)."""
+    graph = _graph(root)
+    packages = {name for name, path in _modules(root).items() if path.name == "__init__.py"}
+    plain = {name: {m for m in imported if m not in packages} for name, imported in graph.items()
+             if name not in packages}
+    out = {}
+    for name in sorted(plain):
+        chain = _chain(plain, name, lambda m, name=name: name in plain.get(m, ()))
+        if chain:
+            out[name] = " -> ".join(chain + [name])
+    return out
+
+
+def reaches(sources: tuple[str, ...], forbidden: tuple[str, ...], root: Path = SOURCE) -> dict[str, str]:
+    """Modules under `sources` whose imports, followed through every module and package `__init__` they
+    run, reach a module under `forbidden`: module -> the chain."""
+    graph = _graph(root)
+    out = {}
+    for name in sorted(graph):
+        if _under(*sources)(name):
+            chain = _chain(graph, name, _under(*forbidden))
+            if chain:
+                out[name] = " -> ".join(chain)
+    return out
+
+
+def planner_reaches_engine(root: Path = SOURCE) -> dict[str, str]:
+    return reaches(("hf_fsdp2.planner",), ("hf_fsdp2.sharding.engine", "hf_fsdp2.shard"), root)
+
+
+def engine_reaches_planner(root: Path = SOURCE) -> dict[str, str]:
+    return reaches(("hf_fsdp2.sharding",), ("hf_fsdp2.planner", "hf_fsdp2.shard"), root)
+
+
+# What recognises a PeftModel or steps from it to what it wraps: attributes (and getattr/hasattr names) and
+# PEFT's class itself. sharding/model_parts.py does it once, at the entry; the rest receive `ModelParts`.
+PEFT_UNWRAPPING = {"get_base_model", "base_model", "peft_config", "_get_base_model_class"}
+PEFT_CLASSES = {"PeftModel", "PeftModelForCausalLM", "PeftMixedModel"}
+
+
+def peft_unwrapping(root: Path = SOURCE) -> collections.Counter:
+    """(file, name) -> how many times a module other than sharding/model_parts.py uses a PEFT unwrapping name:
+    `x.get_base_model()`, `x.base_model.model`, `x.peft_config`, getattr/hasattr(x, "peft_config"), `PeftModel`."""
+    found = collections.Counter()
+    for path in sorted((root / "hf_fsdp2").rglob("*.py")):
+        rel = path.relative_to(root / "hf_fsdp2").as_posix()
+        if rel == "sharding/model_parts.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            name = None
+            if isinstance(node, ast.Attribute) and node.attr in PEFT_UNWRAPPING | PEFT_CLASSES:
+                name = node.attr
+            elif isinstance(node, ast.Name) and node.id in PEFT_CLASSES:
+                name = node.id
+            elif isinstance(node, ast.alias) and node.name.split(".")[-1] in PEFT_CLASSES:
+                name = node.name.split(".")[-1]
+            elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                  and node.func.id in ("getattr", "hasattr", "setattr", "delattr") and len(node.args) > 1
+                  and isinstance(node.args[1], ast.Constant) and node.args[1].value in PEFT_UNWRAPPING):
+                name = node.args[1].value
+            if name:
+                found[(rel, name)] += 1
+    return found
+
+
+# ---------------------------------------------------------------------------------------------
+# Known violations: each one a fix owed (issue 62), listed so that a new one fails and a fixed one must go.
+
+KNOWN_PLANNER_REACHES_ENGINE = {
+    # planner/ imports sharding's groups/record/selective_checkpoint/tensor_parallel/replication, and
+    # hf_fsdp2/sharding/__init__.py imports the engine to re-export it (issue 62: the package's __init__
+    # stops importing engine.py eagerly)
+    "hf_fsdp2.planner.activation_trace", "hf_fsdp2.planner.layout", "hf_fsdp2.planner.memory",
+    "hf_fsdp2.planner.memory_report", "hf_fsdp2.planner.parallel_shapes",
+}
+KNOWN_PEFT_UNWRAPPING = collections.Counter({
+    # the tuner (PeftModel.base_model) whose merge methods are refused on split experts (issue 62)
+    ("sharding/expert_lora.py", "base_model"): 1,
+    # adapter_config.json written as PeftModel.save_pretrained writes it: the adapter's config and the
+    # base model class read from the PeftModel (issue 62: ModelParts to hand them over)
+    ("checkpoint/weights_io.py", "peft_config"): 1, ("checkpoint/weights_io.py", "_get_base_model_class"): 1,
+    # the adapters' init_lora_weights, by getattr(model, "peft_config", {}) on any model (issue 62)
+    ("checkpoint/loading.py", "peft_config"): 1,
+})
+
+
+# ---------------------------------------------------------------------------------------------
+# The package
+
+
+def test_imports_go_only_downward():
+    assert upward_imports() == {}
+
+
+KNOWN_CYCLES = {
+    # quantized.py (the interface) imports its implementation, bnb_4bit.py builds the interface's QuantizedWeight
+    # (issue 62: the circle goes)
+    "hf_fsdp2.quantization.bnb_4bit", "hf_fsdp2.quantization.quantized",
+}
+
+
+def test_no_import_cycles():
+    assert set(import_cycles()) == KNOWN_CYCLES, import_cycles()
 
 
 def test_the_engine_never_imports_the_planner():
     """sharding/ is handed a resolved layout (hf_fsdp2/shard.py plans it first)."""
-    assert not _offenders("sharding", "hf_fsdp2.planner")
+    assert engine_reaches_planner() == {}
 
 
 def test_the_planner_never_imports_the_engine():
-    assert not _offenders("planner", "hf_fsdp2.sharding.engine") and not _offenders("planner", "hf_fsdp2.shard")
+    """Followed through sharding/__init__.py: importing sharding.groups runs it, and it imports the engine."""
+    found = planner_reaches_engine()
+    assert set(found) == KNOWN_PLANNER_REACHES_ENGINE, found
+    assert all(" -> hf_fsdp2.sharding -> hf_fsdp2.sharding.engine" in chain for chain in found.values()), found
+
+
+def test_peft_is_unwrapped_in_one_module():
+    """A PeftModel is recognised and unwrapped by sharding/model_parts.py alone (issue 50): entry points make one
+    `ModelParts`, what they call receives the parts."""
+    assert peft_unwrapping() == KNOWN_PEFT_UNWRAPPING
 
 
 def test_the_scan_sees_an_import():
     """The scan is not vacuous: relative imports, at module level or inside a function, are resolved."""
     assert "hf_fsdp2.runtime.distributed" in _imports(PACKAGE / "sharding" / "engine.py")
     assert "hf_fsdp2.sharding.record" in _imports(PACKAGE / "planner" / "layout.py")
-    assert "hf_fsdp2.sharding.groups" in _imports(PACKAGE / "planner" / "memory.py")
+    assert {"hf_fsdp2.sharding", "hf_fsdp2.sharding.groups"} <= _imports(PACKAGE / "planner" / "memory.py")
     assert "hf_fsdp2.planner.layout" in _imports(PACKAGE / "shard.py")
+    assert "hf_fsdp2.sharding.engine" in _imports(PACKAGE / "sharding" / "__init__.py")
+    assert "hf_fsdp2" not in _imports(PACKAGE / "sharding" / "__init__.py")
+    assert all(_layer(m) is not None for m in _modules(SOURCE) if m != "hf_fsdp2")  # every module has a layer
+
+
+# ---------------------------------------------------------------------------------------------
+# Each rule fails on a deliberate violation (a copy of the package with one line added)
+
+
+def _violated(tmp_path: Path, file: str, line: str) -> Path:
+    shutil.copytree(PACKAGE, tmp_path / "hf_fsdp2", ignore=shutil.ignore_patterns("__pycache__"))
+    path = tmp_path / "hf_fsdp2" / file
+    path.write_text(path.read_text() + "\n\n" + line + "\n")
+    return tmp_path
+
+
+@pytest.mark.parametrize("file, line, rule, offender", [
+    ("quantization/fp8.py", "def f():\n    from ..integrations import trainer", upward_imports,
+     "hf_fsdp2.quantization.fp8"),
+    ("runtime/collectives.py", "from hf_fsdp2.checkpoint.errors import CheckpointError", upward_imports,
+     "hf_fsdp2.runtime.collectives"),
+    ("sharding/groups.py", "from .engine import shard_planned", import_cycles, "hf_fsdp2.sharding.groups"),
+    ("planner/meta_model.py", "from ..sharding import groups", planner_reaches_engine,
+     "hf_fsdp2.planner.meta_model"),
+    ("sharding/record.py", "from ..planner import layout", engine_reaches_planner, "hf_fsdp2.sharding.record"),
+])
+def test_a_rule_reports_a_new_violation(tmp_path, file, line, rule, offender):
+    assert offender not in rule()
+    assert offender in rule(_violated(tmp_path, file, line))
+
+
+@pytest.mark.parametrize("line, name", [
+    ("def f(model):\n    return model.get_base_model()", "get_base_model"),
+    ("def f(model):\n    return model.base_model.model", "base_model"),
+    ("def f(model):\n    return hasattr(model, 'peft_config')", "peft_config"),
+    ("def f(model):\n    from peft import PeftModel\n    return isinstance(model, PeftModel)", "PeftModel"),
+])
+def test_the_peft_rule_reports_a_new_call_site(tmp_path, line, name):
+    assert set(peft_unwrapping(_violated(tmp_path, "sharding/engine.py", line)) - KNOWN_PEFT_UNWRAPPING) == {
+        ("sharding/engine.py", name)}
 
 
 def test_the_record_lives_on_one_object():
@@ -66,16 +301,3 @@ def test_the_record_lives_on_one_object():
     record.mesh, record.sharded_object = object(), id(base)
     wrapped_after = get_peft_model(base, LoraConfig(r=2, target_modules=["q_proj"]))
     assert record_of(wrapped_after) is record and is_sharded(base) and not is_sharded(wrapped_after)
-
-
-def test_peft_is_unwrapped_in_one_module():
-    """A PeftModel is recognised and unwrapped by sharding/model_parts.py alone (issue 50): entry points make one
-    `ModelParts`, what they call receives the parts; no other module asks for the base model itself."""
-    import re
-
-    pattern = re.compile(r"get_base_model\(\)|hasattr\([^)]*[\"']peft_config[\"']|\bunwrap_peft\b")
-    offenders = [f"{p.relative_to(PACKAGE.parent)}:{n}" for p in sorted(PACKAGE.rglob("*.py"))
-                 if p.name != "model_parts.py"
-                 for n, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
-    assert not offenders, offenders
-    assert pattern.search("base = model.get_base_model()")  # the scan sees a call
