@@ -65,6 +65,12 @@ def malloc_bytes() -> dict[str, int] | None:
     return {"live": m.uordblks + m.hblkhd, "heap_free": m.fordblks}
 
 
+def _status_field(data: bytes, key: bytes) -> int:
+    """A /proc/self/status field's bytes from its text (0 when absent)."""
+    i = data.find(key)
+    return int(data[i + len(key):data.index(b"kB", i)].strip()) * 1024 if i >= 0 else 0
+
+
 class RssSampler:
     """Max VmRSS (`max`) and max RssAnon (`max_anon`) seen by a thread polling /proc/self/status
     every `interval` seconds; `samples` counts the polls. `malloc=True`: also the max of glibc's live
@@ -83,13 +89,9 @@ class RssSampler:
             while True:
                 f.seek(0)
                 data = f.read(8192)
-                new_max = False
-                for key, attr in ((b"VmRSS:", "max"), (b"RssAnon:", "max_anon")):
-                    i = data.find(key)
-                    if i >= 0:
-                        value = int(data[i + len(key):data.index(b"kB", i)].strip()) * 1024
-                        new_max |= attr == "max" and value > self.max
-                        setattr(self, attr, max(getattr(self, attr), value))
+                rss, anon = (_status_field(data, key) for key in (b"VmRSS:", b"RssAnon:"))
+                new_max = rss > self.max
+                self.max, self.max_anon = max(self.max, rss), max(self.max_anon, anon)
                 if self.malloc:
                     m = malloc_bytes()
                     self.max_live = max(self.max_live, m["live"])

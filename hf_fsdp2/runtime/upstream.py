@@ -339,7 +339,11 @@ PRIVATE: tuple[Private, ...] = (
       for name in ("is_fsdp_all_gather", "is_wait_tensor", "is_all_gather_into_tensor")],
     Private("torch._inductor.compile_fx", "compile_fx", _CC),
     Private("torch.utils._ordered_set", "OrderedSet", _CC),  # is_fsdp_all_gather's ancestor sets on torch 2.11/2.12
-    Private("torch.utils._python_dispatch", "TorchDispatchMode", "planner/activation_trace.py"),
+    Private("torch.utils._python_dispatch", "TorchDispatchMode", "planner/activation_trace.py, tools/collective_tally.py"),
+    # hf-fsdp2 simulate (tools/): torch's fake process group, and a c10d op's group and name as the dispatcher hands them
+    Private("torch.testing._internal.distributed.fake_pg", "FakeStore", "tools/simulate.py"),
+    Private("torch._C._distributed_c10d", "_resolve_process_group", "tools/collective_tally.py"),
+    Private("torch._ops", "OpOverload._opname", "tools/collective_tally.py", instance=True),
     Private("torch.utils._pytree", "tree_leaves", "planner/activation_trace.py"),
     Private("torch.utils._pytree", "tree_map", "sharding/compute_cast.py"),
     *[Private(_CW, name, "sharding/engine.py, sharding/groups.py, sharding/compute_cast.py, planner/layout.py")
