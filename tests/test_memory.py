@@ -307,6 +307,9 @@ def test_4bit_weights_take_about_an_eighth_of_fp32(double_quant):
     quantized_bytes = q.param_bytes - (plain.param_bytes - fp32_bytes)
     assert quantized_bytes == (weights // 2 + absmax_bytes) // world
     assert quantized_bytes / fp32_bytes == (0.515625 if double_quant else 0.5625) / 4  # about 1/8
+    per_weight = "0.515625" if double_quant else "0.5625"  # the quantizer's note (quantized.MetaQuantization)
+    [note] = [n for n in q.notes if n.startswith("4-bit")]
+    assert note.startswith(f"4-bit (nf4): {per_weight} (0.5 packed + ") and "bytes per quantized weight" in note
     assert (q.grad_bytes, q.optimizer_bytes) == (plain.grad_bytes, plain.optimizer_bytes)
     assert q.num_trainable_params == plain.num_trainable_params
 
@@ -338,6 +341,17 @@ def test_4bit_needs_lora_and_bitsandbytes(monkeypatch):
     monkeypatch.setitem(sys.modules, "bitsandbytes", None)
     with pytest.raises(ImportError, match=r"pip install 'bitsandbytes>=0.50'"):
         estimate_memory(tiny_config(), 2, lora_r=2, load_in_4bit=True)
+
+
+def test_a_quantization_keyword_no_quantizer_reads_is_refused_by_name():
+    """The planner hands its quantization keywords to the quantizer (quantized.for_estimate), which refuses one
+    no format reads instead of costing an unquantized model."""
+    from hf_fsdp2.planner.memory import prepare_meta_model
+    from hf_fsdp2.quantization import quantized
+
+    assert quantized.for_estimate(load_in_4bit=False, bnb_4bit_use_double_quant=False) is None
+    with pytest.raises(TypeError, match=r"\['load_in_8bit'\]"):
+        prepare_meta_model(tiny_config(), FSDP2Config(), load_in_8bit=True)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -175,6 +175,28 @@ def peft_unwrapping(root: Path = SOURCE) -> collections.Counter:
     return found
 
 
+def planner_backends(root: Path = SOURCE) -> dict[str, str]:
+    """planner/ modules that name a quantization backend: bitsandbytes imported, transformers'
+    `BitsAndBytesConfig` used, or a format's own module (quantization/bnb_4bit.py) imported. The planner asks
+    quantization/quantized.py for the base an estimate wants (`for_estimate`) and for its bytes."""
+    out = {}
+    for path in sorted((root / "hf_fsdp2" / "planner").rglob("*.py")):
+        found = {m for m in _imports(path, root) if m == "hf_fsdp2.quantization.bnb_4bit"}
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                found |= {a.name for a in node.names if a.name.split(".")[0] == "bitsandbytes"}
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "bitsandbytes":
+                found.add(node.module)
+            elif isinstance(node, ast.alias) and node.name == "BitsAndBytesConfig":
+                found.add(node.name)
+            elif (isinstance(node, ast.Name) and node.id == "BitsAndBytesConfig") or (
+                    isinstance(node, ast.Attribute) and node.attr == "BitsAndBytesConfig"):
+                found.add("BitsAndBytesConfig")
+        if found:
+            out[path.relative_to(root / "hf_fsdp2").as_posix()] = ", ".join(sorted(found))
+    return out
+
+
 # ---------------------------------------------------------------------------------------------
 # Known violations: each one a fix owed (issue 62), listed so that a new one fails and a fixed one must go.
 
@@ -204,15 +226,9 @@ def test_imports_go_only_downward():
     assert upward_imports() == {}
 
 
-KNOWN_CYCLES = {
-    # quantized.py (the interface) imports its implementation, bnb_4bit.py builds the interface's QuantizedWeight
-    # (issue 62: the circle goes)
-    "hf_fsdp2.quantization.bnb_4bit", "hf_fsdp2.quantization.quantized",
-}
-
-
 def test_no_import_cycles():
-    assert set(import_cycles()) == KNOWN_CYCLES, import_cycles()
+    """quantization/: the formats and the interface both import protocol.py, the interface the formats."""
+    assert import_cycles() == {}
 
 
 def test_the_engine_never_imports_the_planner():
@@ -231,6 +247,10 @@ def test_peft_is_unwrapped_in_one_module():
     """A PeftModel is recognised and unwrapped by sharding/model_parts.py alone (issue 50): entry points make one
     `ModelParts`, what they call receives the parts."""
     assert peft_unwrapping() == KNOWN_PEFT_UNWRAPPING
+
+
+def test_the_planner_knows_no_quantization_backend():
+    assert planner_backends() == {}
 
 
 def test_the_scan_sees_an_import():
@@ -264,6 +284,14 @@ def _violated(tmp_path: Path, file: str, line: str) -> Path:
     ("planner/meta_model.py", "from ..sharding import groups", planner_reaches_engine,
      "hf_fsdp2.planner.meta_model"),
     ("sharding/record.py", "from ..planner import layout", engine_reaches_planner, "hf_fsdp2.sharding.record"),
+    ("quantization/protocol.py", "def f():\n    from . import quantized", import_cycles,
+     "hf_fsdp2.quantization.protocol"),
+    ("planner/memory.py", "def f():\n    from transformers import BitsAndBytesConfig", planner_backends,
+     "planner/memory.py"),
+    ("planner/layout.py", "def f():\n    import bitsandbytes.functional", planner_backends, "planner/layout.py"),
+    ("planner/meta_model.py", "from ..quantization import bnb_4bit", planner_backends, "planner/meta_model.py"),
+    ("planner/memory.py", "def f(transformers):\n    return transformers.BitsAndBytesConfig()", planner_backends,
+     "planner/memory.py"),
 ])
 def test_a_rule_reports_a_new_violation(tmp_path, file, line, rule, offender):
     assert offender not in rule()

@@ -227,7 +227,7 @@ def parallel_sizes(prepared: MetaTrainingModel, world_size: int, seq_len: int) -
     text = text.get_text_config() if hasattr(text, "get_text_config") else text
     heads = [getattr(text, k, None) for k in ("num_attention_heads", "num_key_value_heads")]
     tp_sizes = [1]
-    tp_ready = not (prepared.load_in_4bit or prepared.fp8_weights)
+    tp_ready = prepared.quantization is None and not prepared.fp8_weights
     if tp_ready and getattr(prepared.base, "tp_plan", None) and all(isinstance(h, int) for h in heads):
         tp_sizes += [t for t in divisors(world_size) if 1 < t <= 8 and all(h % t == 0 for h in heads)]
     cp_sizes = [c for c in divisors(world_size) if seq_len % (2 * c) == 0 or c == 1]

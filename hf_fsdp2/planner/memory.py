@@ -172,22 +172,19 @@ def estimate_memory(
             gradient_accumulation_steps, int) or gradient_accumulation_steps < 1):
         raise ValueError(f"`gradient_accumulation_steps`={gradient_accumulation_steps!r} must be a positive integer "
                          "(or None: unknown).")
-    if bnb_4bit_use_double_quant and not load_in_4bit:
-        raise ValueError("`bnb_4bit_use_double_quant` is set without `load_in_4bit`; double quantization "
-                         "applies to 4-bit weights only.")
-    if load_in_4bit:
+    # the quantizer reads its own keywords (quantization/quantized.py); the planner knows no format
+    quantization = quantized.for_estimate(load_in_4bit=load_in_4bit,
+                                          bnb_4bit_use_double_quant=bnb_4bit_use_double_quant)
+    if quantization is not None:
         if lora_r is None:
-            raise ValueError("`load_in_4bit` freezes the quantized base weights, so there is nothing to train "
-                             "without LoRA: set `lora_r` (QLoRA).")
-        from transformers import BitsAndBytesConfig
-
-        quantized.check_available(BitsAndBytesConfig(load_in_4bit=True))  # the ImportError says how to install it
+            raise ValueError(f"`{quantization.argument}` freezes the quantized base weights, so there is nothing to "
+                             "train without LoRA: set `lora_r` (QLoRA).")
+        quantization.check_available()  # the ImportError says how to install it
         if isinstance(model_or_config, nn.Module) and quantized.has_quantized_layers(model_or_config):
             raise ValueError("`model` is already quantized; pass its config (or the unquantized model) with "
-                             "`load_in_4bit=True`.")
+                             f"`{quantization.argument}=True`.")
 
-    prepared = prepare_meta_model(model_or_config, config, dtype=dtype, lora_r=lora_r, lora_targets=lora_targets,
-                                  load_in_4bit=load_in_4bit, bnb_4bit_use_double_quant=bnb_4bit_use_double_quant)
+    prepared = _prepare(model_or_config, config, dtype, lora_r, lora_targets, quantization)
     return prepared.estimate(world_size, config, batch_size=batch_size, seq_len=seq_len, cp_size=cp_size,
                              gradient_accumulation_steps=gradient_accumulation_steps)
 
@@ -207,8 +204,7 @@ class MetaTrainingModel:
     fp8_weights: set[int]
     lora_r: int | None
     lora_targets: tuple[str, ...] | None
-    load_in_4bit: bool
-    double_quant: bool
+    quantization: quantized.MetaQuantization | None  # a quantized base (estimate_memory's load_in_4bit)
     _activations: dict = field(default_factory=dict)
     _tp_shapes: dict = field(default_factory=dict)
 
@@ -270,23 +266,25 @@ class MetaTrainingModel:
 
 def prepare_meta_model(model_or_config: Any, config: FSDP2Config, *, dtype: torch.dtype | str | None = None,
                        lora_r: int | None = None, lora_targets: Sequence[str] = DEFAULT_LORA_TARGETS,
-                       load_in_4bit: bool = False, bnb_4bit_use_double_quant: bool = False) -> MetaTrainingModel:
-    """Build the meta model `estimate_memory` costs (arguments as there, already validated)."""
+                       **quantization: Any) -> MetaTrainingModel:
+    """Build the meta model `estimate_memory` costs (arguments as there, already validated; `quantization`: its
+    quantization keywords, read by the quantizer)."""
+    return _prepare(model_or_config, config, dtype, lora_r, lora_targets, quantized.for_estimate(**quantization))
+
+
+def _prepare(model_or_config: Any, config: FSDP2Config, dtype: torch.dtype | str | None, lora_r: int | None,
+             lora_targets: Sequence[str], quantization: quantized.MetaQuantization | None) -> MetaTrainingModel:
     model = build_meta_model(model_or_config, dtype=dtype)
     quantized_from = None
-    if load_in_4bit:  # as hf_fsdp2.from_pretrained(..., quantization_config=...) builds it
-        from transformers import BitsAndBytesConfig
-
+    if quantization is not None:  # as hf_fsdp2.from_pretrained(..., quantization_config=...) builds it
         quantized_from = next(p.dtype for p in model.parameters() if p.is_floating_point())
-        quantized.quantize_on_meta(model, BitsAndBytesConfig(
-            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=bnb_4bit_use_double_quant,
-            bnb_4bit_compute_dtype=config.param_dtype or quantized_from), quantized_from)
+        quantization.quantize_on_meta(model, quantized_from, config.param_dtype or quantized_from)
     if lora_r is not None:
         if model_parts(model).has_peft:
             raise ValueError("`lora_r` is set but the model is already a PeftModel; pass the base model.")
         model = add_lora(model, lora_r, lora_targets)
-    if load_in_4bit:  # after PEFT, which reads the `Params4bit` attributes to pick its 4-bit LoRA layer
-        quantized.prepare(model, quantized_from)
+    if quantization is not None:  # after PEFT, which reads the quantized layers to pick its LoRA layer class
+        quantization.prepare(model, quantized_from)
     apply_frozen_dtype(model, config.frozen_dtype)  # as shard_model does, before sharding (floating only)
     parts = model_parts(model)
     plan = plan_groups(parts, config)
@@ -296,7 +294,7 @@ def prepare_meta_model(model_or_config: Any, config: FSDP2Config, *, dtype: torc
     return MetaTrainingModel(
         model=model, base=parts.base, plan=plan, quantized=_quantized_params(model), fp8_weights=fp8_weights, lora_r=lora_r,
         lora_targets=tuple(t.strip() for t in lora_targets if t.strip()) if lora_r else None,
-        load_in_4bit=load_in_4bit, double_quant=bnb_4bit_use_double_quant)
+        quantization=quantization)
 
 
 def _estimate(prepared: MetaTrainingModel, world_size: int, config: FSDP2Config, batch_size: int | None,
@@ -304,10 +302,11 @@ def _estimate(prepared: MetaTrainingModel, world_size: int, config: FSDP2Config,
     model, plan, quantized, fp8_weights = prepared.model, prepared.plan, prepared.quantized, prepared.fp8_weights
     replicate, shard = config.mesh_shape(world_size)
     _check_cp(cp_size, shard, seq_len if batch_size is not None else None)
-    if config.tp_size > 1 and (prepared.load_in_4bit or config.fp8):
-        raise ValueError(f"`tp_size`={config.tp_size} with "
-                         f"{'`load_in_4bit`' if prepared.load_in_4bit else '`fp8`'} is not done in hf_fsdp2 "
-                         "(shard_model refuses it); estimate with tp_size=1.")
+    quantization = prepared.quantization
+    if config.tp_size > 1 and (quantization is not None or config.fp8):
+        what = quantization.argument if quantization is not None else "fp8"
+        raise ValueError(f"`tp_size`={config.tp_size} with `{what}` is not done in hf_fsdp2 (shard_model refuses "
+                         "it); estimate with tp_size=1.")
     tp_shapes = prepared.tp_shapes(config.tp_size)
     params = list(model.parameters())  # deduplicated: a tied weight counts once
     storage_dtypes: dict[str, int] = {}
@@ -400,13 +399,8 @@ def _estimate(prepared: MetaTrainingModel, world_size: int, config: FSDP2Config,
     if config.fp8:
         notes.append(f"FP8: {len(fp8_weights)} decoder-layer linear weights are all-gathered in float8 (1 byte a "
                      "value); they stay stored, and their gradients and AdamW states kept, in the storage dtype.")
-    if prepared.load_in_4bit:
-        per_weight = "0.515625 (0.5 packed + 1/64 absmax code)" if prepared.double_quant else \
-            "0.5625 (0.5 packed + 4/64 fp32 absmax)"
-        notes.append(f"4-bit (nf4): {per_weight} bytes per quantized weight / shard size, uint8 rows, frozen, "
-                     "gathered as their own bytes whatever param_dtype; code books"
-                     + (" and the second-level absmax" if prepared.double_quant else "")
-                     + " are replicated buffers.")
+    if quantization is not None:
+        notes.append(quantization.bytes_note)
     return MemoryEstimate(
         model_type=getattr(getattr(prepared.base, "config", None), "model_type", type(model).__name__),
         world_size=world_size, replicate_size=replicate, shard_size=shard,
@@ -421,7 +415,8 @@ def _estimate(prepared: MetaTrainingModel, world_size: int, config: FSDP2Config,
         groups=tuple(groups), gather_window=window, gathered_peak_bytes=gathered_peak,
         gathered_peak_groups=tuple(peak_names), reduce_scatter_peak_bytes=reduce_scatter_peak,
         activations=activations, activations_error=act_error, notes=tuple(notes),
-        load_in_4bit=prepared.load_in_4bit, double_quant=prepared.double_quant, dequantized_peak_bytes=dequantized,
+        load_in_4bit=quantization is not None, double_quant=quantization is not None and quantization.double_quant,
+        dequantized_peak_bytes=dequantized,
         tp_size=config.tp_size, cp_size=cp_size, heap_kept_bytes=heap_kept,
         loss_backward_bytes=loss_backward, head_grad_bytes=head_grad, all_to_all_bytes=all_to_all, ep_size=config.ep_size, copy_out_bytes=copy_out, grads_kept=accumulation is None or accumulation > 1,
     )

@@ -33,13 +33,15 @@ CPU inference repacking of the weight), which would replace FSDP2's unsharded te
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterator
+import functools
+from typing import Any, Iterator
 
 import torch
 import torch.nn as nn
 
 from ..runtime import upstream
 from ..runtime.distributed import local_tensor
+from .protocol import MetaQuantization, QuantizedWeight
 
 INSTALL_HINT = "pip install 'bitsandbytes>=0.50' (or pip install -e '.[qlora]' in the hf_fsdp2 checkout)"
 _SPEC = "_hf_fsdp2_4bit"  # where a prepared layer keeps its Quant4bitSpec (read through spec_of)
@@ -382,8 +384,6 @@ class _Bnb4bit:
         return dequantized_dtype(name, module, self.SOURCE_DTYPES)
 
     def weight_of(self, module: nn.Module):
-        from .quantized import QuantizedWeight
-
         spec = spec_of(module)
         if spec is None:
             return None
@@ -406,6 +406,33 @@ class _Bnb4bit:
         numel = spec.out_features * spec.in_features
         size = spec.dtype.itemsize + (compute.itemsize if compute != spec.dtype else 0)
         return numel * size + (4 * spec.num_blocks if spec.nested else 0)
+
+    def for_estimate(self, arguments: dict[str, Any]) -> MetaQuantization | None:
+        """`load_in_4bit` / `bnb_4bit_use_double_quant`: NF4, as `BitsAndBytesConfig(load_in_4bit=True, ...)`."""
+        load_in_4bit = arguments.pop("load_in_4bit", False)
+        double_quant = arguments.pop("bnb_4bit_use_double_quant", False)
+        if double_quant and not load_in_4bit:
+            raise ValueError("`bnb_4bit_use_double_quant` is set without `load_in_4bit`; double quantization "
+                             "applies to 4-bit weights only.")
+        if not load_in_4bit:
+            return None
+        # one absmax per 64 weights: fp32 (4 bytes), or an 8-bit code under double quantization
+        per_weight = ("0.515625 (0.5 packed + 1/64 absmax code)" if double_quant
+                      else "0.5625 (0.5 packed + 4/64 fp32 absmax)")
+        note = (f"4-bit (nf4): {per_weight} bytes per quantized weight / shard size, uint8 rows, frozen, "
+                "gathered as their own bytes whatever param_dtype; code books"
+                + (" and the second-level absmax" if double_quant else "") + " are replicated buffers.")
+        return MetaQuantization(self, "load_in_4bit", bool(double_quant), note,
+                                functools.partial(_estimate_config, bool(double_quant)))
+
+
+def _estimate_config(double_quant: bool, compute_dtype: torch.dtype):
+    """The config `estimate_memory(load_in_4bit=True)` costs: as hf_fsdp2.from_pretrained(...,
+    quantization_config=...) would be given it for QLoRA."""
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=double_quant,
+                              bnb_4bit_compute_dtype=compute_dtype)
 
 
 QUANTIZER = _Bnb4bit()

@@ -8,95 +8,30 @@ base only through this module:
 - sharding (sharding/engine.py, tensor_parallel.py, compiled_collectives.py): `refuse_unsupported`,
   `prepare` (the row layout, before `fully_shard`), `has_quantized_layers` (a technique not done with a
   quantized base refuses it by name);
-- estimating (planner/memory.py): `check_available`, `quantize_on_meta`, `prepare`, `weights` (per
-  weight its logical shape and its matmul's transient bytes);
+- estimating (planner/memory.py): `for_estimate` (the base its keywords ask for, as a `MetaQuantization`:
+  built on meta, prepared, its bytes described; the planner names no format), `has_quantized_layers`,
+  `weights` (per weight its logical shape and its matmul's transient bytes);
 - loading (checkpoint/loading.py, pretrained.py, weights_io.py): `quantize_on_meta`, `prepare`,
   `unprepared_layers`, `source_dtype`, `QuantizedWeight.load_rows`;
 - export (checkpoint/export_plan.py, lora_merge.py): `weights`, `is_prepared`,
   `QuantizedWeight.dequantized_rows`.
 
 bitsandbytes 4-bit (quantization/bnb_4bit.py) is the first implementation; another (torchao int4, HQQ)
-implements `Quantizer` and joins `QUANTIZERS`.
+implements `Quantizer` (quantization/protocol.py, which the formats import, never this module) and joins
+`QUANTIZERS`.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.nn as nn
 
+from . import bnb_4bit
+from .protocol import MetaQuantization, QuantizedWeight, Quantizer
 
-@dataclasses.dataclass(frozen=True)
-class QuantizedWeight:
-    """One prepared quantized weight as the rest of hf_fsdp2 sees it."""
-
-    module: nn.Module
-    packed: nn.Parameter  # the packed rows (sharded like any parameter; never saved as they are)
-    side: tuple[nn.Parameter, ...]  # per-row side data sharded with them (scales): never saved
-    out_features: int
-    in_features: int
-    dtype: torch.dtype  # the float dtype a checkpoint holds, a load quantizes from and a save writes
-    kind: str  # e.g. "nf4": the estimate's label
-    quantizer: Quantizer
-
-    def dequantized_rows(self, first_row: int) -> torch.Tensor:
-        """This rank's rows of the [out, in] weight (the first of them global row `first_row`), dequantized,
-        in `dtype`."""
-        return self.quantizer.dequantized_rows(self, first_row)
-
-    def load_rows(self, rows: torch.Tensor) -> None:
-        """Quantize this rank's float rows of the weight into its shard. Collective for some formats
-        (bitsandbytes' double quantization): call on every rank, in the same weight order."""
-        self.quantizer.load_rows(self, rows)
-
-    def transient_bytes(self, param_dtype: torch.dtype | None) -> int:
-        """The largest temporary its matmul allocates (a dequantized copy of the whole weight)."""
-        return self.quantizer.transient_bytes(self, param_dtype)
-
-
-class Quantizer(Protocol):
-    name: str
-
-    def is_layer(self, module: nn.Module) -> bool:
-        """A layer of this format, prepared or not (found without importing its library)."""
-
-    def refuse_unsupported(self, model: nn.Module) -> None:
-        """Refuse, by name, this library's layers hf_fsdp2 cannot shard (e.g. bitsandbytes 8-bit)."""
-
-    def check_available(self) -> None:
-        """Raise ImportError saying how to install the library."""
-
-    def handles(self, quantization_config: Any) -> bool:
-        """Whether a transformers `quantization_config` is this format's."""
-
-    def quantize_on_meta(self, model: nn.Module, quantization_config: Any, dtype: torch.dtype) -> None:
-        """A meta model turned into the quantized model `from_pretrained(quantization_config=...)` builds."""
-
-    def prepare(self, model: nn.Module, dtype: torch.dtype | None) -> list[str]:
-        """Every layer of this format given the row layout, in place (meta layers dequantize to `dtype`)."""
-
-    def source_dtype(self, name: str, module: nn.Module) -> torch.dtype:
-        """The float dtype an (unprepared) quantized layer dequantizes to, from its quantization state."""
-
-    def weight_of(self, module: nn.Module) -> QuantizedWeight | None:
-        """The prepared weight of `module`, None if it is not a prepared layer of this format."""
-
-    def dequantized_rows(self, weight: QuantizedWeight, first_row: int) -> torch.Tensor: ...
-
-    def load_rows(self, weight: QuantizedWeight, rows: torch.Tensor) -> None: ...
-
-    def transient_bytes(self, weight: QuantizedWeight, param_dtype: torch.dtype | None) -> int: ...
-
-
-def _implementations() -> tuple[Quantizer, ...]:
-    from . import bnb_4bit  # here, not at the top: bnb_4bit builds QuantizedWeight (defined above)
-
-    return (bnb_4bit.QUANTIZER,)
-
-
-QUANTIZERS: tuple[Quantizer, ...] = _implementations()
+QUANTIZERS: tuple[Quantizer, ...] = (bnb_4bit.QUANTIZER,)
 
 
 def refuse_unsupported(model: nn.Module) -> None:
@@ -152,5 +87,20 @@ def quantize_on_meta(model: nn.Module, quantization_config: Any, dtype: torch.dt
     _quantizer_for(quantization_config).quantize_on_meta(model, quantization_config, dtype)
 
 
-__all__ = ["QUANTIZERS", "QuantizedWeight", "Quantizer", "check_available", "has_quantized_layers", "is_prepared",
-           "prepare", "quantize_on_meta", "refuse_unsupported", "unprepared_layers", "weights"]
+def for_estimate(**arguments) -> MetaQuantization | None:
+    """The quantized base an estimate's keywords ask for (`estimate_memory`'s `load_in_4bit=True`,
+    `bnb_4bit_use_double_quant=...`): each format reads its own; None when they ask for none. The planner
+    builds and costs it through the result, knowing no format."""
+    left = dict(arguments)
+    found = [setup for quantizer in QUANTIZERS if (setup := quantizer.for_estimate(left)) is not None]
+    if left:  # a keyword no format reads would be dropped
+        raise TypeError(f"unknown quantization argument(s) {sorted(left)}: no quantized base reads them.")
+    if len(found) > 1:
+        raise ValueError(f"{' and '.join(f'`{s.argument}`' for s in found)} both ask for the quantized base; "
+                         "choose one.")
+    return found[0] if found else None
+
+
+__all__ = ["QUANTIZERS", "MetaQuantization", "QuantizedWeight", "Quantizer", "check_available", "for_estimate",
+           "has_quantized_layers", "is_prepared", "prepare", "quantize_on_meta", "refuse_unsupported",
+           "unprepared_layers", "weights"]
