@@ -216,18 +216,81 @@ def _own_names() -> set[str]:
     return own
 
 
+def _strings(node, module_level: dict[str, list[str]]) -> list[str] | None:
+    """The strings a literal holds ("x", ("x", "y"), ["x"], {"x"}) or a module-level constant names; else None."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return [node.value]
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)) and all(
+            isinstance(e, ast.Constant) and isinstance(e.value, str) for e in node.elts):
+        return [e.value for e in node.elts]
+    if isinstance(node, ast.Name):
+        return module_level.get(node.id)
+    return None
+
+
+def _name_values(tree: ast.Module) -> dict[int, dict[str, list[str]]]:
+    """id(scope) -> {variable: the strings it can hold} for the module, each function and comprehension: a
+    name bound to a string literal (or a tuple of them), or the target of a loop over such a literal or over a
+    module-level constant. How `getattr(obj, name)` is resolved (`for name in ("_a", "_b")`, `NAME = "_a"`)."""
+    module_level: dict[str, list[str]] = {}
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            values = _strings(node.value, {})
+            if values is not None:
+                module_level[node.targets[0].id] = values
+    scopes = {id(tree): dict(module_level)}
+    scope_types = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.GeneratorExp, ast.ListComp, ast.SetComp,
+                   ast.DictComp)
+    for scope in [tree] + [n for n in ast.walk(tree) if isinstance(n, scope_types)]:
+        bound = scopes.setdefault(id(scope), {})
+        loops = [(g.target, g.iter) for g in getattr(scope, "generators", ())]
+        for node in ast.walk(scope) if scope is not tree else ():
+            if isinstance(node, (ast.For, ast.AsyncFor)):
+                loops.append((node.target, node.iter))
+            elif isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+                values = _strings(node.value, module_level)
+                if values is not None and isinstance(node.value, ast.Constant):
+                    bound.setdefault(node.targets[0].id, []).extend(values)
+        for target, iterable in loops:
+            values = _strings(iterable, module_level)
+            if isinstance(target, ast.Name) and values is not None:
+                bound.setdefault(target.id, []).extend(values)
+    return scopes
+
+
 def _private_reads_in(path: Path, own: set[str]) -> list[tuple[str, int]]:
     """(name, line) for each private name of another library `path` reads: an attribute (`x._name`,
-    `getattr(x, "_name")`) hf_fsdp2 does not define, or a private part of an upstream import."""
+    `getattr(x, "_name")`, `getattr(x, name)` with `name` a string constant or looping over string literals) hf_fsdp2
+    does not define, a global named by (upstream module, private name) as pickle's `find_class` takes it, or a
+    private part of an upstream import."""
+    tree = ast.parse(path.read_text())
+    scopes, parents = _name_values(tree), {}
+    for node in ast.walk(tree):
+        for child in ast.iter_child_nodes(node):
+            parents[id(child)] = node
+
+    def resolve(node) -> list[str]:
+        """The strings `node` (a literal, or a variable seen from its innermost binding scope) can be."""
+        if not isinstance(node, ast.Name):
+            return _strings(node, {}) or []
+        scope = node
+        while id(scope) in parents:
+            scope = parents[id(scope)]
+            if node.id in scopes.get(id(scope), {}):
+                return scopes[id(scope)][node.id]
+        return []
+
     found = []
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(tree):
         names = []
         if isinstance(node, ast.Attribute):
             names = [node.attr]
         elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in (
-                "getattr", "hasattr", "delattr") and len(node.args) > 1 and isinstance(node.args[1], ast.Constant) \
-                and isinstance(node.args[1].value, str):
-            names = [node.args[1].value]
+                "getattr", "hasattr", "delattr") and len(node.args) > 1:
+            names = resolve(node.args[1])
+        elif isinstance(node, ast.Tuple) and len(node.elts) == 2 and isinstance(node.elts[0], ast.Constant) and \
+                isinstance(node.elts[0].value, str) and node.elts[0].value.split(".")[0] in UPSTREAM:
+            names = [name for name in resolve(node.elts[1]) if name.isidentifier()]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0 and \
                 node.module.split(".")[0] in UPSTREAM:
             names = node.module.split(".") + [a.name for a in node.names]
@@ -271,12 +334,19 @@ def test_the_scan_sees_a_private_read(tmp_path):
     probe = tmp_path / "probe.py"
     forms = ["state._mp_policy", "getattr(model, '_no_split_modules', None)", "hasattr(state, '_lazy_init')",
              "from torch.distributed.tensor._utils import compute_local_shape_and_global_offset",
-             "from torch.utils import _pytree", "import torch._dynamo"]
-    probe.write_text("def f(state, model):\n" + "".join(f"    {form}\n" for form in forms)
-                     + "    state._fds\n    getattr(state, '_hf_fsdp2_x')\n")
+             "from torch.utils import _pytree", "import torch._dynamo",
+             # a name held by a variable: a module-level constant, a loop over literals, a (module, name) global
+             "getattr(model, PROBE_NAME)", "[getattr(torch.ops.aten, n) for n in ('mm', '_probe_op')]",
+             "for attribute in ('public', '_probe_looped'):\n        hasattr(state, attribute)",
+             "allowed = {('torch.serialization', '_probe_global')}"]
+    probe.write_text("PROBE_NAME = '_probe_constant'\n\n\ndef f(state, model, computed):\n"
+                     + "".join(f"    {form}\n" for form in forms)
+                     + "    state._fds\n    getattr(state, '_hf_fsdp2_x')\n    getattr(state, computed)\n"
+                     + "    allowed = {('our.module', '_not_upstream')}\n")
     found = _undeclared({"runtime/probe.py": probe}, _own_names())
     assert [entry.split(" ", 1)[1] for entry in found] == [
-        "_mp_policy", "_no_split_modules", "_lazy_init", "_utils", "_pytree", "_dynamo"], found
+        "_mp_policy", "_no_split_modules", "_lazy_init", "_utils", "_pytree", "_dynamo", "_probe_constant",
+        "_probe_op", "_probe_looped", "_probe_global"], found
 
 
 def test_register_installs_and_unregister_restores_every_patched_seam():

@@ -313,9 +313,12 @@ PRIVATE: tuple[Private, ...] = (
     Private("torch.distributed.tensor._dtensor_spec", "TensorMeta", "sharding/context_parallel.py"),
     Private("torch.distributed.tensor._dtensor_spec", "DTensorSpec", "sharding/context_parallel.py"),
     Private("torch._ops", "OpOverload._schema", "sharding/context_parallel.py", instance=True),
-    *[Private("torch", f"ops.aten.{op}", "sharding/context_parallel.py") for op in (
-        "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
-        "_scaled_dot_product_flash_attention_for_cpu_backward")],
+    *[Private("torch", f"ops.aten.{op}", "sharding/context_parallel.py, sharding/selective_checkpoint.py") for op in (
+        "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu")],
+    Private("torch", "ops.aten._scaled_dot_product_flash_attention_for_cpu_backward", "sharding/context_parallel.py"),
+    # sharding/selective_checkpoint.py: the fused attention kernels whose outputs it keeps (those this build has)
+    *[Private("torch", f"ops.aten.{op}", "sharding/selective_checkpoint.py", optional=True) for op in (
+        "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention")],
     Private("torch", "ops.aten._local_scalar_dense", "planner/activation_trace.py"),
     # torch: DDP (replicate).
     Private("torch.distributed._composable.replicate", "_ReplicateState.lazy_init", _REP),
@@ -344,6 +347,9 @@ PRIVATE: tuple[Private, ...] = (
     Private("torch.testing._internal.distributed.fake_pg", "FakeStore", "tools/simulate.py"),
     Private("torch._C._distributed_c10d", "_resolve_process_group", "tools/collective_tally.py"),
     Private("torch._ops", "OpOverload._opname", "tools/collective_tally.py", instance=True),
+    # checkpoint/convert.py: globals its restricted unpickler lets DCP's .metadata name (pickle's find_class)
+    Private("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING", "checkpoint/convert.py"),
+    Private("torch.serialization", "_get_layout", "checkpoint/convert.py"),
     Private("torch.utils._pytree", "tree_leaves", "planner/activation_trace.py"),
     Private("torch.utils._pytree", "tree_map", "sharding/compute_cast.py"),
     *[Private(_CW, name, "sharding/engine.py, sharding/groups.py, sharding/compute_cast.py, planner/layout.py")
@@ -361,6 +367,10 @@ PRIVATE: tuple[Private, ...] = (
     Private("transformers.modeling_utils", "PreTrainedModel._weight_conversions", "checkpoint/key_conversion.py",
             optional=True),
     Private("transformers.trainer", "Trainer._get_output_dir", _TR),
+    # A keyword the Auto classes may pass on, which from_pretrained reads: the contract is its name in that source
+    # (integrations/deferred_load.py's _HUB_ONLY accepts it on the deferred path).
+    Private("transformers.modeling_utils", "PreTrainedModel.from_pretrained._commit_hash",
+            "integrations/deferred_load.py", instance=True),
     # peft.
     Private("peft.peft_model", "PeftModel._get_base_model_class", "checkpoint/weights_io.py"),
     Private("peft.tuners.lora.layer", "_ConvNd", "checkpoint/lora_merge.py"),
