@@ -190,7 +190,7 @@ def _changed_before_prepare(rank, world, base, other):
     out = {}
     for what, change in changes.items():
         model = change(deferred_load.load_on_meta(AutoModelForCausalLM, base, (), {}))
-        deferred_load.keep_changes(model)  # as Accelerate's prepare calls it
+        deferred_load.keep_changes(model)  # as prepare calls it (integrations/accelerate.py)
         fill = loading.Deferred(base)
         loading.shard_and_fill(model, loading.plan_for(model, FSDP2Config(), fill), fill)
         out[what] = {n: (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
@@ -234,6 +234,7 @@ def test_an_in_place_change_on_meta_is_refused_at_prepare_and_a_load_is_not(tmp_
     from transformers import AutoModelForCausalLM
 
     from hf_fsdp2.integrations import deferred_load
+    from hf_fsdp2.sharding import record_of
 
     build_model().save_pretrained(tmp_path)
     for change in (lambda m: m.lm_head.weight.zero_(), lambda m: torch.nn.init.ones_(m.model.norm.weight),
@@ -248,8 +249,6 @@ def test_an_in_place_change_on_meta_is_refused_at_prepare_and_a_load_is_not(tmp_
     model = deferred_load.load_on_meta(AutoModelForCausalLM, tmp_path, (), {})
     model.load_state_dict(build_model(seed=1).state_dict())  # torch's copy counts as a change: kept, not refused
     deferred_load.keep_changes(model)
-    from hf_fsdp2.sharding import record_of
-
     assert torch.equal(record_of(model).deferred_values["lm_head.weight"], build_model(seed=1).lm_head.weight)
 
 
