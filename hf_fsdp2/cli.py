@@ -457,7 +457,8 @@ def _add_simulate(commands: argparse._SubParsersAction) -> None:
     _add_layout_flags(p)
     p.add_argument("--rank", type=int, action="append", default=None, metavar="R",
                    help="a rank to simulate (repeat for several; default: 0 and world size - 1)")
-    p.add_argument("--steps", type=_positive_int, default=3, help="optimizer steps; the first is timed only when it is the only one (default 3)")
+    p.add_argument("--steps", type=_positive_int, default=3, help="optimizer steps (default 3): those between the first (optimizer states allocated) and the last "
+                        "(collectives tallied) are timed, as far as there are any")
     p.add_argument("--memory-budget", default=None, metavar="SIZE",
                    help="shard_size='auto' with this budget per rank (e.g. 80GB): the layout the planner picks")
     p.add_argument("--replication", choices=("ddp", "fsdp2"), default=None,

@@ -22,9 +22,9 @@ from hf_fsdp2.tools.simulate import fake_world, simulate_rank
 from .common import tiny_config
 
 WORLD = 4
-# Big enough that the model's bytes, not the interpreter's, make the peak (9.6 M parameters, 160 MiB of fp32
-# training state over 4 ranks); small enough for one CPU step in about a second.
-SHAPE = dict(vocab_size=16000, hidden_size=256, intermediate_size=688, num_hidden_layers=2, num_attention_heads=4,
+# Big enough that the model's bytes, not the interpreter's (about 30 MiB of glibc's live heap a step adds at any
+# size), make the peak: 35 M parameters, untied 65 MiB embedding and head; one CPU step in about 0.3 s.
+SHAPE = dict(vocab_size=32000, hidden_size=512, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=8,
              num_key_value_heads=2, max_position_embeddings=256)
 
 
@@ -38,8 +38,9 @@ def model_dir(tmp_path_factory):
 @pytest.mark.ranks
 def test_first_and_last_rank_measured_against_the_estimate(model_dir, capsys):
     """The command's own route (config.json -> meta model -> shard_model -> AdamW steps), ranks 0 and N-1 each in
-    a forked process: both hold the same memory (FSDP2 pads every shard to rank 0's), glibc's live bytes are
-    within 20% of the estimate, and the reduce-scatters carry exactly every parameter's padded rows in fp32."""
+    a forked process: both hold the same memory (FSDP2 pads every shard to rank 0's), glibc's live bytes (read after
+    every op of the last step) are within 20% of the estimate, and the reduce-scatters carry exactly every
+    parameter's padded rows in fp32."""
     assert main(["simulate", "--model", str(model_dir), "--world-size", str(WORLD), "--seq-len", "64",
                  "--steps", "2", "--json"]) == 0
     reports = json.loads(capsys.readouterr().out)
@@ -48,7 +49,7 @@ def test_first_and_last_rank_measured_against_the_estimate(model_dir, capsys):
     assert first["device"] == "cpu" and first["cuda_allocated_peak"] is None
     assert abs(first["heap_live_peak"] - last["heap_live_peak"]) <= 0.02 * first["heap_live_peak"]
     for r in reports:
-        assert 0.8 <= r["heap_ratio"] <= 1.2, r  # measured 1.15 at this shape
+        assert 0.9 <= r["heap_ratio"] <= 1.2, r  # measured 1.10 at this shape (the interpreter's 30 MiB above it)
         assert r["rss_peak"] >= r["heap_live_peak"] * 0.9
 
     # Every trainable parameter is reduce-scattered once per step, its rows padded to a multiple of the world size.
@@ -126,11 +127,12 @@ def test_auto_layout_fits_its_budget(model_dir, capsys):
     (not only the estimate) stays within the budget; a layout on DDP's reducer, which the fake group cannot run,
     is refused by name with the setting that simulates instead."""
     assert main(["simulate", "--model", str(model_dir), "--world-size", str(WORLD), "--rank", str(WORLD - 1),
-                 "--seq-len", "64", "--steps", "2", "--memory-budget", "150MiB", "--replication", "fsdp2",
+                 "--seq-len", "64", "--steps", "2", "--memory-budget", "400MiB", "--replication", "fsdp2",
                  "--json"]) == 0
     (report,) = json.loads(capsys.readouterr().out)
-    assert report["rss_peak"] <= 150 * 2**20, report
-    assert any("shard_size='auto' chose: 1 replicas x 4 shards" in n for n in report["notes"]), report["notes"]
+    assert report["rss_peak"] <= 400 * 2**20, report
+    assert any("shard_size='auto' chose: 1 replicas x 4 shards, reshard_after_forward=True" in n
+               for n in report["notes"]), report["notes"]
     assert main(["simulate", "--model", str(model_dir), "--world-size", str(WORLD), "--seq-len", "64",
                  "--memory-budget", "1GiB"]) == 1
     assert "trains on DDP's reducer" in capsys.readouterr().err

@@ -133,6 +133,9 @@ class MemoryEstimate:
     all_to_all_bytes: int = 0
     # Gradients alive through forward (gradient accumulation, or unknown): the conservative default.
     grads_kept: bool = True
+    # Unsharded parameters alive beside the largest reduce-scatter (memory.py `_reduce_scatter_window`); None: the
+    # whole all-gather window (estimates made before it was counted apart).
+    reduce_scatter_window_bytes: int | None = None
 
     # ---- max over ranks
     @property
@@ -193,8 +196,10 @@ class MemoryEstimate:
         """Estimated accelerator peak: parameters, optimizer and buffers + the all-gather window (+ a
         dequantized 4-bit weight) + the larger of the two high points of backward (memory.py's docstring)."""
         resident = 0 if self.cpu_offload else self.param_bytes + self.optimizer_bytes + self.buffer_bytes
-        return (resident + self.gathered_peak_bytes + self.dequantized_peak_bytes
-                + max(self.backward_start_bytes, self.backward_end_bytes))
+        beside_reduce = (self.gathered_peak_bytes if self.reduce_scatter_window_bytes is None
+                         else self.reduce_scatter_window_bytes)
+        return resident + max(self.gathered_peak_bytes + self.dequantized_peak_bytes + self.backward_start_bytes,
+                              beside_reduce + self.dequantized_peak_bytes + self.backward_end_bytes)
 
     @property
     def host_bytes(self) -> int:
@@ -279,8 +284,8 @@ class MemoryEstimate:
                      f"{_cell(0 if self.cpu_offload else self.state_bytes):>12}"
                      f"{_cell(self.host_bytes):>12}")
         grads = " + gradients" if self.grads_kept else ""
-        lines.append(f"estimated peak = parameters + optimizer + buffers + all-gather + max(activations + loss "
-                     f"backward{grads}, gradients + reduce-scatter):")
+        lines.append(f"estimated peak = parameters + optimizer + buffers + max(all-gather + activations + loss "
+                     f"backward{grads}, gathered beside a reduce-scatter + gradients + reduce-scatter):")
         lines.append(f"{'estimated peak':{width}}"
                      f"{_cell(self.device_bytes):>12}{_cell(self.host_bytes):>12}")
         if self.activations is None and self.activations_error:

@@ -30,6 +30,8 @@ import torch.distributed as dist
 from ..config import FSDP2Config
 from ..planner.meta_model import DEFAULT_LORA_TARGETS, add_lora, build_meta_model
 from ..planner.step_time import Interconnect, predict_step
+from torch.utils._python_dispatch import TorchDispatchMode
+
 from ..runtime import collectives, memory_probe
 from .collective_tally import CollectiveTally, summarize
 
@@ -44,7 +46,7 @@ class RankReport:
     setup: str
     steps: int
     step_s: list[float]  # every step, the first included (it allocates the optimizer's states)
-    compute_s: float  # the median of the steps after the first
+    compute_s: float  # the median of the steps between the first and the last (see _train)
     cuda_allocated_peak: int | None
     cuda_reserved_peak: int | None
     rss_peak: int
@@ -179,17 +181,19 @@ def simulate_rank(
         heap_base = heap["live"] if heap else None
         with memory_probe.RssSampler(malloc=heap is not None) as sampler:
             shard_model(module, layout.config, mesh=layout.mesh)
-            step_s, calls = _train(module, layout.config, device, batch_size, seq_len, steps,
-                                   gradient_accumulation_steps)
+            step_s, calls, heap_peak_by_op = _train(module, layout.config, device, batch_size, seq_len, steps,
+                                                    gradient_accumulation_steps, measure_heap=heap is not None)
         if device == "cuda":
             torch.cuda.synchronize()
         rss_peak = max(memory_probe.hwm_bytes(), sampler.max) - rss_base
-        heap_peak = (sampler.max_live - heap_base) if heap_base is not None else None
+        heap_peak = (max(sampler.max_live, heap_peak_by_op) - heap_base) if heap_base is not None else None
         cuda_peak = torch.cuda.max_memory_allocated() - cuda_base if device == "cuda" else None
         reserved_peak = torch.cuda.max_memory_reserved() - reserved_base if device == "cuda" else None
         # This rank's tokens per optimizer step: TP ranks share theirs.
         tokens = batch_size * seq_len * gradient_accumulation_steps / max(config.tp_size, 1)
-        timed = sorted(step_s[1:] or step_s)  # one step: its time includes the optimizer states' allocation
+        # Timed: the steps after the first (which allocates the optimizer states) and before the last (which runs
+        # the tally's dispatch hooks), as far as there are any.
+        timed = sorted(step_s[1:-1] or step_s[1:] or step_s)
         compute = timed[len(timed) // 2]
         one_step = [c for c in calls if c.step == steps - 1]
         prediction = predict_step(compute, [c.collective for c in one_step], tokens_per_step_per_gpu=tokens,
@@ -202,6 +206,9 @@ def simulate_rank(
                      f"cpu_offload={c.cpu_offload} (budget {config.memory_budget} bytes)")
     if steps == 1:
         notes.append("one step: its compute time includes the first step's one-off work (optimizer states, kernels)")
+    elif steps == 2:
+        notes.append("two steps: the timed one also ran the collective tally's (and on CPU the heap probe's) "
+                     "dispatch hooks; --steps 3 or more times steps without them")
     if layout.config.ep_size > 1:
         notes.append("expert parallelism: the token exchange assumed symmetric (balanced routing); "
                      "the tally's timing includes its dispatch hook")
@@ -213,6 +220,20 @@ def simulate_rank(
         collectives=summarize([c.collective for c in one_step]), prediction=prediction.to_dict(), notes=notes)
 
 
+class _HeapPeak(TorchDispatchMode):
+    """glibc's live bytes read after every op of a step (CPU): the exact peak at op granularity, which a sampling
+    thread can miss (a gradient alive for a few milliseconds)."""
+
+    def __init__(self):
+        super().__init__()
+        self.max_live = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.max_live = max(self.max_live, memory_probe.malloc_bytes()["live"])
+        return out
+
+
 @dataclass
 class _StepCall:
     step: int
@@ -220,25 +241,27 @@ class _StepCall:
 
 
 def _train(model, config: FSDP2Config, device: str, batch_size: int, seq_len: int, steps: int,
-           accumulation: int) -> tuple[list[float], list[_StepCall]]:
+           accumulation: int, measure_heap: bool = False) -> tuple[list[float], list[_StepCall], int]:
     """`steps` AdamW steps of `accumulation` micro-batches on random tokens; each step's wall time (device
     synchronised) and the collectives issued in it. Expert parallelism needs the tally's symmetric all-to-all
     in every step (the exchange is sized by it); otherwise the tally runs in the last step only, so the timed
-    steps before it pay no dispatch hook."""
+    steps before it pay no dispatch hook. With `measure_heap` (CPU) the last step also reads glibc's live bytes
+    after every op; that peak is the third value returned."""
     from ..sharding import no_sync
 
     vocab = model.config.vocab_size if hasattr(model, "config") else 32000
     generator = torch.Generator().manual_seed(dist.get_rank())
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
     every_step = config.ep_size > 1
-    times, calls = [], []
+    times, calls, heap_peak = [], [], 0
     for step in range(steps):
         tally = CollectiveTally(symmetric_all_to_all=True)
         use_tally = every_step or step == steps - 1
+        heap = _HeapPeak() if measure_heap and step == steps - 1 else None
         if device == "cuda":
             torch.cuda.synchronize()
         start = time.perf_counter()
-        with tally if use_tally else contextlib.nullcontext():
+        with tally if use_tally else contextlib.nullcontext(), heap if heap is not None else contextlib.nullcontext():
             for micro in range(accumulation):
                 ids = torch.randint(0, vocab, (batch_size, seq_len), generator=generator).to(device)
                 sync = contextlib.nullcontext() if micro == accumulation - 1 else no_sync(model)
@@ -250,20 +273,21 @@ def _train(model, config: FSDP2Config, device: str, batch_size: int, seq_len: in
                 torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
         calls += [_StepCall(step, c) for c in tally.calls]
-    return times, calls
+        heap_peak = max(heap_peak, heap.max_live if heap is not None else 0)
+    return times, calls, heap_peak
 
 
 def simulate_ranks(ranks: Sequence[int], model: Any, world_size: int, config: FSDP2Config | None = None,
                    **kwargs: Any) -> list[RankReport]:
-    """`simulate_rank` for each of `ranks`, one after the other, each in a process forked for it (a fake group
-    is per process, and one rank's heap must not inflate the next one's peak). The calling process must not
-    have initialised CUDA (a forked child cannot use it then)."""
+    """`simulate_rank` for each of `ranks`, one after the other, each in a process of its own (a fake group is per
+    process, and one rank's heap must not inflate the next one's peak). The processes come from multiprocessing's
+    fork server, a clean single-threaded interpreter that imports this module once: a plain fork of the caller
+    would inherit its OpenMP and CUDA state (a child of a process that ran parallel CPU ops hangs in its first
+    one; one of a process that initialised CUDA cannot use it)."""
     import multiprocessing
 
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        raise ValueError("CUDA is initialised in this process; simulate_ranks forks a process per rank, which could "
-                         "not use it: call it before any CUDA work, or call simulate_rank in a fresh process.")
-    context = multiprocessing.get_context("fork")
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload([__name__])  # a no-op once the server runs (e.g. started by a test harness)
     reports = []
     for rank in ranks:
         parent, child = context.Pipe(duplex=False)
