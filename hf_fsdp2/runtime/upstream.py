@@ -342,7 +342,8 @@ PRIVATE: tuple[Private, ...] = (
       for name in ("is_fsdp_all_gather", "is_wait_tensor", "is_all_gather_into_tensor")],
     Private("torch._inductor.compile_fx", "compile_fx", _CC),
     Private("torch.utils._ordered_set", "OrderedSet", _CC),  # is_fsdp_all_gather's ancestor sets on torch 2.11/2.12
-    Private("torch.utils._python_dispatch", "TorchDispatchMode", "planner/activation_trace.py, tools/collective_tally.py"),
+    Private("torch.utils._python_dispatch", "TorchDispatchMode",
+            "planner/activation_trace.py, tools/collective_tally.py, tools/simulate.py"),
     # hf-fsdp2 simulate (tools/): torch's fake process group, and a c10d op's group and name as the dispatcher hands them
     Private("torch.testing._internal.distributed.fake_pg", "FakeStore", "tools/simulate.py"),
     Private("torch._C._distributed_c10d", "_resolve_process_group", "tools/collective_tally.py"),
@@ -618,6 +619,18 @@ def add_finder(finder: Any) -> None:
 def remove_finder(finder: Any) -> None:
     if finder in sys.meta_path:
         sys.meta_path.remove(finder)
+
+
+def spec_from_other_finders(finder: Any, fullname: str, path: Any, target: Any = None) -> Any:
+    """The spec the finders on `sys.meta_path` other than `finder` give for `fullname`, as the import system would
+    without it (None when none finds it): what a watching finder wraps (runtime/import_hooks.py, startup/)."""
+    for other in sys.meta_path:
+        if other is finder or not hasattr(other, "find_spec"):
+            continue
+        spec = other.find_spec(fullname, path, target)
+        if spec is not None:
+            return spec
+    return None
 
 
 def wrap_loader(spec: Any, make_loader: Callable[[Any], Any]) -> None:

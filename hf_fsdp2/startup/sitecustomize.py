@@ -72,13 +72,8 @@ class _Switch(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname, path, target=None):
         if self._done or fullname not in WATCHED:
             return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(fullname, path, target)
-            if spec is not None:
-                break
-        else:
+        spec = self._upstream.spec_from_other_finders(self, fullname, path, target)
+        if spec is None:
             return None
         if spec.loader is not None and hasattr(spec.loader, "exec_module"):
             self._upstream.wrap_loader(spec, lambda loader: _Loader(loader, fullname, self))
