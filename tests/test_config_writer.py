@@ -106,10 +106,15 @@ def test_the_output_never_replaces_a_file_unasked_nor_reaches_into_the_package(l
     assert {p: p.read_bytes() for p in CONFIGS.iterdir()} == shipped and not (CONFIGS.parent / "x.yaml").exists()
 
 
-def test_a_config_json_nested_too_deep_is_one_line_of_error(tmp_path, capsys):
-    """transformers reads a directory's config.json with plain json: a RecursionError traceback (issue 65)."""
+@pytest.mark.parametrize("command", [["config"], ["estimate-memory", "--world-size", "2", "--model"],
+                                     ["plan", "--world-size", "2", "--memory", "1GB", "--model"],
+                                     ["simulate", "--world-size", "2", "--model"]])
+def test_a_config_json_nested_too_deep_is_one_line_of_error(tmp_path, capsys, command):
+    """transformers reads a directory's config.json with plain json: a RecursionError traceback (issue 65), in
+    every command that reads a model directory (planner/meta_model.py's load_hf_config, their one reader)."""
     (tmp_path / "config.json").write_text('{"model_type": "llama", "x": ' + "[" * 100_000 + "]" * 100_000 + "}")
-    assert main(["config", str(tmp_path)]) == 1
+    assert main([*command, str(tmp_path)]) == 1
     err = capsys.readouterr().err
-    assert err.startswith("hf-fsdp2 config: error: ") and "nested more than Python can parse" in err, err[-2000:]
+    assert err.startswith(f"hf-fsdp2 {command[0]}: error: ") and "nested more than Python can parse" in err, \
+        err[-2000:]
     assert len(err.strip().splitlines()) == 1

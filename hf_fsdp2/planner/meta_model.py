@@ -29,6 +29,8 @@ def load_hf_config(path: str | Path):
         if p.is_dir():
             if not (p / "config.json").is_file():
                 raise ValueError(f"`model`={str(path)!r} is a directory without a config.json.")
+            # transformers reads it with plain json, unbounded (a RecursionError on deep nesting): read it bounded first
+            user_files.load_json(p / "config.json", "a Hugging Face config.json")
             return AutoConfig.from_pretrained(str(p))
         values = user_files.load_json(p, "a Hugging Face config.json")  # bounded: size, nesting, UTF-8
         if not isinstance(values, dict) or "model_type" not in values:

@@ -20,7 +20,6 @@ import re
 from pathlib import Path
 
 from ..config import FSDP2Config
-from ..runtime import user_files
 
 PACKAGE = Path(__file__).resolve().parent.parent
 CONFIGS = PACKAGE / "configs"
@@ -34,9 +33,6 @@ def decoder_layer_classes(model_path: str | Path) -> tuple[str, ...]:
     from ..planner.meta_model import build_meta_model
     from ..sharding.groups import resolve_layer_class_names
 
-    path = Path(model_path)
-    if path.is_dir():  # transformers reads a directory's config.json unbounded: a RecursionError on deep nesting
-        user_files.load_json(path / "config.json", "a Hugging Face config.json")
     return tuple(resolve_layer_class_names(build_meta_model(str(model_path)), FSDP2Config()))
 
 
