@@ -82,8 +82,7 @@ def predict_step(compute_s: float, calls: list, *, tokens_per_step_per_gpu: floa
     scatters = [c for c in calls if c.kind == "reduce_scatter" and len(c.group_ranks) > 1]
     exposed = sum(link.seconds(c.wire_bytes, c.group_ranks) for c in calls if c.kind not in ("all_gather",
                                                                                            "reduce_scatter"))
-    edges = [c for c in (gathers[:1] + scatters[-1:])]
-    exposed += sum(link.seconds(c.wire_bytes, c.group_ranks) for c in edges)
+    exposed += sum(link.seconds(c.wire_bytes, c.group_ranks) for c in gathers[:1] + scatters[-1:])
     hidden = sum(link.seconds(c.wire_bytes, c.group_ranks) for c in gathers[1:] + scatters[:-1])
     exposed += max(0.0, hidden - compute_s)
     step = compute_s + exposed

@@ -131,8 +131,8 @@ class CollectiveTally(TorchDispatchMode):
         return out
 
 
-def summarize(calls: list[Collective], steps: int = 1) -> list[dict]:
-    """Per (kind, group size): calls and bytes per step (the tally's totals over `steps`)."""
+def summarize(calls: list[Collective]) -> list[dict]:
+    """Per (kind, group size): the calls and their bytes."""
     rows: dict[tuple[str, int], dict] = {}
     for c in calls:
         row = rows.setdefault((c.kind, len(c.group_ranks)), {"kind": c.kind, "group_size": len(c.group_ranks),
@@ -140,7 +140,4 @@ def summarize(calls: list[Collective], steps: int = 1) -> list[dict]:
         row["calls"] += 1
         row["buffer_bytes"] += c.buffer_bytes
         row["wire_bytes"] += c.wire_bytes
-    for row in rows.values():
-        for key in ("calls", "buffer_bytes", "wire_bytes"):
-            row[key] = row[key] / steps if row[key] % steps else row[key] // steps
     return sorted(rows.values(), key=lambda r: (r["kind"], r["group_size"]))

@@ -33,7 +33,7 @@ from ..planner.step_time import Interconnect, predict_step
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..runtime import collectives, memory_probe
-from .collective_tally import CollectiveTally, summarize
+from .collective_tally import Collective, CollectiveTally, summarize
 
 
 @dataclass
@@ -181,7 +181,7 @@ def simulate_rank(
         heap_base = heap["live"] if heap else None
         with memory_probe.RssSampler(malloc=heap is not None) as sampler:
             shard_model(module, layout.config, mesh=layout.mesh)
-            step_s, calls, heap_peak_by_op = _train(module, layout.config, device, batch_size, seq_len, steps,
+            step_s, last_step_calls, heap_peak_by_op = _train(module, layout.config, device, batch_size, seq_len, steps,
                                                     gradient_accumulation_steps, measure_heap=heap is not None)
         if device == "cuda":
             torch.cuda.synchronize()
@@ -195,8 +195,7 @@ def simulate_rank(
         # the tally's dispatch hooks), as far as there are any.
         timed = sorted(step_s[1:-1] or step_s[1:] or step_s)
         compute = timed[len(timed) // 2]
-        one_step = [c for c in calls if c.step == steps - 1]
-        prediction = predict_step(compute, [c.collective for c in one_step], tokens_per_step_per_gpu=tokens,
+        prediction = predict_step(compute, last_step_calls, tokens_per_step_per_gpu=tokens,
                                   interconnect=interconnect)
     notes = ["losses not reported: under the fake group the gathered weights hold whatever the buffers held"]
     if config.is_auto_layout:
@@ -217,7 +216,7 @@ def simulate_rank(
         compute_s=compute, cuda_allocated_peak=cuda_peak, cuda_reserved_peak=reserved_peak, rss_peak=rss_peak,
         heap_live_peak=heap_peak, estimate_device_bytes=estimate.device_bytes,
         estimate_heap_kept_bytes=estimate.heap_kept_bytes,
-        collectives=summarize([c.collective for c in one_step]), prediction=prediction.to_dict(), notes=notes)
+        collectives=summarize(last_step_calls), prediction=prediction.to_dict(), notes=notes)
 
 
 class _HeapPeak(TorchDispatchMode):
@@ -234,16 +233,10 @@ class _HeapPeak(TorchDispatchMode):
         return out
 
 
-@dataclass
-class _StepCall:
-    step: int
-    collective: Any
-
-
 def _train(model, config: FSDP2Config, device: str, batch_size: int, seq_len: int, steps: int,
-           accumulation: int, measure_heap: bool = False) -> tuple[list[float], list[_StepCall], int]:
+           accumulation: int, measure_heap: bool = False) -> tuple[list[float], list[Collective], int]:
     """`steps` AdamW steps of `accumulation` micro-batches on random tokens; each step's wall time (device
-    synchronised) and the collectives issued in it. Expert parallelism needs the tally's symmetric all-to-all
+    synchronised) and the collectives the last one issued. Expert parallelism needs the tally's symmetric all-to-all
     in every step (the exchange is sized by it); otherwise the tally runs in the last step only, so the timed
     steps before it pay no dispatch hook. With `measure_heap` (CPU) the last step also reads glibc's live bytes
     after every op; that peak is the third value returned."""
@@ -253,7 +246,7 @@ def _train(model, config: FSDP2Config, device: str, batch_size: int, seq_len: in
     generator = torch.Generator().manual_seed(dist.get_rank())
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
     every_step = config.ep_size > 1
-    times, calls, heap_peak = [], [], 0
+    times, heap_peak = [], 0
     for step in range(steps):
         tally = CollectiveTally(symmetric_all_to_all=True)
         use_tally = every_step or step == steps - 1
@@ -272,9 +265,8 @@ def _train(model, config: FSDP2Config, device: str, batch_size: int, seq_len: in
             if device == "cuda":
                 torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
-        calls += [_StepCall(step, c) for c in tally.calls]
         heap_peak = max(heap_peak, heap.max_live if heap is not None else 0)
-    return times, calls, heap_peak
+    return times, tally.calls, heap_peak
 
 
 def simulate_ranks(ranks: Sequence[int], model: Any, world_size: int, config: FSDP2Config | None = None,
