@@ -15,7 +15,7 @@ from .checkpoint.state import latest_state, load_state, save_state  # noqa: E402
 from .checkpoint import async_save as _async_save  # noqa: E402
 from .runtime import host_allocator as _host_allocator  # noqa: E402
 from .checkpoint.async_save import SaveHandle, wait_pending as wait_for_saves  # noqa: E402
-from .sharding import no_sync  # noqa: E402
+from .sharding.engine import no_sync  # noqa: E402
 from .sharding import grad_clip as _grad_clip  # noqa: E402
 from .sharding.grad_clip import clip_grad_norm_  # noqa: E402
 from .shard import shard_model  # noqa: E402

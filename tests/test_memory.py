@@ -16,7 +16,8 @@ from hf_fsdp2.cli import main
 from hf_fsdp2.planner.activation_trace import trace_activations
 from hf_fsdp2.planner.memory import estimate_memory, shard_rows
 from hf_fsdp2.planner.meta_model import build_meta_model
-from hf_fsdp2.sharding import apply_activation_checkpointing, find_layers, plan_groups, record_of
+from hf_fsdp2.sharding import find_layers, plan_groups, record_of
+from hf_fsdp2.sharding.engine import apply_activation_checkpointing
 
 from .common import batches, build_model, local_rows, lora, optimizer, tiny_config
 from .dist_harness import run_ranks

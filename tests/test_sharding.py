@@ -360,7 +360,7 @@ def test_op_level_checkpointing_runs_without_the_kv_cache_in_training():
     """A KV cache filled in forward would make selective checkpointing's recompute run other ops (torch:
     "not found in storage"); checkpointed layers get none in training, whatever use_cache says, and
     gradients equal an unwrapped model's. Evaluation keeps the cache."""
-    from hf_fsdp2.sharding import apply_activation_checkpointing
+    from hf_fsdp2.sharding.engine import apply_activation_checkpointing
 
     model, plain = build_model(), build_model()
     apply_activation_checkpointing(model, list(model.model.layers), 1, save_matmuls=True)

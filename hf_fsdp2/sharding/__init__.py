@@ -4,18 +4,11 @@ what hf_fsdp2 knows about a model it sharded (`record_of`). What a layout costs 
 (`shard_size="auto"`) is the planner's (hf_fsdp2/planner/); hf_fsdp2/shard.py joins the two.
 
 Dependencies point one way: groups <- engine; compile <- engine; record <- all; the planner reads groups
-and record, never the engine, and the engine never imports the planner.
+and record, never the engine, and the engine never imports the planner. This file re-exports no name of the
+engine: importing any module of sharding/ runs it, so the planner's imports would run the engine too; whoever
+applies a layout imports `hf_fsdp2.sharding.engine` itself.
 """
 
-from .engine import (  
-    apply_activation_checkpointing,
-    apply_fsdp,
-    apply_fp8,
-    materialize,
-    no_sync,
-    prepare_for_planning,
-    shard_planned,
-)
 from .record import ShardedModel, is_sharded, record_of
 from .groups import (  
     ShardPlan,
@@ -31,7 +24,7 @@ from .groups import (
 from .model_parts import ModelParts, model_parts
 
 __all__ = [
-    "ShardPlan", "ShardedModel", "is_sharded", "record_of", "apply_activation_checkpointing", "apply_fp8", "apply_frozen_dtype", "apply_fsdp", "canonical_name",
-    "find_layers", "ignored_parameters", "materialize", "no_sync", "plan_groups", "resolve_layer_class_names",
-    "resolve_shared_parameters", "prepare_for_planning", "shard_planned", "size_based_groups", "ModelParts", "model_parts",
+    "ShardPlan", "ShardedModel", "is_sharded", "record_of", "apply_frozen_dtype", "canonical_name",
+    "find_layers", "ignored_parameters", "plan_groups", "resolve_layer_class_names",
+    "resolve_shared_parameters", "size_based_groups", "ModelParts", "model_parts",
 ]

@@ -240,7 +240,7 @@ def _train(model, config: FSDP2Config, device: str, batch_size: int, seq_len: in
     in every step (the exchange is sized by it); otherwise the tally runs in the last step only, so the timed
     steps before it pay no dispatch hook. With `measure_heap` (CPU) the last step also reads glibc's live bytes
     after every op; that peak is the third value returned."""
-    from ..sharding import no_sync
+    from ..sharding.engine import no_sync
 
     vocab = model.config.vocab_size if hasattr(model, "config") else 32000
     generator = torch.Generator().manual_seed(dist.get_rank())
