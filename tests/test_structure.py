@@ -203,11 +203,6 @@ def planner_backends(root: Path = SOURCE) -> dict[str, str]:
 KNOWN_PEFT_UNWRAPPING = collections.Counter({
     # the tuner (PeftModel.base_model) whose merge methods are refused on split experts (issue 62)
     ("sharding/expert_lora.py", "base_model"): 1,
-    # adapter_config.json written as PeftModel.save_pretrained writes it: the adapter's config and the
-    # base model class read from the PeftModel (issue 62: ModelParts to hand them over)
-    ("checkpoint/weights_io.py", "peft_config"): 1, ("checkpoint/weights_io.py", "_get_base_model_class"): 1,
-    # the adapters' init_lora_weights, by getattr(model, "peft_config", {}) on any model (issue 62)
-    ("checkpoint/loading.py", "peft_config"): 1,
 })
 
 

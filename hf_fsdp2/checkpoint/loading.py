@@ -74,7 +74,7 @@ def shard_and_fill(model: nn.Module, layout: Layout, fill: Fill) -> nn.Module:
         return _fill_from_rank0(model, layout)
     if isinstance(fill, Deferred):
         parts = model_parts(model)
-        init_meta_adapters(model, layout.mesh)
+        init_meta_adapters(parts, layout.mesh)
         engine.shard_planned(parts, layout.config, mesh=layout.mesh, init_weights=False)
         read_directory(model, fill.path)
         _fill_peft_originals(parts)
@@ -102,13 +102,13 @@ def read_directory(model: nn.Module, directory: str | os.PathLike, *, strict: bo
 # Adapters of a meta model
 
 
-def init_meta_adapters(model: nn.Module, mesh) -> None:
+def init_meta_adapters(parts: ModelParts, mesh) -> None:
     """LoRA adapters PEFT left on the meta device (their base layer is on meta) made real and initialised
     by PEFT's own `reset_lora_parameters` with each adapter's `init_lora_weights`, then rank 0's broadcast
     over `mesh` so every rank starts from the same adapters. Collective when the world has > 1 rank."""
     from peft.tuners.lora import LoraLayer
 
-    configs = getattr(model, "peft_config", {})
+    model, configs = parts.model, parts.adapter_configs
     with torch.no_grad():
         for module in model.modules():
             if isinstance(module, LoraLayer):

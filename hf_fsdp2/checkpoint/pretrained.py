@@ -258,5 +258,5 @@ def _with_adapters(model: nn.Module, peft_config, mesh) -> nn.Module:
         raise ValueError(f"`peft_config.init_lora_weights`={init!r} needs the base weights at initialisation; "
                          "hf_fsdp2.from_pretrained supports True, False and 'gaussian'.")
     model = get_peft_model(model, peft_config)
-    loading.init_meta_adapters(model, mesh)
+    loading.init_meta_adapters(model_parts(model), mesh)
     return model

@@ -142,14 +142,13 @@ def write_configs(parts: ModelParts, directory: Path, is_adapter: bool, dtype: t
 def _write_adapter_config(parts: ModelParts, directory: Path) -> None:
     """adapter_config.json exactly as `PeftModel.save_pretrained` writes it (peft_model.py): the base
     model's name, `inference_mode=True`, and `auto_mapping` when no task type is set."""
-    model = parts.model
-    config = copy.deepcopy(model.peft_config[getattr(model, "active_adapter", "default")])
+    config = copy.deepcopy(parts.adapter_configs[parts.active_adapter])
     if config.base_model_name_or_path is None:
         config.base_model_name_or_path = parts.base.__dict__.get("name_or_path", None) or None
     config.inference_mode = True
     auto_mapping = None
     if config.task_type is None:
-        base_class = model._get_base_model_class(is_prompt_tuning=config.is_prompt_learning)
+        base_class = parts.adapter_base_class(config.is_prompt_learning)
         auto_mapping = {"base_model_class": base_class.__name__, "parent_library": base_class.__module__}
     config.save_pretrained(str(directory), auto_mapping_dict=auto_mapping)
 

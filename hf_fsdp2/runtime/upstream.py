@@ -373,7 +373,7 @@ PRIVATE: tuple[Private, ...] = (
     Private("transformers.modeling_utils", "PreTrainedModel.from_pretrained._commit_hash",
             "integrations/deferred_load.py", instance=True),
     # peft.
-    Private("peft.peft_model", "PeftModel._get_base_model_class", "checkpoint/weights_io.py"),
+    Private("peft.peft_model", "PeftModel._get_base_model_class", "sharding/model_parts.py"),
     Private("peft.tuners.lora.layer", "_ConvNd", "checkpoint/lora_merge.py"),
     Private("peft.tuners.lora.layer", "ParamWrapper._did_swap_in_out_features",
             "checkpoint/lora_merge.py, sharding/expert_lora.py",

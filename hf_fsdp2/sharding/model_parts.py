@@ -21,6 +21,25 @@ class ModelParts:
     def has_peft(self) -> bool:
         return self.base is not self.model
 
+    # What a checkpoint reads of the adapters, read here so that no other module steps into PEFT's wrapper.
+    # Properties, not fields: parts are made on every forward of some techniques, adapters are read at a save.
+
+    @property
+    def adapter_configs(self) -> dict:
+        """The adapters' configs by name: a PeftModel's `peft_config`, or the one transformers' `add_adapter`
+        sets on its own model; {} without adapters."""
+        return getattr(self.model, "peft_config", {})
+
+    @property
+    def active_adapter(self) -> str:
+        return getattr(self.model, "active_adapter", "default")
+
+    def adapter_base_class(self, prompt_learning: bool) -> type:
+        """The class adapter_config.json names as the adapter's base (`auto_mapping`), as PEFT's
+        `PeftModel._get_base_model_class` (peft_model.py) gives it: the tuner's model, or the tuner itself
+        for prompt learning (no tuner there: the base model)."""
+        return self.model._get_base_model_class(is_prompt_tuning=prompt_learning)
+
 
 def model_parts(model: nn.Module | ModelParts) -> ModelParts:
     """`model`'s parts (parts given stay as they are). PEFT is recognised on the class, duck-typed so the
