@@ -197,6 +197,95 @@ def planner_backends(root: Path = SOURCE) -> dict[str, str]:
     return out
 
 
+# A technique is one module (issue 62): what names a technique, and where it may be named. The vocabulary is what
+# the code handles, not what a file calls it: the settings, the technique's module, its functions and classes, the
+# upstream classes and functions it applies (a file importing `activation_offload as lever` still names it).
+TECHNIQUES = {
+    "tensor parallelism": ("sharding/tensor_parallel.py", {
+        "tp_size", "TP_DIM", "tensor_parallel", "apply_tensor_parallel", "is_tensor_parallel", "plan_with_lora",
+        "tp_plan", "_tp_plan", "base_model_tp_plan", "parallelize_module", "ColwiseParallel", "RowwiseParallel"}),
+    "context parallelism": ("sharding/context_parallel.py", {
+        "cp_size", "CP_DIM", "context_parallel", "enable_cpu_ring_attention", "require_context_parallel",
+        "context_parallel_active", "refuse_padding", "_templated_ring_attention", "context_parallel_unshard",
+        "maybe_context_parallel"}),
+    "expert parallelism": ("sharding/expert_parallel.py", {
+        "ep_size", "EP_DIM", "EFSDP_DIM", "expert_parallel", "expert_lora", "expert_dispatch", "apply_expert_parallel",
+        "shard_experts", "expert_mesh", "experts_mesh", "DISPATCH_STYLE", "ep_plan", "_ep_plan", "base_model_ep_plan",
+        "apply_expert_parallelism"}),
+    "fp8": ("quantization/fp8.py", {
+        "fp8", "float8", "Fp8Conversion", "has_fp8", "gather_float8_as_bytes", "precompute_scales", "Float8Linear",
+        "Float8LinearConfig", "convert_to_float8_training", "enable_fsdp_float8_all_gather",
+        "precompute_float8_dynamic_scale_for_fsdp"}),
+    # and every name with "4bit" in it (Linear4bit, Params4bit, load_in_4bit, bnb_4bit_*, Quant4bitSpec)
+    "4-bit": ("quantization/bnb_4bit.py", {"quant_state", "QuantState", "BitsAndBytesConfig"}),
+    "activation offload": ("sharding/activation_offload.py", {
+        "activation_offload", "apply_activation_offload", "saved_tensor_hooks", "save_on_cpu"}),
+    "selective checkpointing": ("sharding/selective_checkpoint.py", {
+        "checkpoint_save_matmuls", "save_matmuls", "selective_checkpoint", "SAVED_OPS", "context_fn",
+        "checkpoint_kwargs", "without_cache_in_training", "create_selective_checkpoint_contexts"}),
+    "compile": ("sharding/compile.py", {
+        "compile", "compile_layers", "is_compiled", "disable_cache_in_training", "no_cache_in_training",
+        "_compiled_call_impl", "compiled_collectives"}),
+    "sequence parallelism": ("sharding/sequence_parallel.py", {
+        "sp_size", "SP_DIM", "sequence_parallel", "apply_sequence_parallel", "split_for_sequence_parallel"}),
+}
+# Besides its module: its config section, its planner cost and the one place that applies techniques in order. A
+# quantization format is applied through the format dispatcher (quantization/quantized.py), which the engine calls.
+TECHNIQUE_PLACES = ("config.py", "planner/memory.py", "sharding/engine.py")
+FORMAT_PLACES = ("config.py", "planner/memory.py", "quantization/quantized.py")
+
+
+def _names(tree: ast.AST):
+    """Every name a module uses or defines: names, attributes, imported modules and names (each dotted part),
+    keywords, parameters, definitions, and string constants that are identifiers (getattr(config, "fp8"), a
+    field list). `re.compile` and the like are the regular-expression module's, no technique's."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name):
+            yield node.id
+        elif isinstance(node, ast.Attribute):
+            if not (isinstance(node.value, ast.Name) and node.value.id == "re"):
+                yield node.attr
+        elif isinstance(node, ast.alias):
+            yield from node.name.split(".")
+            if node.asname:
+                yield node.asname
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            yield from node.module.split(".")
+        elif isinstance(node, ast.keyword) and node.arg:
+            yield node.arg
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            yield node.name
+        elif isinstance(node, ast.arg):
+            yield node.arg
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.isidentifier():
+            yield node.value
+
+
+def technique_files(root: Path = SOURCE) -> dict[str, set[str]]:
+    """technique -> the files of hf_fsdp2/ naming it (the command line, cli.py and tools/, not counted)."""
+    out: dict[str, set[str]] = {name: set() for name in TECHNIQUES}
+    for path in sorted((root / "hf_fsdp2").rglob("*.py")):
+        rel = path.relative_to(root / "hf_fsdp2").as_posix()
+        if rel == "cli.py" or rel.startswith("tools/"):
+            continue
+        names = set(_names(ast.parse(path.read_text())))
+        for technique, (_, vocabulary) in TECHNIQUES.items():
+            if names & vocabulary or (technique == "4-bit" and any("4bit" in n for n in names)):
+                out[technique].add(rel)
+    return out
+
+
+def technique_spread(root: Path = SOURCE) -> dict[str, set[str]]:
+    """technique -> the files naming it besides its module, config.py, its planner cost and the applying place."""
+    out = {}
+    for technique, files in technique_files(root).items():
+        module = TECHNIQUES[technique][0]
+        allowed = {module, *(FORMAT_PLACES if module.startswith("quantization/") and technique != "fp8"
+                             else TECHNIQUE_PLACES)}
+        out[technique] = files - allowed
+    return out
+
+
 # ---------------------------------------------------------------------------------------------
 # Known violations: each one a fix owed (issue 62), listed so that a new one fails and a fixed one must go.
 
@@ -204,6 +293,37 @@ KNOWN_PEFT_UNWRAPPING = collections.Counter({
     # the tuner (PeftModel.base_model) whose merge methods are refused on split experts (issue 62)
     ("sharding/expert_lora.py", "base_model"): 1,
 })
+
+# Files naming a technique beyond its four places, measured at de2aec5 (73 files of hf_fsdp2/ besides cli.py and
+# tools/; files naming it / beyond the four): TP 14 / 10, CP 12 / 8, EP 12 / 8, FP8 13 / 9, 4-bit 4 / 1, activation
+# offload 7 / 3, selective checkpointing 8 / 4, compile 9 / 6, sequence parallelism 1 / 1. Mostly other techniques'
+# and the integrations' refusals and mappings by field name, the planner's layout and report, the mesh's dimensions.
+KNOWN_TECHNIQUE_SPREAD = {
+    "tensor parallelism": {
+        "integrations/accelerate.py", "integrations/accelerate_settings.py", "planner/layout.py",
+        "planner/memory_report.py", "planner/parallel_shapes.py", "runtime/distributed.py", "sharding/adopt.py",
+        "sharding/compiled_collectives.py", "sharding/expert_parallel.py", "sharding/parallel_plans.py"},
+    "context parallelism": {
+        "integrations/accelerate.py", "integrations/accelerate_settings.py", "integrations/presharded.py",
+        "planner/layout.py", "planner/memory_report.py", "runtime/distributed.py", "runtime/upstream.py",
+        "sharding/compiled_collectives.py"},
+    "expert parallelism": {
+        "integrations/presharded.py", "planner/layout.py", "planner/memory_report.py", "sharding/adopt.py",
+        "sharding/expert_lora.py", "sharding/generation.py", "sharding/groups.py", "sharding/parallel_plans.py"},
+    "fp8": {
+        "checkpoint/weights_io.py", "integrations/accelerate.py", "integrations/accelerate_settings.py",
+        "sharding/adopt.py", "sharding/expert_parallel.py", "sharding/groups.py", "sharding/record.py",
+        "sharding/replication.py", "sharding/tensor_parallel.py"},
+    "4-bit": {"planner/memory_report.py"},
+    "activation offload": {"planner/layout.py", "sharding/adopt.py", "sharding/expert_parallel.py"},
+    "selective checkpointing": {
+        "planner/activation_trace.py", "planner/layout.py", "planner/memory_report.py",
+        "sharding/compiled_collectives.py"},
+    "compile": {
+        "sharding/adopt.py", "sharding/compiled_collectives.py", "sharding/expert_parallel.py", "sharding/generation.py",
+        "sharding/record.py", "sharding/tensor_parallel.py"},
+    "sequence parallelism": {"integrations/accelerate.py"},
+}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -234,6 +354,14 @@ def test_peft_is_unwrapped_in_one_module():
     """A PeftModel is recognised and unwrapped by sharding/model_parts.py alone (issue 50): entry points make one
     `ModelParts`, what they call receives the parts."""
     assert peft_unwrapping() == KNOWN_PEFT_UNWRAPPING
+
+
+def test_a_technique_is_named_in_its_own_places():
+    """Each technique's names (TECHNIQUES) appear only in its module, config.py, its planner cost
+    (planner/memory.py) and the one place that applies techniques in order (sharding/engine.py; a quantization
+    format: the dispatcher, quantization/quantized.py), at most 4 files; the files beyond are listed as known, a
+    ratchet: a new file naming a technique fails, and one that stops naming it must leave the list."""
+    assert technique_spread() == KNOWN_TECHNIQUE_SPREAD
 
 
 def test_the_planner_knows_no_quantization_backend():
@@ -297,6 +425,18 @@ def test_a_rule_reports_a_new_violation(tmp_path, file, line, rule, offender):
 def test_the_peft_rule_reports_a_new_call_site(tmp_path, line, name):
     assert set(peft_unwrapping(_violated(tmp_path, "sharding/engine.py", line)) - KNOWN_PEFT_UNWRAPPING) == {
         ("sharding/engine.py", name)}
+
+
+@pytest.mark.parametrize("file, line, technique", [
+    ("checkpoint/header.py", "def f(config):\n    return config.activation_offload", "activation offload"),
+    # renamed on import: the module's name is still there
+    ("checkpoint/header.py", "def f():\n    from ..sharding import compile as lever", "compile"),
+    ("checkpoint/header.py", "def f(config):\n    return getattr(config, 'tp_size')", "tensor parallelism"),
+    ("checkpoint/header.py", "def f(module):\n    return type(module).__name__ == 'Linear4bit'", "4-bit"),
+])
+def test_the_technique_rule_reports_a_new_file(tmp_path, file, line, technique):
+    assert file not in technique_spread()[technique]
+    assert technique_spread(_violated(tmp_path, file, line))[technique] == KNOWN_TECHNIQUE_SPREAD[technique] | {file}
 
 
 def test_the_record_lives_on_one_object():
