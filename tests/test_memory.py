@@ -198,7 +198,7 @@ def test_estimate_matches_bytes_on_every_rank(world, tmp_path):
         assert any(got < estimates["tp_2x2"].param_bytes_per_rank[r] for got, r in tp1)
     if "qlora_4bit" in estimates:
         q = estimates["qlora_4bit"]
-        assert "nf4" in q.storage_dtypes and q.load_in_4bit and q.double_quant
+        assert "nf4" in q.storage_dtypes and q.quantized_base == "4-bit" and q.double_quant
         assert len(set(q.param_bytes_per_rank)) > 1  # k_proj/v_proj rows: 2, 2, 2, 0
 
 

@@ -298,6 +298,7 @@ KNOWN_PEFT_UNWRAPPING = collections.Counter({
 # tools/; files naming it / beyond the four): TP 14 / 10, CP 12 / 8, EP 12 / 8, FP8 13 / 9, 4-bit 4 / 1, activation
 # offload 7 / 3, selective checkpointing 8 / 4, compile 9 / 6, sequence parallelism 1 / 1. Mostly other techniques'
 # and the integrations' refusals and mappings by field name, the planner's layout and report, the mesh's dimensions.
+# 4-bit since: 3 files, none beyond (its module, the format dispatcher, the planner's estimate keywords).
 KNOWN_TECHNIQUE_SPREAD = {
     "tensor parallelism": {
         "integrations/accelerate.py", "integrations/accelerate_settings.py", "planner/layout.py",
@@ -314,7 +315,7 @@ KNOWN_TECHNIQUE_SPREAD = {
         "checkpoint/weights_io.py", "integrations/accelerate.py", "integrations/accelerate_settings.py",
         "sharding/adopt.py", "sharding/expert_parallel.py", "sharding/groups.py", "sharding/record.py",
         "sharding/replication.py", "sharding/tensor_parallel.py"},
-    "4-bit": {"planner/memory_report.py"},
+    "4-bit": set(),  # the report names a quantized base as its format does (MetaQuantization.name, .storage)
     "activation offload": {"planner/layout.py", "sharding/adopt.py", "sharding/expert_parallel.py"},
     "selective checkpointing": {
         "planner/activation_trace.py", "planner/layout.py", "planner/memory_report.py",

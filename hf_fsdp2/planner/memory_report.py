@@ -113,8 +113,12 @@ class MemoryEstimate:
     activations: ActivationMemory | None
     activations_error: str | None = None
     notes: tuple[str, ...] = field(default=())
-    load_in_4bit: bool = False
+    # a quantized base, as its format names it (quantization.MetaQuantization): "4-bit", its rows gathered as "uint8"
+    quantized_base: str | None = None
+    quantized_storage: str = ""
     double_quant: bool = False
+    # estimate_memory's keywords that chose the base, under their own names in the JSON (memory.py's)
+    keywords: dict[str, Any] = field(default_factory=dict)
     dequantized_peak_bytes: int = 0  # 4-bit: the largest weight bitsandbytes dequantizes for a matmul
     tp_size: int = 1  # tensor parallelism: the numbers are TP rank 0's (the largest blocks)
     cp_size: int = 1  # context parallelism: each rank's activations hold seq_len / cp_size tokens
@@ -232,13 +236,14 @@ class MemoryEstimate:
             ("buffers (replicated)", *place(self.buffer_bytes)),
         ]
         largest = self.largest_group
-        compute += " + 4-bit uint8" if self.load_in_4bit else ""
+        compute += f" + {self.quantized_base} {self.quantized_storage}" if self.quantized_base else ""
         rows.append((f"all-gather: {self.gather_window} groups in flight ({compute}; largest "
                      f"{largest.name} {format_bytes(largest.gathered_bytes)})", self.gathered_peak_bytes, 0))
         rows.append((f"reduce-scatter: unsharded grads + {self.reduce_dtype or compute} buffer",
                      self.reduce_scatter_peak_bytes, 0))
-        if self.load_in_4bit:
-            rows.append(("4-bit: largest weight dequantized for its matmul", self.dequantized_peak_bytes, 0))
+        if self.quantized_base:
+            rows.append((f"{self.quantized_base}: largest weight dequantized for its matmul", self.dequantized_peak_bytes,
+                         0))
         a = self.activations
         if a is not None:
             ac = ("offloaded to the host" if a.offloaded else "no checkpointing" if not a.checkpointing
@@ -269,8 +274,8 @@ class MemoryEstimate:
             mesh += (f", experts over ep {self.ep_size} x efsdp {self.shard_size // self.ep_size} (in the "
                      f"{self.shard_size} shards)")
         lora = f", LoRA r={self.lora_r} on {','.join(self.lora_targets or ())}" if self.lora_r else ""
-        if self.load_in_4bit:
-            lora += f" over a 4-bit base{' (double quantization)' if self.double_quant else ''}"
+        if self.quantized_base:
+            lora += f" over a {self.quantized_base} base{' (double quantization)' if self.double_quant else ''}"
         lines = [
             f"{self.model_type}: {self.num_params / 1e9:.3f} B parameters, {self.num_trainable_params / 1e9:.3f} B "
             f"trainable{lora}; {mesh}; memory per rank (max over ranks)",
@@ -295,6 +300,7 @@ class MemoryEstimate:
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
+        out.update(out.pop("keywords"))
         out["lora_targets"] = list(self.lora_targets) if self.lora_targets else None
         out["per_rank_max"] = {
             "param_bytes": self.param_bytes, "grad_bytes": self.grad_bytes, "optimizer_bytes": self.optimizer_bytes,

@@ -423,7 +423,7 @@ class _Bnb4bit:
                 "gathered as their own bytes whatever param_dtype; code books"
                 + (" and the second-level absmax" if double_quant else "") + " are replicated buffers.")
         return MetaQuantization(self, "load_in_4bit", bool(double_quant), note,
-                                functools.partial(_estimate_config, bool(double_quant)))
+                                functools.partial(_estimate_config, bool(double_quant)), name="4-bit", storage="uint8")
 
 
 def _estimate_config(double_quant: bool, compute_dtype: torch.dtype):

@@ -89,6 +89,8 @@ class MetaQuantization:
     double_quant: bool  # the scales quantized again (a field of the report)
     bytes_note: str  # what each quantized weight costs, for the estimate's notes
     quantization_config: Callable[[torch.dtype], Any]  # transformers' config, given the compute dtype
+    name: str  # how the estimate's report names the base ("4-bit")
+    storage: str  # what its rows are stored and gathered as ("uint8")
 
     def check_available(self) -> None:
         self.quantizer.check_available()
