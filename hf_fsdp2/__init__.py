@@ -19,6 +19,7 @@ from .sharding.engine import no_sync  # noqa: E402
 from .sharding import grad_clip as _grad_clip  # noqa: E402
 from .sharding.grad_clip import clip_grad_norm_  # noqa: E402
 from .shard import shard_model  # noqa: E402
+from .sharding.engine import local_batch  # noqa: E402
 from .quantization.bnb_optimizers import prepare as prepare_optimizer  # noqa: E402
 
 __version__ = "0.1.0"
@@ -71,6 +72,7 @@ __all__ = [
     "from_pretrained",
     "init_distributed",
     "latest_state",
+    "local_batch",
     "load_pretrained",
     "load_state",
     "no_sync",

@@ -13,6 +13,8 @@ from typing import Any, Literal, Mapping
 
 import torch
 
+SP_DIM = "sp"  # the mesh dimension of Ulysses sequence parallelism (Accelerate's name)
+
 _DTYPE_ALIASES: dict[str, torch.dtype] = {
     "fp32": torch.float32,
     "float32": torch.float32,
@@ -247,6 +249,22 @@ class FSDP2Config:
     (torch's `context_parallel`, entered by Accelerate's `maybe_context_parallel`); FSDP2 shards over
     dp_shard x cp. Set from Accelerate's `parallelism_config` (whose mesh has the "cp" dimension); hf_fsdp2
     builds no cp mesh of its own (refused by name without one). Must divide the shard size."""
+    sp_size: int = 1
+    """Ulysses sequence parallelism (sharding/sequence_parallel.py): this many of the shard ranks each hold
+    1/sp_size of every sequence; around the model's own attention an all-to-all turns sequence shards into head
+    shards and back; the loss is summed over the valid tokens of all sp ranks and divided by their count. FSDP2
+    shards over dp_shard x sp. Must divide the shard size and the model's attention heads; its key/value heads
+    must be a multiple of sp_size or divide it (fewer are replicated, as DeepSpeed's ALST does). The batch is split
+    along the sequence by `hf_fsdp2.local_batch` (the integrations split it for you). Not with
+    cp_size, tp_size, ep_size or compile (refused by name)."""
+    loss_tile_size: int | None = None
+    """Sequence tiling of the loss (sharding/sequence_tiling.py): in a training forward with labels the lm_head and
+    cross-entropy run over this many tokens at a time, their gradients computed as each tile goes, so the logits
+    of the whole sequence never exist (the forward's `logits` are the last position's only). None: off. Usable
+    with or without sp_size."""
+    mlp_tile_size: int | None = None
+    """Sequence tiling of each decoder layer's MLP (sharding/sequence_tiling.py): this many tokens at a time, each
+    tile recomputed in backward, so one tile's intermediate activations live at once. None: off."""
     ep_size: int = 1
     """Expert parallelism for mixture-of-experts models (sharding/expert_parallel.py): the model's own EP plan
     (transformers' `base_model_ep_plan`), each layer's experts split over `ep_size` ranks of the shard group
@@ -307,11 +325,13 @@ class FSDP2Config:
         self._check_needs_layer_groups()
         self._check_layout()
         self._check_compile()
+        self._check_sequence()
 
     def _parsed(self) -> dict[str, Any]:
         """Every field in its type, each value checked on its own (one parser per kind of value)."""
         optional_int = {name: None if getattr(self, name) is None else _parse_int(getattr(self, name), name, low)
-                        for name, low in (("forward_prefetch", 0), ("bucket_cap_mb", 1), ("plan_seq_len", 1))}
+                        for name, low in (("forward_prefetch", 0), ("bucket_cap_mb", 1), ("plan_seq_len", 1),
+                                            ("loss_tile_size", 1), ("mlp_tile_size", 1))}
         return {
             "wrap_policy": _parse_wrap_policy(self.wrap_policy),
             "layer_cls_names": _parse_names(self.layer_cls_names),
@@ -321,7 +341,7 @@ class FSDP2Config:
             "reshard_after_forward": self._parse_reshard(self.reshard_after_forward),
             **{name: _parse_int(getattr(self, name), name, low)
                for name, low in (("min_num_params", 0), ("backward_prefetch", 0), ("checkpoint_every", 1),
-                                 ("replicate_size", 1), ("tp_size", 1), ("cp_size", 1), ("ep_size", 1),
+                                 ("replicate_size", 1), ("tp_size", 1), ("cp_size", 1), ("sp_size", 1), ("ep_size", 1),
                                  ("plan_batch_size", 1))},
             **optional_int,
             **{name: parse_bool(getattr(self, name), name)
@@ -386,6 +406,24 @@ class FSDP2Config:
                              f"{', '.join(conflicts)}: those need FSDP2's groups (the auto layout costs "
                              "them). Use compile=True (regional) with them, or drop them.")
 
+    def _check_sequence(self) -> None:
+        """Sequence parallelism and tiling: what they are not done with, refused by name."""
+        if self.sp_size > 1:
+            others = [f"`{name}`={getattr(self, name)}" for name in ("cp_size", "tp_size", "ep_size")
+                      if getattr(self, name) > 1]
+            others += [f"`compile`={self.compile!r}"] if self.compile else []
+            if others:
+                raise ValueError(f"`sp_size`={self.sp_size} with {', '.join(others)} is not done in hf_fsdp2: Ulysses "
+                                 "sequence parallelism composes with FSDP2 (dp_shard, HSDP), LoRA, activation "
+                                 "checkpointing and sequence tiling only.")
+        tiled = [name for name in ("loss_tile_size", "mlp_tile_size") if getattr(self, name) is not None]
+        if tiled and self.compile == "model":
+            raise ValueError(f"`{tiled[0]}` with `compile`='model' is not done in hf_fsdp2: the tiles run outside the "
+                             "compiled graph; use compile=True (regional) or no compile.")
+        if self.mlp_tile_size is not None and self.wrap_policy != "transformer":
+            raise ValueError(f"`mlp_tile_size` tiles each decoder layer's MLP: it needs `wrap_policy`='transformer', "
+                             f"not {self.wrap_policy!r}.")
+
     @staticmethod
     def _parse_reshard(value: Any) -> bool | int:
         if isinstance(value, bool):
@@ -426,6 +464,9 @@ class FSDP2Config:
         if shard % self.cp_size:
             raise ValueError(f"`cp_size`={self.cp_size} must divide the shard size {shard}: FSDP2 shards over "
                              "dp_shard x cp, so the cp ranks are part of each shard group.")
+        if shard % self.sp_size:
+            raise ValueError(f"`sp_size`={self.sp_size} must divide the shard size {shard}: FSDP2 shards over "
+                             "dp_shard x sp, so the sp ranks are part of each shard group.")
         if self.ep_size > 1:
             if self.replicate_size > 1:
                 raise ValueError(f"`ep_size`={self.ep_size} with HSDP (`replicate_size`={self.replicate_size}) is not "
@@ -440,6 +481,11 @@ class FSDP2Config:
                     f"`reshard_after_forward`={self.reshard_after_forward} must divide the shard size {shard}."
                 )
         return self.replicate_size, shard
+
+    def sequence_split_dims(self) -> tuple[tuple[str, int], ...]:
+        """Mesh dimensions the shard ranks split into after "dp_shard", ranks that hold slices of the same sequences
+        (FSDP2 shards over all of them): ("sp", sp_size) under Ulysses (Accelerate's dimension name)."""
+        return ((SP_DIM, self.sp_size),) if self.sp_size > 1 else ()
 
     def replace(self, **changes: Any) -> "FSDP2Config":
         return dataclasses.replace(self, **changes)

@@ -7,6 +7,7 @@ shards with it. The one place the two are joined, so the engine never imports th
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -36,9 +37,11 @@ def plan(model: nn.Module, config: FSDP2Config, *, mesh: DeviceMesh | None = Non
 
 
 def data_parallel_shape(mesh: DeviceMesh) -> tuple[int, int]:
-    """(replicate, shard) of a mesh: FSDP2 shards over dp_shard x cp (Accelerate's names, and ours)."""
+    """(replicate, shard) of a mesh: FSDP2 shards over every dimension but dp_replicate and tp (dp_shard, and cp or
+    sp where the ranks split sequences: Accelerate's names, and ours)."""
     sizes = dict(zip(mesh.mesh_dim_names or (), mesh.shape))
-    return sizes.get("dp_replicate", 1), sizes.get("dp_shard", 1) * sizes.get("cp", 1)
+    return sizes.get("dp_replicate", 1), math.prod(size for name, size in sizes.items()
+                                                   if name not in ("dp_replicate", "tp"))
 
 
 def shard_model(

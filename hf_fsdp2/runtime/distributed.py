@@ -117,7 +117,8 @@ def init_process_group(
 
 
 def build_mesh(config: FSDP2Config | None = None) -> DeviceMesh:
-    """A 1-D ("dp_shard",) mesh, or a 2-D ("dp_replicate", "dp_shard") mesh for HSDP; with
+    """A 1-D ("dp_shard",) mesh, or a 2-D ("dp_replicate", "dp_shard") mesh for HSDP; the shard ranks split
+    further by the config's `sequence_split_dims` (FSDP2 shards over all of them, `data_parallel_mesh`); with
     `tp_size` > 1 a last "tp" dimension (neighbouring ranks: one machine's devices share a TP group).
 
     Collective: call on every rank.
@@ -131,6 +132,8 @@ def build_mesh(config: FSDP2Config | None = None) -> DeviceMesh:
     replicate, shard = config.mesh_shape(dist.get_world_size())
     device = device_type()
     shape, names = ((shard,), (SHARD_DIM,)) if replicate == 1 else ((replicate, shard), (REPLICATE_DIM, SHARD_DIM))
+    for name, size in config.sequence_split_dims():  # after dp_shard, before tp (Accelerate's order): neighbours
+        shape, names = (*shape[:-1], shape[-1] // size, size), (*names, name)
     if config.tp_size > 1:
         shape, names = (*shape, config.tp_size), (*names, TP_DIM)
     override = None
@@ -172,6 +175,14 @@ def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
     as Accelerate's own FSDP2 path does): CP ranks hold slices of the same sequences, so their
     gradients are averaged with the data-parallel ones."""
     names = mesh.mesh_dim_names or ()
+    split = tuple(n for n in names if n not in (REPLICATE_DIM, SHARD_DIM, TP_DIM, CP_DIM))
+    if split:  # the config's sequence_split_dims (as CP): ranks holding slices of the same sequences
+        flat = "_".join((SHARD_DIM, *split))
+        try:
+            shard_split = mesh[flat]
+        except KeyError:
+            shard_split = mesh[tuple(n for n in (SHARD_DIM, *split) if n in names)]._flatten(flat)
+        return shard_split if REPLICATE_DIM not in names else mesh[(REPLICATE_DIM, flat)]
     if CP_DIM in names:
         try:
             shard_cp = mesh[SHARD_CP_DIM]  # Accelerate's build_device_mesh flattens it already

@@ -355,6 +355,9 @@ PRIVATE: tuple[Private, ...] = (
     Private("torch.utils._pytree", "tree_map", "sharding/compute_cast.py"),
     *[Private(_CW, name, "sharding/engine.py, sharding/groups.py, sharding/compute_cast.py, planner/layout.py")
       for name in ("CheckpointWrapper", "CheckpointImpl", "checkpoint_wrapper")],
+    # sharding/sequence_tiling.py's TiledMLP is an ActivationWrapper (its parameter and state-dict names unchanged)
+    Private(_CW, "ActivationWrapper", "sharding/sequence_tiling.py"),
+    Private(_CW, "ActivationWrapper._checkpoint_wrapped_module", "sharding/sequence_tiling.py", instance=True),
     # accelerate.
     *[Private("accelerate.accelerator", f"Accelerator.{name}", "integrations/accelerator_checkpoint.py", instance=True)
       for name in ("_models", "_optimizers", "_schedulers", "_custom_objects", "_dataloaders")],
@@ -368,6 +371,9 @@ PRIVATE: tuple[Private, ...] = (
     Private("transformers.modeling_utils", "PreTrainedModel._weight_conversions", "checkpoint/key_conversion.py",
             optional=True),
     Private("transformers.trainer", "Trainer._get_output_dir", _TR),
+    # the implementation a model's attention looks up (Ulysses wraps it: sharding/sequence_parallel.py)
+    Private("transformers.configuration_utils", "PreTrainedConfig._attn_implementation",
+            "sharding/sequence_parallel.py"),
     # A keyword the Auto classes may pass on, which from_pretrained reads: the contract is its name in that source
     # (integrations/deferred_load.py's _HUB_ONLY accepts it on the deferred path).
     Private("transformers.modeling_utils", "PreTrainedModel.from_pretrained._commit_hash",

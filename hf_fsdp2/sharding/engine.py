@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Iterator
+from typing import Any, Iterator, Mapping
 
 import torch
 import torch.nn as nn
@@ -21,7 +21,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from ..config import FSDP2Config
+from ..config import SP_DIM, FSDP2Config
 from ..quantization import fp8, quantized
 from ..runtime import collectives, host_allocator, upstream
 from ..runtime.distributed import (CP_DIM, TP_DIM, build_mesh, data_parallel_mesh, default_device, local_tensor,
@@ -32,7 +32,7 @@ from .model_parts import ModelParts, model_parts
 from .generation import wrap_generate
 from .record import note_parameters, record_of, refuse_parameters_added_after
 from . import (activation_offload, adopt, compiled_collectives, context_parallel, expert_parallel, grad_clip,
-               replication, selective_checkpoint, tensor_parallel)
+               replication, selective_checkpoint, sequence_parallel, sequence_tiling, tensor_parallel)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -274,7 +274,12 @@ def shard_planned(
         apply_frozen_dtype(model, config.frozen_dtype)
     config = _tensor_parallel(parts, config, mesh, on_meta and init_weights)  # a loader fills meta weights (from_pretrained)
     config = _context_parallel_size(config, mesh)
+    config = _sequence_parallel_size(config, mesh)
     plan = plan_groups(parts, config)
+    if config.sp_size > 1:  # hooks before fully_shard's: FSDP2's own run around them
+        sequence_parallel.apply_sequence_parallel(parts, config, mesh[SP_DIM])
+    if config.loss_tile_size is not None or config.mlp_tile_size is not None:
+        sequence_tiling.apply_sequence_tiling(parts, plan.layers, config)
     if config.ep_size > 1:
         expert_parallel.refuse_unsupported(model, config, mesh)
         plan.experts, plan.experts_mesh = expert_parallel.apply_expert_parallel(parts, config, mesh)
@@ -357,6 +362,17 @@ def _context_parallel_size(config: FSDP2Config, mesh: DeviceMesh) -> FSDP2Config
     return config.replace(cp_size=cp) if config.cp_size != cp else config
 
 
+def _sequence_parallel_size(config: FSDP2Config, mesh: DeviceMesh) -> FSDP2Config:
+    """The config's sp_size is the mesh's "sp" dimension (hf_fsdp2.build_mesh builds it from sp_size)."""
+    names = mesh.mesh_dim_names or ()
+    sp = mesh[SP_DIM].size() if SP_DIM in names else 1
+    if config.sp_size not in (1, sp):
+        raise ValueError(f"`sp_size`={config.sp_size} but the mesh {dict(zip(names, mesh.shape))} has "
+                         f"{'an sp dimension of ' + str(sp) if sp > 1 else 'no sp dimension'}; build it with "
+                         "hf_fsdp2.build_mesh(config).")
+    return config.replace(sp_size=sp) if config.sp_size != sp else config
+
+
 def _tensor_parallel(parts: ModelParts, config: FSDP2Config, mesh: DeviceMesh, on_meta: bool) -> FSDP2Config:
     """TP on the mesh's "tp" dimension (sharding/tensor_parallel.py), before FSDP2 shards the rest; the
     config's tp_size follows a mesh (or a model transformers split) that has one."""
@@ -376,6 +392,21 @@ def _tensor_parallel(parts: ModelParts, config: FSDP2Config, mesh: DeviceMesh, o
     if not tensor_parallel.is_tensor_parallel(parts.model):
         tensor_parallel.apply_tensor_parallel(parts, mesh[TP_DIM])
     return config
+
+
+def local_batch(batch: Mapping[str, Any], model: nn.Module) -> dict[str, Any]:
+    """What this rank feeds `model` of a batch of whole sequences (its data-parallel rows): under `sp_size` > 1
+    (sharding/sequence_parallel.py) input_ids, labels, attention_mask, position_ids cut along the sequence, with
+    `position_ids`, `shift_labels` and `num_items_in_batch` added for the whole sequences first; the ranks of one
+    sp group (neighbouring ranks: rank // sp_size is the data-parallel index under hf_fsdp2.build_mesh) pass the
+    same batch. Otherwise the batch as it is. The integrations call it for you."""
+    record = record_of(model)
+    if record is None or record.mesh is None:
+        raise ValueError("local_batch: the model is not sharded; call hf_fsdp2.shard_model first.")
+    if SP_DIM not in (record.mesh.mesh_dim_names or ()):
+        return dict(batch)
+    sp = record.mesh[SP_DIM]
+    return sequence_parallel.split_batch(batch, sp.get_local_rank(), sp.size())
 
 
 @contextlib.contextmanager

@@ -1,0 +1,283 @@
+"""Ulysses sequence parallelism (SP) composed with FSDP2: each rank of the mesh's "sp" dimension holds 1/sp of
+every sequence; around the model's own attention an all-to-all turns sequence shards into head shards and back.
+
+DeepSpeed's ALST (`UlyssesSPAttentionHF.register_with_transformers`, which Accelerate 1.15 calls for
+`sp_backend: deepspeed`) is the model: the wrapper goes where transformers looks attention up, its
+`AttentionInterface`, under a name of its own that the model's config points at (`set_attn_implementation`), the
+model's own implementation (sdpa or eager) running inside on full sequences and 1/sp of the heads.
+Nothing of transformers' is replaced:
+- attention: q [b, H, s/sp, d] -> all-to-all -> [b, H/sp, s, d] (k, v likewise; key/value heads fewer than sp
+  are repeated to sp first, as ALST does), the core implementation, and back to [b, s/sp, H, d];
+- the mask: transformers skips mask creation for a name its `AttentionMaskInterface` does not know, so one is
+  registered too; it gathers the 2-D padding mask over the sp ranks and builds the core's mask for the whole
+  sequence (token order: sp rank 0's shard first);
+- the loss: the model's own loss with the batch's `shift_labels` (labels shifted before the split, so a shard's
+  last token keeps its target on the next rank) and `num_items_in_batch` (valid tokens of the whole sequences),
+  so each rank's loss is its valid tokens' sum / the global count; their sum over the sp ranks (a differentiable
+  all-reduce) is the loss. Its backward all-reduces too, giving each rank sp x its shard's gradient, which
+  FSDP2's average over dp_shard x sp (runtime/distributed.data_parallel_mesh) turns into the one-process gradient.
+- `split_batch` cuts a batch along the sequence for a rank, position ids following their tokens.
+
+Only in training mode (as ALST's `disable_in_eval`): evaluation and generation run whole sequences on each rank.
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import torch
+import torch.distributed as dist
+import torch.distributed.nn.functional as dist_fn
+from torch import nn
+from transformers import AttentionInterface
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface, find_packed_sequence_indices
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from ..config import FSDP2Config
+from .model_parts import ModelParts
+
+IGNORE_INDEX = -100  # transformers' ForCausalLMLoss default
+# The cores run (and tested) here. flash_attention_* read `position_ids` (packed sequences) that would need
+# gathering first, flex compiles its kernel: not done.
+_CORES = ("sdpa", "eager")
+_PER_HEAD_ARGUMENTS = ("position_bias", "s_aux", "sinks")  # would need splitting by head too: not done
+_SPLIT_KEYS = ("input_ids", "labels", "shift_labels", "position_ids", "attention_mask", "inputs_embeds",
+               "token_type_ids")
+_names = itertools.count()
+
+
+@dataclass
+class _Ulysses:
+    """One model's SP: its group, the core implementation, and whether this forward's inputs are shards."""
+    group: dist.ProcessGroup
+    size: int
+    core: str
+    active: bool = False
+
+
+# ---------------------------------------------------------------------------------------------
+# Refusals and application
+
+
+def heads(config) -> tuple[int, int]:
+    """(attention heads, key/value heads) of a transformers config (its text config for multimodal models)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    h = getattr(text, "num_attention_heads", None)
+    if not isinstance(h, int):
+        raise ValueError(f"`sp_size`: {type(text).__name__} names no `num_attention_heads`; Ulysses splits the "
+                         "attention heads over the sp ranks and needs their number.")
+    kv = getattr(text, "num_key_value_heads", None) or h
+    return h, kv
+
+
+def refuse_unsupported(parts: ModelParts, sp: int) -> None:
+    """What Ulysses cannot split, by name, before anything changes."""
+    config = getattr(parts.base, "config", None)
+    if config is None or not hasattr(parts.base, "set_attn_implementation"):
+        raise ValueError(f"`sp_size`={sp}: {type(parts.base).__name__} is not a transformers model; Ulysses goes "
+                         "through transformers' attention interface.")
+    h, kv = heads(config)
+    if h % sp:
+        raise ValueError(f"`sp_size`={sp} must divide the model's {h} attention heads (num_attention_heads): "
+                         "Ulysses gives each sp rank 1/sp_size of the heads.")
+    if kv % sp and sp % kv:
+        raise ValueError(f"`sp_size`={sp} and the model's {kv} key/value heads (num_key_value_heads): one must divide "
+                         "the other (fewer key/value heads than sp ranks are repeated to sp).")
+    core = config._attn_implementation
+    if core not in _CORES:
+        raise ValueError(f"`sp_size`={sp} with attn_implementation={core!r}: Ulysses wraps one of {list(_CORES)}.")
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    others = sorted({t for t in (getattr(text, "layer_types", None) or ()) if "attention" not in str(t)})
+    if others:  # recurrent state across the sequence (Accelerate refuses them under ALST too)
+        raise ValueError(f"`sp_size`={sp}: the model has {others} layers, which carry state along the sequence "
+                         "outside the attention Ulysses splits; not done.")
+
+
+def apply_sequence_parallel(parts: ModelParts, config: FSDP2Config, sp_mesh) -> None:
+    """Point the model's attention at the Ulysses wrapper of its own implementation and hook its forward (the
+    checks at a training forward, the loss summed over the sp ranks). Before `fully_shard`."""
+    sp = sp_mesh.size()
+    refuse_unsupported(parts, sp)
+    base = parts.base
+    state = _Ulysses(sp_mesh.get_group(), sp, base.config._attn_implementation)
+    name = f"hf_fsdp2_ulysses_{next(_names)}"
+    AttentionInterface.register(name, lambda *args, **kwargs: _attention(state, *args, **kwargs))
+    AttentionMaskInterface.register(name, lambda **kwargs: _mask(state, **kwargs))
+    base.set_attn_implementation(name)
+    parts.model.register_forward_pre_hook(lambda module, args, kwargs: _before_forward(state, module, args, kwargs),
+                                          with_kwargs=True)
+    parts.model.register_forward_hook(lambda module, args, output: _after_forward(state, output))
+
+
+# ---------------------------------------------------------------------------------------------
+# The forward
+
+
+def _argument(module: nn.Module, name: str, args: tuple, kwargs: dict) -> Any:
+    if name in kwargs:
+        return kwargs[name]
+    try:
+        return inspect.signature(module.forward).bind_partial(*args).arguments.get(name)
+    except TypeError:
+        return None
+
+
+def _before_forward(state: _Ulysses, module: nn.Module, args: tuple, kwargs: dict) -> None:
+    """A training forward takes sequence shards (`split_batch`'s); what would silently train wrong is refused."""
+    state.active = module.training
+    if not state.active:
+        return
+    get = lambda name: _argument(module, name, args, kwargs)  # noqa: E731
+    if get("position_ids") is None:
+        raise ValueError(f"sp_size={state.size}: this training forward has no `position_ids`, so each rank would number "
+                         "its sequence shard from 0. Split the batch with hf_fsdp2.local_batch (it "
+                         "adds them).")
+    if get("labels") is not None and (get("shift_labels") is None or get("num_items_in_batch") is None):
+        raise ValueError(f"sp_size={state.size}: labels without `shift_labels` and `num_items_in_batch`: a shard's "
+                         "last token would lose its target (on the next rank) and the loss would be a mean of "
+                         "per-rank means. Split the batch with hf_fsdp2.local_batch (it adds both).")
+    if get("attention_mask") is None:
+        positions = _gather_sequence(get("position_ids").expand(_batch_size(module, args, kwargs), -1), state)
+        if find_packed_sequence_indices(positions) is not None:
+            raise ValueError(f"sp_size={state.size}: the batch packs several sequences per row (position_ids restart) "
+                             "without an attention_mask; packed sequences under Ulysses are not done in hf_fsdp2.")
+
+
+def _batch_size(module: nn.Module, args: tuple, kwargs: dict) -> int:
+    for name in ("input_ids", "inputs_embeds"):
+        value = _argument(module, name, args, kwargs)
+        if value is not None:
+            return value.shape[0]
+    return 1
+
+
+def _after_forward(state: _Ulysses, output: Any) -> Any:
+    loss = getattr(output, "loss", None)
+    if state.active and loss is not None:
+        # Each rank's loss is its shard's sum / the global count: their sum is the loss; the backward all-reduce
+        # gives each rank sp x its shard's gradient, FSDP2's average over the sp ranks their sum.
+        output["loss"] = dist_fn.all_reduce(loss, op=dist.ReduceOp.SUM, group=state.group)
+    state.active = False
+    return output
+
+
+def _gather_sequence(local: torch.Tensor, state: _Ulysses) -> torch.Tensor:
+    """[b, s/sp] integer or boolean tensors of the sp ranks, concatenated along the sequence (not differentiable)."""
+    source = local.to(torch.int64).contiguous()
+    parts = [torch.empty_like(source) for _ in range(state.size)]
+    dist.all_gather(parts, source, group=state.group)
+    return torch.cat(parts, dim=1).to(local.dtype)
+
+
+def _all_to_all(x: torch.Tensor, state: _Ulysses, scatter_dim: int, gather_dim: int) -> torch.Tensor:
+    """Split `x` into sp chunks along `scatter_dim`, send chunk j to sp rank j, concatenate what arrives along
+    `gather_dim` in rank order (differentiable: its backward is the reverse all-to-all)."""
+    sp = state.size
+    shape = list(x.shape)
+    chunks = x.reshape(*shape[:scatter_dim], sp, shape[scatter_dim] // sp, *shape[scatter_dim + 1:])
+    chunks = chunks.movedim(scatter_dim, 0).contiguous()
+    received = dist_fn.all_to_all_single(torch.empty_like(chunks), chunks, group=state.group)
+    # [sp (source rank), ...the chunk's dims...]: the source rank's index goes just before gather_dim
+    received = received.movedim(0, gather_dim)
+    out = list(chunks.shape[1:])
+    out[gather_dim] *= sp
+    return received.reshape(out)
+
+
+class _Heads:
+    """The attention module as the core implementation sees it, with its key/value groups as they are on this rank
+    (query heads / key-value heads after the all-to-all differ from the module's when key/value heads were
+    repeated); everything else is the module's."""
+
+    def __init__(self, module: nn.Module, groups: int):
+        self._module, self.num_key_value_groups = module, groups
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._module, name)
+
+
+def _core(state: _Ulysses, module: nn.Module) -> Callable:
+    if state.core == "eager":  # the model's own eager function, from its modeling module (as its forward finds it)
+        return sys.modules[type(module).__module__].eager_attention_forward
+    return ALL_ATTENTION_FUNCTIONS[state.core]
+
+
+def _attention(state: _Ulysses, module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               attention_mask, **kwargs):
+    core = _core(state, module)
+    if not state.active:
+        return core(module, query, key, value, attention_mask, **kwargs)
+    named = [name for name in _PER_HEAD_ARGUMENTS if kwargs.get(name) is not None or hasattr(module, name)]
+    if named:
+        raise ValueError(f"sp_size={state.size}: the attention takes per-head `{named[0]}`, which Ulysses would have "
+                         "to split by head; not done.")
+    sp = state.size
+    if key.shape[1] < sp:  # fewer key/value heads than ranks: each repeated so every rank gets the one it needs
+        repeat = sp // key.shape[1]
+        key, value = (t.repeat_interleave(repeat, dim=1) for t in (key, value))
+    # [b, heads, s/sp, d] -> [b, heads/sp, s, d]
+    query, key, value = (_all_to_all(t, state, scatter_dim=1, gather_dim=2) for t in (query, key, value))
+    groups = query.shape[1] // key.shape[1]
+    target = module if groups == getattr(module, "num_key_value_groups", 1) else _Heads(module, groups)
+    out, _ = core(target, query, key, value, attention_mask, **kwargs)
+    # [b, s, heads/sp, d] -> [b, s/sp, heads, d], as the core returns it without SP
+    return _all_to_all(out, state, scatter_dim=1, gather_dim=2), None
+
+
+def _mask(state: _Ulysses, *, batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset=0,
+          attention_mask=None, **kwargs):
+    """The core implementation's mask for the whole sequence: the padding mask gathered over the sp ranks."""
+    core = ALL_MASK_ATTENTION_FUNCTIONS[state.core]
+    if state.active:
+        if q_offset or kv_offset or kv_length != q_length:
+            raise ValueError(f"sp_size={state.size}: a training forward with a cache (past key values) is not done.")
+        if attention_mask is not None:
+            attention_mask = _gather_sequence(attention_mask, state)
+        q_length = kv_length = q_length * state.size
+    return core(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset, kv_offset=kv_offset,
+                attention_mask=attention_mask, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------
+# The batch
+
+
+def split_batch(batch: Mapping[str, Any], rank: int, size: int) -> dict[str, Any]:
+    """This sp rank's part of a batch of whole sequences: input_ids, labels, attention_mask, position_ids, ...
+    cut along the sequence (dim 1) into `size` equal shards, shard `rank` kept. Added first, for the whole
+    sequence: `position_ids` (0..s-1 when absent), `shift_labels` (labels shifted left by one, -100 last) and
+    `num_items_in_batch` (their valid tokens: the loss's divisor). Other entries pass unchanged."""
+    batch = dict(batch)
+    reference = batch.get("input_ids", batch.get("inputs_embeds"))
+    if reference is None:
+        raise ValueError("local_batch: the batch has neither `input_ids` nor `inputs_embeds`.")
+    rows, length = reference.shape[:2]
+    if length % size:
+        raise ValueError(f"sp_size={size} must divide the batch's sequence length {length}: pad the batch to a "
+                         f"multiple of {size} (e.g. DataCollatorWithPadding(pad_to_multiple_of={size})).")
+    if batch.get("position_ids") is None:
+        batch["position_ids"] = torch.arange(length, device=reference.device).expand(rows, -1)
+    if batch.get("labels") is not None:
+        labels = batch["labels"]
+        if batch.get("shift_labels") is None:
+            batch["shift_labels"] = nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:]
+        if batch.get("num_items_in_batch") is None:
+            batch["num_items_in_batch"] = (batch["shift_labels"] != IGNORE_INDEX).sum()
+    shard = length // size
+    for key in _SPLIT_KEYS:
+        value = batch.get(key)
+        if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] == length:
+            batch[key] = value[:, rank * shard:(rank + 1) * shard].contiguous()
+        elif isinstance(value, torch.Tensor) and key != "position_ids":
+            raise ValueError(f"local_batch: `{key}` of shape {tuple(value.shape)} is not [batch, "
+                             f"{length}, ...]; it cannot be cut along the sequence.")
+    if batch["position_ids"].shape[1] != shard:  # a [1, s] or [s] position_ids
+        batch["position_ids"] = batch["position_ids"].reshape(-1, length)[:, rank * shard:(rank + 1) * shard]
+    return batch
+
+
+__all__ = ["apply_sequence_parallel", "heads", "refuse_unsupported", "split_batch"]

@@ -1,0 +1,223 @@
+"""Sequence tiling: the loss and the decoder MLPs computed a tile of tokens at a time, so activation memory stops
+growing with the vocabulary and the intermediate size (DeepSpeed ALST's TiledFusedLogitsLoss and TiledMLP are the
+model). With or without sequence parallelism; only in training forwards (evaluation keeps whole logits).
+
+- Loss (`loss_tile_size`): a training forward with labels hands them to the tiled loss instead of the model (a
+  pre-hook on the model takes them out of its arguments); the lm_head's input is kept and the lm_head itself runs on
+  the last position only (the forward's `logits`); the lm_head + cross-entropy then run tile by tile on the kept
+  hidden states, each tile's gradients (hidden states, weight, bias) computed as it goes (fused, as Liger's
+  linear cross-entropy), so one tile's logits live at a time and backward needs no recomputation, nor the
+  weight gathered again. Inside the lm_head's call (its forward hook, before FSDP2's), so the weight is the
+  gathered one; its gradient reaches the parameter as a Linear's does and FSDP2 reduce-scatters it. The value is
+  transformers' ForCausalLMLoss: the valid tokens' sum over `num_items_in_batch` when given, else their mean.
+- MLP (`mlp_tile_size`): each decoder layer's `mlp` wrapped (torch's ActivationWrapper: parameter and state-dict
+  names unchanged) so it runs per tile of tokens under a non-reentrant checkpoint: a tile's intermediate
+  activations are recomputed in backward, one tile at a time.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import ActivationWrapper
+from torch.utils.checkpoint import checkpoint
+from transformers.loss.loss_utils import ForCausalLMLoss
+
+from ..config import FSDP2Config
+from .model_parts import ModelParts
+
+IGNORE_INDEX = -100
+_LOSS_KEYS = ("labels", "shift_labels", "num_items_in_batch")
+_LOGIT_CHANGES = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
+
+
+# ---------------------------------------------------------------------------------------------
+# The loss
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """sum over valid tokens of cross_entropy(hidden @ weight.T + bias, targets) / divisor, a tile of tokens at a
+    time; the gradients are computed in forward, tile by tile, and only scaled in backward."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, divisor, tile):  # noqa: D102
+        flat, labels = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
+        wants = ctx.needs_input_grad
+        grad_hidden = torch.zeros_like(flat) if wants[0] else None
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if wants[1] else None
+        grad_bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if wants[2] else None
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        for start in range(0, flat.shape[0], tile):
+            h, t = flat[start:start + tile], labels[start:start + tile]
+            logits = F.linear(h, weight, bias).float()  # the model's dtype, upcast as ForCausalLMLoss does
+            total += F.cross_entropy(logits, t, ignore_index=IGNORE_INDEX, reduction="sum")
+            if not any(wants[:3]):
+                continue
+            valid = t != IGNORE_INDEX
+            grad = torch.softmax(logits, dim=-1)  # d sum / d logits = softmax - one hot, 0 on ignored tokens
+            grad[valid, t[valid]] -= 1
+            grad[~valid] = 0
+            grad = grad.to(h.dtype)
+            if grad_hidden is not None:
+                grad_hidden[start:start + tile] = grad @ weight
+            if grad_weight is not None:
+                grad_weight += (grad.t() @ h).float()
+            if grad_bias is not None:
+                grad_bias += grad.sum(0).float()
+        ctx.divisor = divisor
+        ctx.shape = hidden.shape
+        ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
+        ctx.save_for_backward(*(g if g is not None else torch.empty(0) for g in (grad_hidden, grad_weight, grad_bias)))
+        return total / divisor
+
+    @staticmethod
+    def backward(ctx, grad_out):  # noqa: D102
+        grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
+        scale = grad_out / ctx.divisor
+        wants = ctx.needs_input_grad
+        return (
+            (grad_hidden * scale.to(grad_hidden.dtype)).reshape(ctx.shape) if wants[0] else None,
+            (grad_weight * scale).to(ctx.dtypes[0]) if wants[1] else None,
+            (grad_bias * scale).to(ctx.dtypes[1]) if wants[2] else None,
+            None, None, None,
+        )
+
+
+def tiled_causal_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                         labels: torch.Tensor | None, tile: int, *, shift_labels: torch.Tensor | None = None,
+                         num_items_in_batch=None) -> torch.Tensor:
+    """transformers' ForCausalLMLoss of `hidden @ weight.T + bias`, without the whole logits."""
+    if shift_labels is None:
+        shift_labels = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
+    shift_labels = shift_labels.to(hidden.device)
+    divisor = num_items_in_batch if num_items_in_batch is not None else (shift_labels != IGNORE_INDEX).sum()
+    if isinstance(divisor, torch.Tensor):
+        divisor = divisor.to(hidden.device)
+    return _LinearCrossEntropy.apply(hidden, weight, bias, shift_labels, divisor, tile)
+
+
+@dataclass
+class _Pending:
+    """One training forward's labels, from the model's pre-hook to the lm_head's hooks, and the loss back."""
+    tile: int
+    labels: dict | None = None
+    hidden: torch.Tensor | None = None
+    loss: torch.Tensor | None = None
+
+
+def _as_keywords(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """A forward's positional arguments after the first moved to keywords, so labels passed by position are seen."""
+    if len(args) <= 1:
+        return args, kwargs
+    params = [p for p in inspect.signature(module.forward).parameters.values()
+              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if len(params) < len(args):
+        return args, kwargs
+    return args[:1], {**{p.name: a for p, a in zip(params[1:], args[1:])}, **kwargs}
+
+
+def refuse_loss_tiling(parts: ModelParts) -> nn.Module:
+    """The lm_head the tiled loss computes, or a refusal by name of what it would compute differently."""
+    base = parts.base
+    head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
+    if type(head) is not nn.Linear:
+        raise ValueError(f"`loss_tile_size`: {type(base).__name__}'s output layer is "
+                         f"{type(head).__name__ if head is not None else 'missing'}, not a plain nn.Linear (an adapter "
+                         "or quantized head); the tiled loss computes a linear head only.")
+    text = base.config.get_text_config() if hasattr(base.config, "get_text_config") else base.config
+    changed = [name for name in _LOGIT_CHANGES if getattr(text, name, None) not in (None, 1, 1.0)]
+    if changed:
+        raise ValueError(f"`loss_tile_size`: {type(base).__name__} transforms its logits (`{changed[0]}`), which the "
+                         "tiled loss does not; not done.")
+    if getattr(base, "loss_function", None) is not ForCausalLMLoss:
+        raise ValueError(f"`loss_tile_size`: {type(base).__name__}'s loss is not transformers' ForCausalLMLoss; the "
+                         "tiled loss computes that one only.")
+    return head
+
+
+def _tile_loss(parts: ModelParts, tile: int) -> None:
+    head = refuse_loss_tiling(parts)
+    state = _Pending(tile)
+
+    def before_model(module, args, kwargs):
+        state.labels, state.hidden, state.loss = None, None, None
+        args, kwargs = _as_keywords(module, args, kwargs)
+        if not (module.training and torch.is_grad_enabled()) or kwargs.get("labels") is None:
+            return args, kwargs
+        state.labels = {key: kwargs.pop(key) for key in _LOSS_KEYS if key in kwargs}
+        return args, kwargs
+
+    def before_head(module, args):
+        if state.labels is None:
+            return None
+        state.hidden = args[0]
+        return (args[0][:, -1:],)  # the forward's logits: the last position only
+
+    def after_head(module, args, output):
+        if state.labels is not None and state.hidden is not None:
+            labels = state.labels
+            state.loss = tiled_causal_lm_loss(state.hidden, module.weight, module.bias, labels.get("labels"), state.tile,
+                                              shift_labels=labels.get("shift_labels"),
+                                              num_items_in_batch=labels.get("num_items_in_batch"))
+            state.hidden = None
+        return output
+
+    def after_model(module, args, output):
+        if state.labels is not None:
+            if state.loss is None:
+                raise RuntimeError("`loss_tile_size`: the forward never ran its lm_head, so no loss was computed.")
+            output["loss"] = state.loss
+        state.labels, state.hidden, state.loss = None, None, None
+        return output
+
+    parts.model.register_forward_pre_hook(before_model, with_kwargs=True)
+    parts.model.register_forward_hook(after_model, prepend=True)  # before other techniques' hooks read the loss
+    head.register_forward_pre_hook(before_head)
+    head.register_forward_hook(after_head)
+
+
+# ---------------------------------------------------------------------------------------------
+# The MLP
+
+
+class TiledMLP(ActivationWrapper):
+    """A decoder layer's MLP run `tile` tokens at a time, each tile under a non-reentrant checkpoint."""
+
+    def __init__(self, mlp: nn.Module, tile: int):
+        super().__init__(mlp)
+        self.tile = tile
+
+    def forward(self, hidden: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        mlp = self._checkpoint_wrapped_module
+        if not (self.training and torch.is_grad_enabled()) or hidden.dim() < 3 or hidden.shape[1] <= self.tile:
+            return mlp(hidden, *args, **kwargs)
+        outs = [checkpoint(mlp, part, *args, use_reentrant=False, **kwargs) for part in hidden.split(self.tile, dim=1)]
+        return torch.cat(outs, dim=1)
+
+
+def _tile_mlps(layers: list[nn.Module], tile: int) -> None:
+    for layer in layers:
+        mlp = getattr(layer, "mlp", None)
+        if not isinstance(mlp, nn.Module) or hasattr(mlp, "experts"):
+            raise ValueError(f"`mlp_tile_size`: the decoder layer {type(layer).__name__} has "
+                             f"{'a mixture-of-experts block' if mlp is not None else 'no `mlp`'}; tiling a dense "
+                             "`mlp` per token tile is what is done.")
+        if not isinstance(mlp, TiledMLP):
+            layer.register_module("mlp", TiledMLP(mlp, tile))
+
+
+def apply_sequence_tiling(parts: ModelParts, layers: list[nn.Module], config: FSDP2Config) -> None:
+    """The tiled loss on the model and its lm_head, the tiled MLP in each decoder layer. Before `fully_shard`
+    (the lm_head's hook must run before FSDP2's post-forward frees the gathered weight)."""
+    if config.loss_tile_size is not None:
+        _tile_loss(parts, config.loss_tile_size)
+    if config.mlp_tile_size is not None:
+        _tile_mlps(layers, config.mlp_tile_size)
+
+
+__all__ = ["TiledMLP", "apply_sequence_tiling", "refuse_loss_tiling", "tiled_causal_lm_loss"]

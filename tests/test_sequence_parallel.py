@@ -1,0 +1,155 @@
+"""Ulysses sequence parallelism x FSDP2 (sharding/sequence_parallel.py) and sequence tiling
+(sharding/sequence_tiling.py): losses and gradients equal one process's (rel 1e-4, fp32)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_fsdp2 import FSDP2Config
+from hf_fsdp2.sharding import model_parts
+from hf_fsdp2.sharding import sequence_parallel, sequence_tiling
+
+from .common import build_model, canonical_name, lora
+from .dist_harness import run_ranks
+
+SEQ, ROWS_PER_GROUP = 16, 2
+
+
+def _qwen3(seed: int = 0):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen3Config(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
+                         tie_word_embeddings=False, attention_dropout=0.0)
+    return Qwen3ForCausalLM(config).float()
+
+
+BUILDERS = {
+    "llama": lambda: build_model(0),
+    "llama_kv1": lambda: build_model(0, num_key_value_heads=1),  # fewer key/value heads than sp: repeated
+    "llama_lora": lambda: lora(build_model(0)),
+    "llama_eager": lambda: build_model(0, attn_implementation="eager"),
+    "qwen3": lambda: _qwen3(0),
+}
+
+
+def _batch(rows: int, padded: bool, seed: int = 3) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 128, (rows, SEQ), generator=g)
+    mask = torch.ones_like(ids)
+    if padded:  # left padding of different lengths: the valid token counts differ between rows and groups
+        for row in range(rows):
+            mask[row, :(row * 3) % 7] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def _grads(model) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+            out[canonical_name(name)] = g.detach().clone()
+    return out
+
+
+def _reference(kind: str, batch: dict, groups: int, tiles: dict) -> tuple[list[float], dict]:
+    """One process: each data-parallel group's loss on its rows, the gradient of their mean (FSDP2's average)."""
+    model = BUILDERS[kind]()
+    model.train()
+    losses = []
+    for d in range(groups):
+        rows = {k: v[d * ROWS_PER_GROUP:(d + 1) * ROWS_PER_GROUP] for k, v in batch.items()}
+        losses.append(model(**rows).loss)
+    (sum(losses) / groups).backward()
+    return [x.item() for x in losses], _grads(model)
+
+
+def _sequence_parallel_runs(rank, world):
+    import hf_fsdp2
+
+    cases = [("llama", 2, True, {}), ("llama", 4, False, {}), ("llama_kv1", 4, True, {}), ("llama_kv1", 2, False, {}),
+             ("qwen3", 2, True, {}), ("llama_lora", 2, True, {}), ("llama_eager", 2, True, {}),
+             ("llama", 2, True, {"loss_tile_size": 5, "mlp_tile_size": 4}),
+             ("llama", 1, True, {"loss_tile_size": 3, "mlp_tile_size": 4, "activation_checkpointing": True})]
+    report = []
+    for kind, sp, padded, tiles in cases:
+        groups = world // sp
+        batch = _batch(groups * ROWS_PER_GROUP, padded)
+        want_losses, want_grads = _reference(kind, batch, groups, tiles)
+        model = hf_fsdp2.shard_model(BUILDERS[kind](), FSDP2Config(sp_size=sp, **tiles))
+        model.train()
+        assert (model_parts(model).base.config._attn_implementation.startswith("hf_fsdp2_ulysses")) == (sp > 1)
+        d = rank // sp
+        rows = {k: v[d * ROWS_PER_GROUP:(d + 1) * ROWS_PER_GROUP] for k, v in batch.items()}
+        out = model(**hf_fsdp2.local_batch(rows, model))
+        out.loss.backward()
+        got = _grads(model)
+        assert out.loss.item() == pytest.approx(want_losses[d], rel=1e-4), (kind, sp, tiles)
+        assert got.keys() == want_grads.keys()
+        for name in want_grads:
+            torch.testing.assert_close(got[name], want_grads[name], rtol=1e-4, atol=2e-6,
+                                       msg=lambda m, name=name: f"{kind} sp={sp} {tiles} {name}: {m}")
+        if sp > 1:
+            with pytest.raises(ValueError, match="position_ids"):  # a batch not split: refused by name
+                model(input_ids=rows["input_ids"][:, :SEQ // sp], labels=rows["labels"][:, :SEQ // sp])
+            model.eval()  # evaluation runs whole sequences on every rank, as one process does
+            with torch.no_grad():
+                whole = model(**rows).loss.item()
+            assert whole == pytest.approx(want_losses[d], rel=1e-4)
+        report.append((kind, sp, out.loss.item()))
+    return report
+
+
+def test_ulysses_equals_one_process():
+    """sp 2 and 4 on 4 gloo ranks (dp_shard x sp): Llama, Qwen3, key/value heads fewer than sp, LoRA, eager,
+    left padding, with tiling of the loss and MLP, and tiling alone with activation checkpointing."""
+    run_ranks(_sequence_parallel_runs, 4)
+
+
+def test_tiling_equals_untiled_in_one_process():
+    """The tiled loss (tiles not dividing the sequence) and MLP: loss and gradients as untiled, with and without
+    `num_items_in_batch`; eval and no-grad forwards untouched (whole logits)."""
+    batch = _batch(3, padded=True)
+    plain = build_model(0)
+    want = plain(**batch).loss
+    want.backward()
+    tiled = build_model(0)
+    parts = model_parts(tiled)
+    sequence_tiling.apply_sequence_tiling(parts, list(tiled.model.layers),
+                                          FSDP2Config(loss_tile_size=7, mlp_tile_size=5))
+    out = tiled(**batch)
+    assert out.logits.shape[1] == 1  # the whole logits never exist
+    out.loss.backward()
+    torch.testing.assert_close(out.loss, want, rtol=1e-5, atol=0)
+    for (name, p), (_, q) in zip(plain.named_parameters(), tiled.named_parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+    assert [canonical_name(n) for n in tiled.state_dict()] == list(plain.state_dict())  # names unchanged
+    count = torch.tensor(11)
+    torch.testing.assert_close(tiled(**batch, num_items_in_batch=count).loss,
+                               plain(**batch, num_items_in_batch=count).loss, rtol=1e-5, atol=0)
+    tiled.eval()
+    with torch.no_grad():
+        assert tiled(**batch).logits.shape == (3, SEQ, 128)
+
+
+def test_refusals_by_name():
+    model = build_model(0)  # 4 heads, 2 key/value heads
+    with pytest.raises(ValueError, match="sp_size.*attention heads"):
+        sequence_parallel.refuse_unsupported(model_parts(model), 8)
+    with pytest.raises(ValueError, match="key/value heads"):
+        sequence_parallel.refuse_unsupported(model_parts(build_model(0, num_attention_heads=6, num_key_value_heads=3,
+                                                                     hidden_size=96)), 2)
+    with pytest.raises(ValueError, match="attn_implementation"):
+        sequence_parallel.refuse_unsupported(model_parts(build_model(0, attn_implementation="flex_attention")), 2)
+    for settings in ({"cp_size": 2}, {"tp_size": 2}, {"compile": True}):
+        with pytest.raises(ValueError, match="sp_size"):
+            FSDP2Config(sp_size=2, **settings)
+    with pytest.raises(ValueError, match="loss_tile_size"):
+        sequence_tiling.refuse_loss_tiling(model_parts(lora(build_model(0), target_modules=["lm_head"])))
+    with pytest.raises(ValueError, match="sp_size=2 must divide"):
+        sequence_parallel.split_batch({"input_ids": torch.zeros(1, 7, dtype=torch.long)}, 0, 2)
+    with pytest.raises(ValueError, match="loss_tile_size"):
+        FSDP2Config(loss_tile_size=0)
