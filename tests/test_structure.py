@@ -286,6 +286,31 @@ def technique_spread(root: Path = SOURCE) -> dict[str, set[str]]:
     return out
 
 
+# The state is handed along (issue 62): the record of a sharded model and its PEFT parts are looked up from the bare
+# model where a model comes in, and handed to what those modules call. The entry modules; and where the lookups
+# are defined (sharding/record.py's is_sharded and refusal are lookups for the entries).
+STATE_LOOKUPS = {"record_of", "model_parts"}
+ENTRY_MODULES = ("shard.py", "sharding/engine.py", "checkpoint/pretrained.py", "checkpoint/loading.py",
+                 "checkpoint/state.py", "integrations/", "sharding/record.py", "sharding/model_parts.py")
+
+
+def state_lookups(root: Path = SOURCE) -> collections.Counter:
+    """file -> calls of `record_of(...)` / `model_parts(...)` (by name or as an attribute) outside the entry
+    modules."""
+    found = collections.Counter()
+    for path in sorted((root / "hf_fsdp2").rglob("*.py")):
+        rel = path.relative_to(root / "hf_fsdp2").as_posix()
+        if rel.startswith(ENTRY_MODULES):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call):
+                func = node.func
+                name = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else None
+                if name in STATE_LOOKUPS:
+                    found[rel] += 1
+    return found
+
+
 # ---------------------------------------------------------------------------------------------
 # Known violations: each one a fix owed (issue 62), listed so that a new one fails and a fixed one must go.
 
@@ -326,6 +351,14 @@ KNOWN_TECHNIQUE_SPREAD = {
     "sequence parallelism": {"integrations/accelerate.py"},
 }
 
+# record_of / model_parts called outside the entry modules, by file: 18 at 37ccd24 (issue 62: handed along instead).
+KNOWN_STATE_LOOKUPS = collections.Counter({
+    "checkpoint/export_plan.py": 1, "checkpoint/full_weights.py": 2, "checkpoint/weights_io.py": 1,
+    "planner/layout.py": 1, "planner/memory.py": 2, "sharding/compile.py": 1, "sharding/compiled_collectives.py": 3,
+    "sharding/compute_cast.py": 2, "sharding/context_parallel.py": 1, "sharding/generation.py": 2,
+    "sharding/groups.py": 2,
+})
+
 
 # ---------------------------------------------------------------------------------------------
 # The package
@@ -363,6 +396,12 @@ def test_a_technique_is_named_in_its_own_places():
     format: the dispatcher, quantization/quantized.py), at most 4 files; the files beyond are listed as known, a
     ratchet: a new file naming a technique fails, and one that stops naming it must leave the list."""
     assert technique_spread() == KNOWN_TECHNIQUE_SPREAD
+
+
+def test_the_state_is_handed_along():
+    """A model's record and parts are looked up where the model comes in (shard.py, the engine, checkpoint's
+    pretrained/loading/state, integrations/) and handed to what those call; elsewhere a ratchet of known sites."""
+    assert state_lookups() == KNOWN_STATE_LOOKUPS
 
 
 def test_the_planner_knows_no_quantization_backend():
@@ -438,6 +477,16 @@ def test_the_peft_rule_reports_a_new_call_site(tmp_path, line, name):
 def test_the_technique_rule_reports_a_new_file(tmp_path, file, line, technique):
     assert file not in technique_spread()[technique]
     assert technique_spread(_violated(tmp_path, file, line))[technique] == KNOWN_TECHNIQUE_SPREAD[technique] | {file}
+
+
+@pytest.mark.parametrize("line", [
+    "def f(model):\n    return record_of(model).config",
+    "def f(model):\n    from . import record\n    return record.record_of(model, create=True)",
+    "def f(model):\n    return model_parts(model).base",
+])
+def test_the_state_rule_reports_a_new_call_site(tmp_path, line):
+    found = state_lookups(_violated(tmp_path, "sharding/activation_offload.py", line))
+    assert found - KNOWN_STATE_LOOKUPS == collections.Counter({"sharding/activation_offload.py": 1})
 
 
 def test_the_record_lives_on_one_object():
