@@ -4,14 +4,19 @@
     python benchmarks/moe_bench.py --tiny     # the same contestants in seconds (the suite runs it)
 
 Contestants, side by side in one run, each loading the same hub-format checkpoint:
-  fsdp2         hf_fsdp2.from_pretrained, FSDP2Config()            every expert all-gathered by every rank
-  ep2, ep4      hf_fsdp2.from_pretrained, FSDP2Config(ep_size=E)   E/ep experts per rank, tokens by all-to-all
-  transformers  from_pretrained(distributed_config=DistributedConfig(fsdp_size=4, ep_size=2)), adopted by
-                hf_fsdp2.shard_model: transformers' own EP x FSDP2
+  fsdp2            hf_fsdp2.from_pretrained, FSDP2Config()            every expert all-gathered by every rank
+  ep2, ep4         hf_fsdp2.from_pretrained, FSDP2Config(ep_size=E)   E/ep experts per rank, tokens by hf_fsdp2's
+                   even all-to-all (sharding/expert_dispatch.py: no host read per layer, padded blocks)
+  ep2_all_to_all,  the same with transformers' AllToAllEP as the dispatch (expert_dispatch.set_dispatch): what
+  ep4_all_to_all   hf_fsdp2 ran before issue 64 (split sizes read to the host each layer, no padding)
+  transformers,    from_pretrained(distributed_config=DistributedConfig(fsdp_size=4, ep_size=2 or 4)), adopted by
+  transformers_ep4 hf_fsdp2.shard_model: transformers' own EP x FSDP2
 
 Per contestant: all-gathered and all-to-all bytes of one training step (torch.profiler's c10d events: the
-output buffers' numel x 4 bytes, fp32), tokens/s over the timed steps, peak RSS per rank over the steps
-(max over ranks), and the losses (equal across contestants: EP changes where experts run, not the math).
+output buffers' numel x 4 bytes, fp32), host reads per MoE layer in that step's forwards (tests/host_reads.py:
+item/tolist/bool/nonzero/... of a tensor; the even dispatch's one read of its CPU token-count tensor counted apart,
+`host_int_reads_per_layer`), tokens/s over the timed steps, peak RSS per rank over the steps (max over ranks),
+and the losses (equal across contestants: EP changes where experts run, not the math).
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ SHAPE = dict(vocab_size=4096, hidden_size=512, intermediate_size=1024, moe_inter
              max_position_embeddings=512, tie_word_embeddings=False)
 TINY = dict(SHAPE, vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_experts=8,
             num_hidden_layers=2, num_attention_heads=4)
-CONTESTANTS = ("fsdp2", "ep2", "ep4", "transformers")
+CONTESTANTS = ("fsdp2", "ep2", "ep4", "ep2_all_to_all", "ep4_all_to_all", "transformers", "transformers_ep4")
 
 
 def _config(tiny: bool):
@@ -55,15 +60,22 @@ def run_rank(rank: int, world: int, job: dict) -> dict:
 
     import hf_fsdp2
 
+    import sys
+
+    sys.path.insert(0, str(harness.REPO))
+    from hf_fsdp2.sharding import expert_dispatch
+    from tests.host_reads import HostReads
+
     name = job["contestant"]
-    if name == "transformers":
+    if name.startswith("transformers"):
         from transformers.distributed import DistributedConfig
 
         model = AutoModelForCausalLM.from_pretrained(job["src"], distributed_config=DistributedConfig(
-            fsdp_size=world, ep_size=2))
+            fsdp_size=world, ep_size=4 if name.endswith("ep4") else 2))
         hf_fsdp2.shard_model(model)  # adopted as transformers sharded it
     else:
-        ep = int(name[2:]) if name.startswith("ep") else 1
+        ep = int(name[2]) if name.startswith("ep") else 1
+        expert_dispatch.set_dispatch("all_to_all" if name.endswith("all_to_all") else "even")
         model = hf_fsdp2.from_pretrained(AutoModelForCausalLM, job["src"], hf_fsdp2.FSDP2Config(ep_size=ep),
                                          progress=False)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -79,9 +91,15 @@ def run_rank(rank: int, world: int, job: dict) -> dict:
         return loss.item()
 
     losses = [step(ids) for ids in data[:job["warmup"]]]
-    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+    moe_blocks = [layer.mlp for layer in model.model.layers]
+    reads = HostReads(expert_dispatch.host_buffers())
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof, reads.counting(), \
+            reads.windows(moe_blocks):
         losses.append(step(data[job["warmup"]]))
     collective = _collective_bytes(prof)
+    collective["host_reads"] = dict(reads.counts)
+    collective["host_reads_per_layer"] = reads.total / len(moe_blocks)
+    collective["host_int_reads_per_layer"] = reads.exempt_reads / len(moe_blocks)
     import torch.distributed as dist
 
     harness.malloc_trim()
@@ -128,18 +146,22 @@ def main(argv=None) -> int:
             "losses": ranks[0]["losses"], "rank_losses": [r["losses"] for r in ranks],
             "all_gather_bytes": max(r["all_gather"] for r in ranks), "all_to_all_bytes": max(r["all_to_all"] for r in ranks),
             "peak_rss": max(r["peak_rss"] for r in ranks), "tokens_per_s": world * ranks[0]["tokens"] / seconds,
+            "host_reads_per_layer": max(r["host_reads_per_layer"] for r in ranks), "host_reads": ranks[0]["host_reads"],
+            "host_int_reads_per_layer": max(r["host_int_reads_per_layer"] for r in ranks),
         }
     shutil.rmtree(root, ignore_errors=True)
     base = results.get("fsdp2")
     lines = [f"Qwen3-MoE shape {'(tiny)' if args.tiny else ''} {total_bytes / 2**20:.0f} MiB fp32, experts "
              f"{expert_bytes / total_bytes:.0%} of it; {world} ranks, batch {args.batch} x seq {seq} per rank",
-             f"{'contestant':14s} {'all-gather/step':>16s} {'all-to-all/step':>16s} {'peak RSS':>10s} {'tokens/s':>9s}  loss diff"]
+             f"{'contestant':16s} {'all-gather/step':>16s} {'all-to-all/step':>16s} {'peak RSS':>10s} {'tokens/s':>9s}"
+             f"        host reads/MoE layer  loss diff"]
     for name, r in results.items():
         rel = (f" ({r['all_gather_bytes'] / base['all_gather_bytes']:.2f}x)" if base else "")
         speed = (f" ({r['tokens_per_s'] / base['tokens_per_s']:.2f}x)" if base else "")
         diff = max(abs(a - b) for a, b in zip(r["losses"], base["losses"])) if base else float("nan")
-        lines.append(f"{name:14s} {r['all_gather_bytes'] / 2**20:9.1f} MiB{rel:>8s} {r['all_to_all_bytes'] / 2**20:8.1f} MiB "
-                     f"{r['peak_rss'] / 2**30:7.2f} GiB {r['tokens_per_s']:8.0f}{speed}  {diff:.1e}")
+        lines.append(f"{name:16s} {r['all_gather_bytes'] / 2**20:9.1f} MiB{rel:>8s} {r['all_to_all_bytes'] / 2**20:8.1f} MiB "
+                     f"{r['peak_rss'] / 2**30:7.2f} GiB {r['tokens_per_s']:8.0f}{speed:8s} "
+                     f"{r['host_reads_per_layer']:4.1f} (+{r['host_int_reads_per_layer']:.0f} CPU int)  {diff:.1e}")
     print("\n".join(lines))
     path = harness.write_results("moe_bench", argv, world_size=world, tiny=args.tiny, shape=TINY if args.tiny else SHAPE,
                                  expert_fraction=expert_bytes / total_bytes, results=results)

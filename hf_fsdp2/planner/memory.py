@@ -372,7 +372,7 @@ def _estimate(prepared: MetaTrainingModel, world_size: int, config: FSDP2Config,
     if activations is not None and activations.saved_bytes:  # the heap-served share of what the step saves
         heap_kept += activations.peak_bytes * activations.heap_saved_bytes // activations.saved_bytes
     loss_backward = _loss_backward_bytes(prepared.base, batch_size, seq_len, cp_size) if activations is not None else 0
-    all_to_all = (_all_to_all_bytes(prepared, batch_size, seq_len // cp_size, config.param_dtype)
+    all_to_all = (_all_to_all_bytes(prepared, batch_size, seq_len // cp_size, config.param_dtype, config.ep_size)
                   if experts and batch_size is not None else 0)
     # The head's own backward receives the logits' gradient in the logits' (compute) dtype.
     head_grad = loss_backward * _itemsize(config.param_dtype) // 4 if config.param_dtype else loss_backward
@@ -444,15 +444,19 @@ def _loss_backward_bytes(base: nn.Module, batch_size: int, seq_len: int, cp_size
     return batch_size * (seq_len // cp_size) * weight.shape[0] * 4
 
 
-def _all_to_all_bytes(prepared: MetaTrainingModel, batch_size: int, tokens: int, compute: torch.dtype | None) -> int:
-    """One token exchange of an EP layer (transformers' AllToAllEP): each (token, expert) pair's hidden state
-    sent and an equal share received, [tokens x top-k, hidden] each in the compute dtype (balanced routing)."""
+def _all_to_all_bytes(prepared: MetaTrainingModel, batch_size: int, tokens: int, compute: torch.dtype | None,
+                      ep_size: int) -> int:
+    """One token exchange of an EP layer (sharding/expert_dispatch.py's even all-to-all): a send and a receive
+    buffer of ep blocks, each block tokens x min(top-k, E/ep) rows of the hidden size in the compute dtype (the
+    dropless bound the blocks are sized by, whatever the routing)."""
     config = getattr(prepared.base, "config", None)
     top_k = getattr(config, "num_experts_per_tok", None) or 1
+    experts = next((getattr(config, name) for name in ("num_experts", "num_local_experts", "n_routed_experts")
+                    if getattr(config, name, None)), ep_size)
     hidden = getattr(config, "hidden_size", 0)
     itemsize = _itemsize(compute) if compute is not None else next(
         (p.element_size() for p in prepared.model.parameters() if p.is_floating_point()), 4)
-    return 2 * batch_size * tokens * top_k * hidden * itemsize
+    return 2 * ep_size * batch_size * tokens * min(top_k, experts // ep_size) * hidden * itemsize
 
 
 def _check_cp(cp_size: int, shard: int, seq_len: int | None) -> None:

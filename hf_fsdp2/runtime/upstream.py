@@ -169,6 +169,12 @@ SEAMS: tuple[Seam, ...] = (
          "torch's ring attention (context parallelism) handles the CUDA SDPA kernels only; the CPU flash kernel "
          "gets the same ring attention, through torch's own templated forward/backward",
          reader="torch.distributed.tensor.experimental._context_parallel._attention._enable_cp_dtensor_dispatcher"),
+    Seam("transformers.distributed.expert_parallel.EPImplementationInterface._global_mapping", REGISTERED,
+         "sharding/expert_dispatch.py",
+         "expert parallelism's token dispatch without a host read per layer (even all-to-alls), registered as "
+         "transformers documents (`EPImplementationInterface.register`) and named in apply_expert_parallelism",
+         where_present=True,
+         reader="transformers.distributed.expert_parallel.EpDispatchExpertsParallel.install_forward"),
     # TRL (group "trl", installed when trl is imported: importing it costs seconds, so not before).
     Seam("trl.models.utils.prepare_fsdp", PATCHED, "integrations/trl.py",
          "TRL shards reference, teacher and reward models with one fully_shard at the root (a whole-model "
@@ -374,6 +380,8 @@ PRIVATE: tuple[Private, ...] = (
     # the implementation a model's attention looks up (Ulysses wraps it: sharding/sequence_parallel.py)
     Private("transformers.configuration_utils", "PreTrainedConfig._attn_implementation",
             "sharding/sequence_parallel.py"),
+    Private("transformers.configuration_utils", "PreTrainedConfig._experts_implementation",
+            "sharding/expert_dispatch.py"),
     # A keyword the Auto classes may pass on, which from_pretrained reads: the contract is its name in that source
     # (integrations/deferred_load.py's _HUB_ONLY accepts it on the deferred path).
     Private("transformers.modeling_utils", "PreTrainedModel.from_pretrained._commit_hash",

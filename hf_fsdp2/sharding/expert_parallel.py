@@ -5,8 +5,11 @@ transformers 5 ships each MoE model's EP plan (`base_model_ep_plan`, e.g. Qwen3-
 `"grouped_gemm"`) and applies it with `transformers.distributed.expert_parallel.apply_expert_parallelism`:
 each expert tensor becomes a `Shard(0)` DTensor on the "ep" mesh (E / ep experts per rank, no
 communication: every rank keeps its own rows of the same full weights), and the experts' forward sends
-each (token, expert) pair to the expert's rank and the result back with two all-to-alls (`AllToAllEP`,
-what `ep_implementation="auto"` picks in training).
+each (token, expert) pair to the expert's rank and the result back by all-to-all: hf_fsdp2's even all-to-all
+(sharding/expert_dispatch.py, registered with transformers as an `EPImplementation`), which reads nothing back
+to the host per layer, where transformers' `AllToAllEP` reads its split sizes (`expert_dispatch.set_dispatch`
+picks that one for a side-by-side). The experts run in transformers' own experts implementation (`grouped_mm`:
+one grouped matmul per projection for all local experts).
 
 On top, as `from_pretrained(distributed_config=DistributedConfig(ep_size=...))` composes them
 (`transformers/distributed/fsdp.py` `apply_fully_sharded_data_parallelism`, torchtitan's `efsdp`): the
@@ -34,7 +37,8 @@ Every forward exchanges tokens, so `generate()` keeps the ranks stepping togethe
 sharding/generation.py). The experts' gradients are on the expert mesh, the rest on the dense one: torch's
 `clip_grad_norm_` cannot combine them and refuses by name; `hf_fsdp2.clip_grad_norm_` does (sharding/grad_clip.py).
 
-Not done, refused by name when asked for: HSDP replicas, tensor or context parallelism, 4-bit or FP8
+Not done, refused by name when asked for: a capacity in the model's config (the dispatch is dropless), an experts
+implementation not known to skip other ranks' rows (sharding/expert_dispatch.py), HSDP replicas, tensor or context parallelism, 4-bit or FP8
 experts, compile, CPU or activation offload, `ignored_modules` that take in experts.
 A model on the meta device (`hf_fsdp2.from_pretrained`) is split the same way before anything is
 allocated, and each rank reads its experts' rows only.
@@ -46,7 +50,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from ..runtime import collectives
-from . import expert_lora, grad_clip, parallel_plans
+from . import expert_dispatch, expert_lora, grad_clip, parallel_plans
 from .groups import ignored_parameters
 from .model_parts import ModelParts
 
@@ -116,7 +120,7 @@ def expert_mesh(mesh: DeviceMesh, ep_size: int) -> DeviceMesh:
 
 def _batch_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """transformers' `tp_mesh` argument: the ranks that hold the same batch. Without TP each rank holds its own,
-    a one-rank mesh dimension (so `AllToAllEP` sends every token once)."""
+    a one-rank mesh dimension (so the dispatch sends every token once)."""
     override = None
     if mesh.device_type not in collectives.default_group_devices():
         override = {0: "gloo", 1: "gloo"}
@@ -133,8 +137,11 @@ def apply_expert_parallel(parts: ModelParts, config, mesh: DeviceMesh) -> tuple[
     plan = resolved_plan(parts.base, mesh.size(), config.ep_size)
     names = [name for name, style in plan.items() if style == DISPATCH_STYLE]
     _refuse_ignored_experts(parts, config, {name: parts.base.get_submodule(name) for name in names})
+    expert_dispatch.refuse_unsupported(parts.base.config, config.ep_size)
     experts_mesh = expert_mesh(mesh, config.ep_size)
-    apply_expert_parallelism(parts.base, experts_mesh[EP_DIM], _batch_mesh(mesh), plan)
+    expert_dispatch.prepare(experts_mesh, EP_DIM)
+    apply_expert_parallelism(parts.base, experts_mesh[EP_DIM], _batch_mesh(mesh), plan,
+                             ep_implementation=expert_dispatch.implementation_name())
     experts = [parts.base.get_submodule(name) for name in names]
     expert_lora.install(experts, [parts.base.get_submodule(expert_lora.unwrapped_name(name)) for name in names],
                         experts_mesh[EP_DIM])
