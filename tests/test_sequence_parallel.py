@@ -153,3 +153,26 @@ def test_refusals_by_name():
         sequence_parallel.split_batch({"input_ids": torch.zeros(1, 7, dtype=torch.long)}, 0, 2)
     with pytest.raises(ValueError, match="loss_tile_size"):
         FSDP2Config(loss_tile_size=0)
+
+
+def test_planner_counts_sp_and_tiling():
+    """estimate-memory (planner/memory.py): activations at seq / sp, the tiles traced (no whole logits), the
+    all-to-all bytes per layer said."""
+    from transformers import LlamaConfig
+
+    from hf_fsdp2.planner.memory import estimate_memory
+
+    shape = LlamaConfig(vocab_size=8192, hidden_size=128, intermediate_size=512, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=4096)
+    plain, sp, tiled = (estimate_memory(shape, 2, config, batch_size=1, seq_len=2048)
+                        for config in (FSDP2Config(), FSDP2Config(sp_size=2),
+                                       FSDP2Config(sp_size=2, loss_tile_size=256, mlp_tile_size=256)))
+    assert sp.activations.peak_bytes == pytest.approx(plain.activations.peak_bytes / 2, rel=0.05)
+    assert sp.loss_backward_bytes == plain.loss_backward_bytes // 2
+    assert tiled.loss_backward_bytes == 2 * 256 * 8192 * 4
+    # the logits were most of it: a tenth is left (the head's weight gradient kept by the tiled loss counted)
+    assert tiled.activations.peak_bytes < sp.activations.peak_bytes / 4
+    # q, k, v, output of 1024 tokens, 1 kv head repeated to 2, fp32, half sent: 1024 x 32 x (8 + 4) x 4 / 2
+    assert any("sends 0.8 MiB" in note for note in sp.notes)
+    with pytest.raises(ValueError, match="sp_size"):
+        estimate_memory(shape, 2, FSDP2Config(sp_size=2), batch_size=1, seq_len=2047)

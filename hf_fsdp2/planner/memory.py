@@ -90,9 +90,9 @@ from ..config import FSDP2Config
 from ..quantization import fp8, quantized
 from ..runtime.host_allocator import HEAP_BLOCK_LIMIT
 from .activation_trace import trace_activations
-from ..sharding import replication, selective_checkpoint
+from ..sharding import replication, selective_checkpoint, sequence_parallel, sequence_tiling
 from ..sharding.groups import ShardPlan, apply_frozen_dtype, plan_groups, replicated_frozen_parameters
-from ..sharding.model_parts import ModelParts, model_parts
+from ..sharding.model_parts import model_parts
 from .memory_report import ActivationMemory, GroupMemory, MemoryEstimate
 from .meta_model import DEFAULT_LORA_TARGETS, add_lora, build_meta_model, meta_copy
 from .parallel_shapes import narrow_for_trace, tp_local_shapes
@@ -232,11 +232,15 @@ class MetaTrainingModel:
 
     def activations(self, batch_size: int, seq_len: int, compute_dtype: torch.dtype | None,
                     checkpointing: bool, every: int = 1, offload: bool = False, tp_size: int = 1,
-                    cp_size: int = 1, save_matmuls: bool = False) -> tuple[ActivationMemory | None, str | None]:
-        """One meta trace per (batch, tokens per rank, dtype, tp) on a copy (the trace casts the model,
+                    cp_size: int = 1, save_matmuls: bool = False,
+                    tiling: FSDP2Config | None = None) -> tuple[ActivationMemory | None, str | None]:
+        """One meta trace per (batch, tokens per rank, dtype, tp, tiles) on a copy (the trace casts the model,
         and narrows the TP-split layers to one rank's block); both the plain and the checkpointed
-        peak follow from it. With CP a rank holds seq_len / cp_size tokens of each sequence."""
-        key = (batch_size, seq_len // cp_size, compute_dtype, tp_size)
+        peak follow from it. With CP (or Ulysses SP: `cp_size` is then the product of both) a rank holds
+        seq_len / cp_size tokens of each sequence. `tiling`: a config with loss_tile_size / mlp_tile_size, applied
+        to the copy as shard_model applies it (sharding/sequence_tiling.py), so the trace sees what the tiles save."""
+        tiles = (tiling.loss_tile_size, tiling.mlp_tile_size) if tiling is not None else (None, None)
+        key = (batch_size, seq_len // cp_size, compute_dtype, tp_size, tiles)
         if key not in self._activations:
             names = {id(m): n for n, m in self.model.named_modules()}
             copy_ = meta_copy(self.model)
@@ -246,6 +250,8 @@ class MetaTrainingModel:
             if tp_size > 1:
                 by_name = {n: self.tp_shapes(tp_size).get(id(p)) for n, p in self.model.named_parameters()}
                 narrow_for_trace(copy_, {id(p): by_name[n] for n, p in copy_.named_parameters() if by_name.get(n)})
+            if tiles != (None, None):
+                sequence_tiling.apply_sequence_tiling(model_parts(copy_), layers, tiling)
             try:
                 self._activations[key] = (trace_activations(copy_, layers, batch_size, seq_len // cp_size,
                                                             compute_dtype=compute_dtype, head=head), None)
@@ -284,16 +290,15 @@ def _prepare(model_or_config: Any, config: FSDP2Config, dtype: torch.dtype | str
         quantized_from = next(p.dtype for p in model.parameters() if p.is_floating_point())
         quantization.quantize_on_meta(model, quantized_from, config.param_dtype or quantized_from)
     if lora_r is not None:
-        if parts.has_peft:
-    parts = model_parts(model)  # the planner's meta model comes in here: PEFT unwrapped once
+        if model_parts(model).has_peft:
             raise ValueError("`lora_r` is set but the model is already a PeftModel; pass the base model.")
         model = add_lora(model, lora_r, lora_targets)
     if quantization is not None:  # after PEFT, which reads the quantized layers to pick its LoRA layer class
         quantization.prepare(model, quantized_from)
     apply_frozen_dtype(model, config.frozen_dtype)  # as shard_model does, before sharding (floating only)
+    parts = model_parts(model)
     plan = plan_groups(parts, config)
     fp8_weights: set[int] = set()
-        parts = ModelParts(model, parts.base)  # the PeftModel just built around it
     if config.fp8:  # the weights shard_model converts are all-gathered in float8 (quantization/fp8.py)
         fp8_weights = {id(m.weight) for m in fp8.plan(model, plan.layers)[0].values()}
     return MetaTrainingModel(
@@ -307,6 +312,10 @@ def _estimate(prepared: MetaTrainingModel, world_size: int, config: FSDP2Config,
     model, plan, quantized, fp8_weights = prepared.model, prepared.plan, prepared.quantized, prepared.fp8_weights
     replicate, shard = config.mesh_shape(world_size)
     _check_cp(cp_size, shard, seq_len if batch_size is not None else None)
+    sp = config.sp_size  # Ulysses: each rank holds seq_len / sp of each sequence, as under CP
+    if batch_size is not None and seq_len % sp:
+        raise ValueError(f"`sp_size`={sp} must divide `seq_len`={seq_len}: each rank holds an equal slice of every "
+                         "sequence (hf_fsdp2.local_batch refuses the rest).")
     quantization = prepared.quantization
     if config.tp_size > 1 and (quantization is not None or config.fp8):
         what = quantization.argument if quantization is not None else "fp8"
@@ -367,12 +376,13 @@ def _estimate(prepared: MetaTrainingModel, world_size: int, config: FSDP2Config,
     if batch_size is not None:
         activations, act_error = prepared.activations(batch_size, seq_len, config.param_dtype,
                                                       config.activation_checkpointing, config.checkpoint_every,
-                                                      config.activation_offload, config.tp_size, cp_size,
-                                                      config.checkpoint_save_matmuls)
+                                                      config.activation_offload, config.tp_size, cp_size * sp,
+                                                      config.checkpoint_save_matmuls, tiling=config)
 
     if activations is not None and activations.saved_bytes:  # the heap-served share of what the step saves
         heap_kept += activations.peak_bytes * activations.heap_saved_bytes // activations.saved_bytes
-    loss_backward = _loss_backward_bytes(prepared.base, batch_size, seq_len, cp_size) if activations is not None else 0
+    loss_backward = (_loss_backward_bytes(prepared.base, batch_size, seq_len, cp_size * sp, config.loss_tile_size)
+                     if activations is not None else 0)
     all_to_all = (_all_to_all_bytes(prepared, batch_size, seq_len // cp_size, config.param_dtype, config.ep_size)
                   if experts and batch_size is not None else 0)
     # The head's own backward receives the logits' gradient in the logits' (compute) dtype.
@@ -403,6 +413,17 @@ def _estimate(prepared: MetaTrainingModel, world_size: int, config: FSDP2Config,
     if cp_size > 1:
         notes.append(f"CP: each rank holds seq_len / {cp_size} tokens; ring attention passes K/V blocks among the "
                      f"{cp_size} ranks (one block in flight, not counted here); FSDP shards over dp_shard x cp.")
+    if sp > 1 and batch_size is not None:
+        notes.append(f"SP (Ulysses): each rank holds seq_len / {sp} tokens and, around attention, the whole sequence "
+                     f"for 1/{sp} of the heads; per decoder layer each rank sends "
+                     f"{_ulysses_bytes(prepared, batch_size, seq_len, sp, config.param_dtype) / 2**20:.1f} MiB in "
+                     "forward's all-to-alls (q, k, v, output) and as much in backward (transient, not counted here); "
+                     f"FSDP shards over dp_shard x sp.")
+    if config.loss_tile_size is not None or config.mlp_tile_size is not None:
+        notes.append("sequence tiling: " + ", ".join(
+            f"{what} {size} tokens at a time" for what, size in (("the loss", config.loss_tile_size),
+                                                                 ("each MLP", config.mlp_tile_size)) if size)
+            + " (traced with the tiles; the tiled loss keeps the head's weight gradient from forward to backward).")
     if config.fp8:
         notes.append(f"FP8: {len(fp8_weights)} decoder-layer linear weights are all-gathered in float8 (1 byte a "
                      "value); they stay stored, and their gradients and AdamW states kept, in the storage dtype.")
@@ -433,7 +454,20 @@ def _estimate(prepared: MetaTrainingModel, world_size: int, config: FSDP2Config,
     )
 
 
-def _loss_backward_bytes(base: nn.Module, batch_size: int, seq_len: int, cp_size: int) -> int:
+def _ulysses_bytes(prepared: MetaTrainingModel, batch_size: int, seq_len: int, sp: int,
+                   compute: torch.dtype | None) -> int:
+    """What one rank sends in one decoder layer's forward under Ulysses (sharding/sequence_parallel.py): its q, k, v
+    shards (key/value heads fewer than sp repeated to sp) and the attention output, each but the 1/sp it keeps."""
+    heads, kv = sequence_parallel.heads(prepared.base.config)
+    text = prepared.base.config.get_text_config()
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    itemsize = _itemsize(compute) if compute is not None else 4
+    values = batch_size * (seq_len // sp) * head_dim * (2 * heads + 2 * max(kv, sp))
+    return values * itemsize * (sp - 1) // sp
+
+
+def _loss_backward_bytes(base: nn.Module, batch_size: int, seq_len: int, cp_size: int,
+                         tile: int | None = None) -> int:
     """The fp32 gradient of the logits, [tokens, vocab], made as backward starts while the saved fp32
     log-probabilities still live: transformers' causal-LM loss upcasts the logits (`ForCausalLMLoss`:
     `logits = logits.float()`). Not a saved tensor, so the meta trace cannot see it; on the first GPU run it
@@ -442,7 +476,10 @@ def _loss_backward_bytes(base: nn.Module, batch_size: int, seq_len: int, cp_size
     weight = getattr(head, "weight", None)
     if weight is None:
         return 0
-    return batch_size * (seq_len // cp_size) * weight.shape[0] * 4
+    tokens = batch_size * (seq_len // cp_size)
+    if tile is not None:  # sharding/sequence_tiling.py: one tile's fp32 logits and their softmax gradient at a time
+        return 2 * min(tile, tokens) * weight.shape[0] * 4
+    return tokens * weight.shape[0] * 4
 
 
 def _all_to_all_bytes(prepared: MetaTrainingModel, batch_size: int, tokens: int, compute: torch.dtype | None,

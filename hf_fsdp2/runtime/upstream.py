@@ -377,6 +377,9 @@ PRIVATE: tuple[Private, ...] = (
     Private("transformers.modeling_utils", "PreTrainedModel._weight_conversions", "checkpoint/key_conversion.py",
             optional=True),
     Private("transformers.trainer", "Trainer._get_output_dir", _TR),
+    # Ulysses' differentiable collectives (torch.distributed.nn.functional's are deprecated for these)
+    *[Private("torch.distributed._functional_collectives", name, "sharding/sequence_parallel.py")
+      for name in ("all_reduce", "all_to_all_single_autograd")],
     # the implementation a model's attention looks up (Ulysses wraps it: sharding/sequence_parallel.py)
     Private("transformers.configuration_utils", "PreTrainedConfig._attn_implementation",
             "sharding/sequence_parallel.py"),

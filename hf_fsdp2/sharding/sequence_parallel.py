@@ -31,7 +31,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as dist_fn
+import torch.distributed._functional_collectives as funcol
 from torch import nn
 from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface, find_packed_sequence_indices
@@ -160,7 +160,7 @@ def _after_forward(state: _Ulysses, output: Any) -> Any:
     if state.active and loss is not None:
         # Each rank's loss is its shard's sum / the global count: their sum is the loss; the backward all-reduce
         # gives each rank sp x its shard's gradient, FSDP2's average over the sp ranks their sum.
-        output["loss"] = dist_fn.all_reduce(loss, op=dist.ReduceOp.SUM, group=state.group)
+        output["loss"] = funcol.all_reduce(loss, "sum", state.group)  # torch registers its backward: all_reduce
     state.active = False
     return output
 
@@ -180,7 +180,7 @@ def _all_to_all(x: torch.Tensor, state: _Ulysses, scatter_dim: int, gather_dim: 
     shape = list(x.shape)
     chunks = x.reshape(*shape[:scatter_dim], sp, shape[scatter_dim] // sp, *shape[scatter_dim + 1:])
     chunks = chunks.movedim(scatter_dim, 0).contiguous()
-    received = dist_fn.all_to_all_single(torch.empty_like(chunks), chunks, group=state.group)
+    received = funcol.all_to_all_single_autograd(chunks, None, None, state.group)
     # [sp (source rank), ...the chunk's dims...]: the source rank's index goes just before gather_dim
     received = received.movedim(0, gather_dim)
     out = list(chunks.shape[1:])

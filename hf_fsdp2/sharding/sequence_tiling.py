@@ -49,8 +49,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
         flat, labels = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
         wants = ctx.needs_input_grad
         grad_hidden = torch.zeros_like(flat) if wants[0] else None
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if wants[1] else None
-        grad_bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if wants[2] else None
+        # Summed over the tiles in the weight's dtype, as autograd sums a gradient; kept from here to backward
+        # (the price of no recomputation: the planner counts it, it is a saved tensor)
+        grad_weight = torch.zeros_like(weight) if wants[1] else None
+        grad_bias = torch.zeros_like(bias) if wants[2] else None
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         for start in range(0, flat.shape[0], tile):
             h, t = flat[start:start + tile], labels[start:start + tile]
@@ -58,20 +60,18 @@ class _LinearCrossEntropy(torch.autograd.Function):
             total += F.cross_entropy(logits, t, ignore_index=IGNORE_INDEX, reduction="sum")
             if not any(wants[:3]):
                 continue
-            valid = t != IGNORE_INDEX
+            valid = (t != IGNORE_INDEX).unsqueeze(1)
             grad = torch.softmax(logits, dim=-1)  # d sum / d logits = softmax - one hot, 0 on ignored tokens
-            grad[valid, t[valid]] -= 1
-            grad[~valid] = 0
-            grad = grad.to(h.dtype)
+            grad.scatter_add_(1, t.clamp(min=0).unsqueeze(1), -valid.to(grad.dtype))  # no data-dependent shape:
+            grad = (grad * valid).to(h.dtype)  # the planner traces it on the meta device
             if grad_hidden is not None:
                 grad_hidden[start:start + tile] = grad @ weight
             if grad_weight is not None:
-                grad_weight += (grad.t() @ h).float()
+                grad_weight += grad.t() @ h
             if grad_bias is not None:
-                grad_bias += grad.sum(0).float()
+                grad_bias += grad.sum(0)
         ctx.divisor = divisor
         ctx.shape = hidden.shape
-        ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
         ctx.save_for_backward(*(g if g is not None else torch.empty(0) for g in (grad_hidden, grad_weight, grad_bias)))
         return total / divisor
 
@@ -82,8 +82,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
         wants = ctx.needs_input_grad
         return (
             (grad_hidden * scale.to(grad_hidden.dtype)).reshape(ctx.shape) if wants[0] else None,
-            (grad_weight * scale).to(ctx.dtypes[0]) if wants[1] else None,
-            (grad_bias * scale).to(ctx.dtypes[1]) if wants[2] else None,
+            grad_weight * scale.to(grad_weight.dtype) if wants[1] else None,
+            grad_bias * scale.to(grad_bias.dtype) if wants[2] else None,
             None, None, None,
         )
 

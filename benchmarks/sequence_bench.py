@@ -1,0 +1,156 @@
+"""Long sequences on a fixed per-rank memory budget: no sequence split, ring CP, Ulysses SP, Ulysses + tiling.
+
+    python benchmarks/sequence_bench.py [--world-size 2] [--budget-mib 384] [--vocab 32000] [--hidden 256]
+
+Same random Llama (a large vocabulary on a small body: the logits are most of a long sequence's activations),
+one sequence per data-parallel group, FSDP2 over all ranks; each mode in its own ranks:
+  none           every rank a whole sequence (FSDP2 alone)
+  ring_cp        cp_size = world: torch's context_parallel ring attention (labels shifted before the split)
+  ulysses        sp_size = world (sharding/sequence_parallel.py, the batch split by hf_fsdp2.local_batch)
+  ulysses_tiled  sp_size = world with loss_tile_size and mlp_tile_size (sharding/sequence_tiling.py)
+For each mode the sequence doubles from --start until one training step (forward + backward) adds more than the
+budget to a rank's peak resident memory (VmHWM reset before the step, glibc's free memory trimmed); the longest
+that fit is reported, and the tokens/s of ring CP and Ulysses at the same length (--speed-len, median of
+--steps). Writes benchmarks/results/sequence-<stamp>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import harness  # noqa: E402
+
+MODES = ("none", "ring_cp", "ulysses", "ulysses_tiled")
+
+
+def _model(args):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.hidden * 4,
+                         num_hidden_layers=args.layers, num_attention_heads=8, num_key_value_heads=8,
+                         max_position_embeddings=args.max_len, tie_word_embeddings=False)
+    return LlamaForCausalLM(config)
+
+
+def run_job(rank: int, world: int, job: dict) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    import hf_fsdp2
+
+    args, mode = argparse.Namespace(**job["args"]), job["mode"]
+    model = _model(args)
+    mesh = None
+    if mode == "ring_cp":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.experimental import context_parallel
+
+        mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp_shard", "cp"))
+        hf_fsdp2.shard_model(model, hf_fsdp2.FSDP2Config(cp_size=world), mesh=mesh)
+    else:
+        tiles = {"loss_tile_size": args.tile, "mlp_tile_size": args.tile} if mode == "ulysses_tiled" else {}
+        hf_fsdp2.shard_model(model, hf_fsdp2.FSDP2Config(sp_size=1 if mode == "none" else world, **tiles))
+    model.train()
+
+    def step(seq: int, seed: int) -> float:
+        g = torch.Generator().manual_seed(seed)
+        ids = torch.randint(0, args.vocab, (1, seq), generator=g)
+        dist.barrier()
+        start = time.perf_counter()
+        if mode == "ring_cp":
+            labels = ids.clone()
+            shift = torch.nn.functional.pad(ids, (0, 1), value=-100)[:, 1:].contiguous()
+            positions = torch.arange(seq).expand_as(ids).clone()
+            items = (shift != -100).sum() / world  # the cp ranks' losses are averaged by FSDP2's reduction
+            buffers = [ids, labels, shift, positions]
+            with context_parallel(mesh["cp"], buffers=buffers, buffer_seq_dims=[1] * 4,
+                                  no_restore_buffers=set(buffers)):
+                model(input_ids=ids, labels=labels, shift_labels=shift, position_ids=positions,
+                      num_items_in_batch=items).loss.backward()
+        elif mode == "none" and rank:  # FSDP2 alone: each rank its own whole sequence (another one)
+            model(input_ids=ids.roll(1, 1), labels=ids.roll(1, 1)).loss.backward()
+        else:
+            batch = hf_fsdp2.local_batch({"input_ids": ids, "labels": ids}, model)
+            model(**batch).loss.backward()
+        model.zero_grad(set_to_none=True)
+        return time.perf_counter() - start
+
+    out = {"fits": {}, "peak_bytes": {}}
+    seq = args.start
+    while seq <= args.max_len:
+        harness.malloc_trim()
+        base = harness.rss_bytes()
+        harness.reset_hwm()
+        step(seq, seq)
+        peak = harness.hwm_bytes() - base
+        worst = torch.tensor(peak, dtype=torch.int64)
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+        out["peak_bytes"][seq] = int(worst)
+        fits = int(worst) <= args.budget_mib * 2**20
+        out["fits"][seq] = fits
+        if not fits:
+            break
+        seq *= 2
+    if mode in ("ring_cp", "ulysses") and args.speed_len:
+        times = [step(args.speed_len, 100 + i) for i in range(args.steps)]
+        out["step_s"] = statistics.median(times[1:])
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--world-size", type=int, default=2)
+    ap.add_argument("--budget-mib", type=int, default=384)
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--tile", type=int, default=512, help="loss_tile_size and mlp_tile_size of ulysses_tiled")
+    ap.add_argument("--start", type=int, default=512)
+    ap.add_argument("--max-len", type=int, default=32768)
+    ap.add_argument("--speed-len", type=int, default=2048, help="tokens/s of ring CP and Ulysses at this length")
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    args = ap.parse_args(argv)
+    threads = max(1, (os.cpu_count() or 1) // args.world_size)
+    results = {}
+    for mode in args.modes:
+        ranks = harness.run_ranks(run_job, args.world_size, {"args": vars(args), "mode": mode}, timeout=3600,
+                                  threads=threads)
+        results[mode] = ranks[0]
+        fitting = [s for s, ok in results[mode]["fits"].items() if ok]
+        results[mode]["longest"] = max(fitting) if fitting else 0
+    print(f"Llama {args.layers} layers, hidden {args.hidden}, vocab {args.vocab}; {args.world_size} ranks, "
+          f"{threads} threads each; budget {args.budget_mib} MiB per rank (a step's added peak RSS)")
+    none = results.get("none", {}).get("longest") or 0
+    for mode, r in results.items():
+        peaks = ", ".join(f"{s}: {b / 2**20:.0f}" for s, b in r["peak_bytes"].items())
+        ratio = f" ({r['longest'] / none:.0f}x none)" if none else ""
+        print(f"{mode:>14}: longest {r['longest']:>6} tokens{ratio}   peak MiB by length: {peaks}")
+    speed = {}
+    for mode in ("ring_cp", "ulysses"):
+        if "step_s" in results.get(mode, {}):
+            speed[mode] = args.speed_len / results[mode]["step_s"]
+            print(f"{mode:>14}: {speed[mode]:.0f} tokens/s at {args.speed_len} tokens (forward + backward, "
+                  f"median of {args.steps - 1})")
+    path = harness.write_results("sequence", argv, budget_mib=args.budget_mib, world_size=args.world_size,
+                                 threads_per_rank=threads,
+                                 shape={"layers": args.layers, "hidden": args.hidden, "vocab": args.vocab,
+                                        "tile": args.tile},
+                                 longest={m: r["longest"] for m, r in results.items()},
+                                 peak_bytes={m: r["peak_bytes"] for m, r in results.items()},
+                                 tokens_per_s={**speed, "seq_len": args.speed_len})
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
