@@ -16,6 +16,7 @@ from .config import FSDP2Config
 from .planner.layout import resolve_auto_layout
 from .runtime.distributed import build_mesh
 from .sharding import engine
+from .sharding.record import record_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,7 +33,9 @@ def plan(model: nn.Module, config: FSDP2Config, *, mesh: DeviceMesh | None = Non
     Accelerate's, with TP or CP), and the mesh built unless given. Collective: call on every rank."""
     engine.prepare_for_planning(model, to_device=to_device)
     shape = data_parallel_shape(mesh) if mesh is not None and config.is_auto_layout else None
-    config = resolve_auto_layout(model, config, mesh_shape=shape)
+    config, layout_plan = resolve_auto_layout(model, config, mesh_shape=shape)
+    if layout_plan is not None:  # what chose the layout, for whoever asks later (record_of(model).layout)
+        record_of(model, create=True).layout = layout_plan
     return Layout(config, mesh if mesh is not None else build_mesh(config))
 
 

@@ -18,7 +18,7 @@ def _ring_attention(rank, world):
     from torch.distributed.tensor.experimental import context_parallel
     from torch.distributed.tensor.experimental._attention import context_parallel_unshard
 
-    from hf_fsdp2.sharding import context_parallel as cp
+    from hf_fsdp2.sharding import context_parallel as cp, model_parts
 
     from hf_fsdp2.runtime import collectives
 
@@ -81,10 +81,10 @@ def test_trainer_under_accelerate_launch_with_cp_size_2_matches_one_process(tmp_
 def test_a_training_forward_outside_maybe_context_parallel_is_refused_by_name():
     """With cp_size > 1 a loop that never enters `maybe_context_parallel` would silently run every CP
     rank on whole sequences; the forward is refused, naming the setting. Evaluation is not."""
-    from hf_fsdp2.sharding import context_parallel as cp
+    from hf_fsdp2.sharding import context_parallel as cp, model_parts
 
     model = build_model()
-    cp.require_context_parallel(model, 2)
+    cp.require_context_parallel(model_parts(model), 2)
     ids = torch.arange(8).view(1, 8)
     with pytest.raises(RuntimeError, match=r"cp_size=2.*maybe_context_parallel"):
         model(input_ids=ids)
@@ -97,10 +97,10 @@ def test_a_padded_batch_under_context_parallelism_is_refused_by_name(monkeypatch
     """Issue 48: under CP a left-padded batch trained as if it had no mask (Accelerate drops the mask, torch's
     ring attention attends without one). A training forward whose attention_mask marks padding is refused by
     name; a mask of ones (no padding) and no mask pass."""
-    from hf_fsdp2.sharding import context_parallel as cp
+    from hf_fsdp2.sharding import context_parallel as cp, model_parts
 
     model = build_model()
-    cp.require_context_parallel(model, 2)
+    cp.require_context_parallel(model_parts(model), 2)
     monkeypatch.setattr(cp, "context_parallel_active", lambda: True)
     ids = torch.arange(8).view(1, 8)
     model(input_ids=ids)
@@ -119,14 +119,14 @@ def test_a_padded_batch_whose_mask_is_passed_positionally_is_refused_too(monkeyp
     arguments are bound to its signature first: the mask is seen however it is passed."""
     from peft import LoraConfig, get_peft_model
 
-    from hf_fsdp2.sharding import context_parallel as cp
+    from hf_fsdp2.sharding import context_parallel as cp, model_parts
 
     monkeypatch.setattr(cp, "context_parallel_active", lambda: True)
     ids = torch.arange(8).view(1, 8)
     padded = torch.ones(1, 8, dtype=torch.long)
     padded[0, :3] = 0
     for model in (build_model(), get_peft_model(build_model(), LoraConfig(r=2, target_modules=["q_proj"]))):
-        cp.require_context_parallel(model, 2)
+        cp.require_context_parallel(model_parts(model), 2)
         model(ids, torch.ones(1, 8, dtype=torch.long))  # no padding: passes
         with pytest.raises(ValueError, match=r"cp_size=2: the batch's attention_mask marks padding"):
             model(ids, padded)

@@ -56,7 +56,7 @@ def _checkpoint_surface(rank, world, root):
     # The planner agrees on a budget across ranks.
     auto = build_model()
     hf_fsdp2.shard_model(auto, hf_fsdp2.FSDP2Config(shard_size="auto"))
-    from hf_fsdp2.sharding import record_of
+    from hf_fsdp2.sharding import model_parts, record_of
     from hf_fsdp2.sharding.replication import is_replicated
 
     out["auto_mesh"] = list(record_of(auto).mesh.shape)
@@ -74,7 +74,8 @@ def _checkpoint_surface(rank, world, root):
     hf_fsdp2.save_pretrained(peft_model, root / "merged", merge_adapters=True)
     from hf_fsdp2.checkpoint.full_weights import full_weights  # vLLM weight sync: the merged weights whole
 
-    merged_whole = {name: tensor.clone() for name, tensor in full_weights(peft_model)}
+    merged_whole = {name: tensor.clone()
+                    for name, tensor in full_weights(model_parts(peft_model), record_of(peft_model).mesh)}
     out["merged_whole"] = merged_whole if rank == 0 else None
     # QLoRA with double quantization: each weight's absmax all-gathered over the mesh.
     qlora = hf_fsdp2.from_pretrained(

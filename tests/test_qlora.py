@@ -239,8 +239,9 @@ def _quantized_by_ranks_worker(rank, world, directory, out):
     hf_fsdp2.save_pretrained(model, f"{out}/adapter")
     hf_fsdp2.save_pretrained(model, f"{out}/merged", merge_adapters=True, dtype=torch.bfloat16)
     from hf_fsdp2.checkpoint.full_weights import full_weights  # TRL's vLLM weight sync reads these
+    from hf_fsdp2.sharding import model_parts, record_of
 
-    whole = {name: tensor.clone() for name, tensor in full_weights(model)}
+    whole = {name: tensor.clone() for name, tensor in full_weights(model_parts(model), record_of(model).mesh)}
     return {"losses": losses, "adapter": {k: v for k, v in full_params(model).items() if "lora_" in k},
             "full_weights": whole}
 

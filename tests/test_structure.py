@@ -333,9 +333,10 @@ KNOWN_TECHNIQUE_SPREAD = {
         "integrations/accelerate.py", "integrations/accelerate_settings.py", "integrations/presharded.py",
         "planner/layout.py", "planner/memory_report.py", "runtime/distributed.py", "runtime/upstream.py",
         "sharding/compiled_collectives.py"},
-    "expert parallelism": {
+    "expert parallelism": {  # + expert_dispatch.py since 3cc311a (issue 64: the token exchange, its own module)
         "integrations/presharded.py", "planner/layout.py", "planner/memory_report.py", "sharding/adopt.py",
-        "sharding/expert_lora.py", "sharding/generation.py", "sharding/groups.py", "sharding/parallel_plans.py"},
+        "sharding/expert_dispatch.py", "sharding/expert_lora.py", "sharding/generation.py", "sharding/groups.py",
+        "sharding/parallel_plans.py"},
     "fp8": {
         "checkpoint/weights_io.py", "integrations/accelerate.py", "integrations/accelerate_settings.py",
         "sharding/adopt.py", "sharding/expert_parallel.py", "sharding/groups.py", "sharding/record.py",
@@ -351,13 +352,12 @@ KNOWN_TECHNIQUE_SPREAD = {
     "sequence parallelism": {"integrations/accelerate.py"},
 }
 
-# record_of / model_parts called outside the entry modules, by file: 18 at 37ccd24 (issue 62: handed along instead).
-KNOWN_STATE_LOOKUPS = collections.Counter({
-    "checkpoint/export_plan.py": 1, "checkpoint/full_weights.py": 2, "checkpoint/weights_io.py": 1,
-    "planner/layout.py": 1, "planner/memory.py": 2, "sharding/compile.py": 1, "sharding/compiled_collectives.py": 3,
-    "sharding/compute_cast.py": 2, "sharding/context_parallel.py": 1, "sharding/generation.py": 2,
-    "sharding/groups.py": 2,
-})
+# record_of / model_parts called outside the entry modules, by file: 18 at 37ccd24, 3 since (the engine looks the
+# record up once and hands it to compile, compiled_collectives, replication's compute cast, generation; context
+# parallelism gets the parts; shard.py keeps the planner's plan; checkpoint's export and weights plan get the parts,
+# full_weights the parts and mesh from TRL's entry). Left: the planner's meta model is made here (memory.py), and
+# groups.py takes a bare model from the planner's callers, tools/config_writer.py and tests.
+KNOWN_STATE_LOOKUPS = collections.Counter({"planner/memory.py": 1, "sharding/groups.py": 2})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -411,7 +411,7 @@ def test_the_planner_knows_no_quantization_backend():
 def test_the_scan_sees_an_import():
     """The scan is not vacuous: relative imports, at module level or inside a function, are resolved."""
     assert "hf_fsdp2.runtime.distributed" in _imports(PACKAGE / "sharding" / "engine.py")
-    assert "hf_fsdp2.sharding.record" in _imports(PACKAGE / "planner" / "layout.py")
+    assert "hf_fsdp2.runtime.host_allocator" in _imports(PACKAGE / "planner" / "layout.py")  # inside a function
     assert {"hf_fsdp2.sharding", "hf_fsdp2.sharding.groups"} <= _imports(PACKAGE / "planner" / "memory.py")
     assert "hf_fsdp2.planner.layout" in _imports(PACKAGE / "shard.py")
     assert "hf_fsdp2.sharding.engine" in _imports(PACKAGE / "shard.py")
@@ -475,8 +475,9 @@ def test_the_peft_rule_reports_a_new_call_site(tmp_path, line, name):
     ("checkpoint/header.py", "def f(module):\n    return type(module).__name__ == 'Linear4bit'", "4-bit"),
 ])
 def test_the_technique_rule_reports_a_new_file(tmp_path, file, line, technique):
-    assert file not in technique_spread()[technique]
-    assert technique_spread(_violated(tmp_path, file, line))[technique] == KNOWN_TECHNIQUE_SPREAD[technique] | {file}
+    before = technique_spread()[technique]
+    assert file not in before
+    assert technique_spread(_violated(tmp_path, file, line))[technique] == before | {file}
 
 
 @pytest.mark.parametrize("line", [
@@ -486,7 +487,7 @@ def test_the_technique_rule_reports_a_new_file(tmp_path, file, line, technique):
 ])
 def test_the_state_rule_reports_a_new_call_site(tmp_path, line):
     found = state_lookups(_violated(tmp_path, "sharding/activation_offload.py", line))
-    assert found - KNOWN_STATE_LOOKUPS == collections.Counter({"sharding/activation_offload.py": 1})
+    assert found - state_lookups() == collections.Counter({"sharding/activation_offload.py": 1})
 
 
 def test_the_record_lives_on_one_object():

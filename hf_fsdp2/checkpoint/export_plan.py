@@ -23,15 +23,14 @@ from ..quantization import quantized
 from ..runtime.distributed import local_tensor
 from .key_conversion import disk_views
 from .lora_merge import RowsDelta, adapter_deltas, base_model_name
-from ..sharding.model_parts import ModelParts, model_parts
+from ..sharding.model_parts import ModelParts
 from .tensor_export import ExportTensor, adapter_tensors, model_tensors, row_range
 
 
-def export_items(model: nn.Module | ModelParts, dtype: torch.dtype | None,
+def export_items(parts: ModelParts, dtype: torch.dtype | None,
                  merge_adapters: bool) -> tuple[list[ExportTensor], bool]:
-    """(items, is_adapter) for `model` as `save_pretrained` writes it. Collective when merging (the
+    """(items, is_adapter) for the model of `parts` as `save_pretrained` writes it. Collective when merging (the
     LoRA factors are all-gathered, in module order): call on every rank."""
-    parts = model_parts(model)
     model = parts.model
     if parts.has_peft:
         if merge_adapters:

@@ -12,22 +12,21 @@ from __future__ import annotations
 from typing import Iterator
 
 import torch
-import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from .export_plan import export_items
-from ..sharding.model_parts import model_parts
 from ..runtime import collectives
-from ..sharding import record_of
+from ..sharding.model_parts import ModelParts
 
 
-def full_weights(model: nn.Module, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, whole tensor) for every tensor of the model as saved (merged, for a PeftModel), on the
-    device the mesh's collectives use. Collective: iterate to the end on every rank, in step."""
-    record = record_of(model)
-    if record is None or record.mesh is None:
+def full_weights(parts: ModelParts, mesh: DeviceMesh | None, dtype: torch.dtype | None = None
+                 ) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, whole tensor) for every tensor of the model of `parts` as saved (merged, for a PeftModel), on the
+    device the collectives of `mesh` (its record's: the one it was sharded on) use. Collective: iterate to the
+    end on every rank, in step."""
+    if mesh is None:
         raise ValueError("full_weights: this model was not sharded by hf_fsdp2 (shard_model / register()).")
-    device = collectives.mesh_device(record.mesh)
-    parts = model_parts(model)
+    device = collectives.mesh_device(mesh)
     items, _ = export_items(parts, dtype, merge_adapters=parts.has_peft)
     for item in items:
         spec = item.spec
@@ -44,5 +43,5 @@ def full_weights(model: nn.Module, dtype: torch.dtype | None = None) -> Iterator
         # Every row has exactly one writer (replicas and non-owners contribute zeros): a sum over the
         # mesh makes it whole. Twice an all-gather's traffic, but any row split (uneven shards,
         # per-expert views). On the mesh's groups, which carry `device` tensors.
-        collectives.sum_over_mesh(whole, record.mesh)
+        collectives.sum_over_mesh(whole, mesh)
         yield item.name, whole

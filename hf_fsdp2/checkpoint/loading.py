@@ -94,7 +94,7 @@ def read_directory(model: nn.Module, directory: str | os.PathLike, *, strict: bo
     """Fill a sharded model from a Hugging Face directory, each rank reading only its own rows (the body of
     `hf_fsdp2.load_pretrained`). Collective: call on every rank."""
     async_save.wait_pending()  # a save still in flight may be of this very directory
-    WeightsPlan(model, existing_dir(Path(directory)), strict).read(progress)
+    WeightsPlan(model_parts(model), existing_dir(Path(directory)), strict).read(progress)
     return model
 
 

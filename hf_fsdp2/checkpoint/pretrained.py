@@ -104,7 +104,7 @@ def load_pretrained(model: nn.Module, directory: str | os.PathLike, *, strict: b
 def check_pretrained(model: nn.Module, directory: str | os.PathLike) -> None:
     """What `load_pretrained` checks (every key, shape and dtype), without reading a weight; raises
     `CheckpointError` naming what does not match."""
-    WeightsPlan(model, existing_dir(Path(directory)), True).close()
+    WeightsPlan(model_parts(model), existing_dir(Path(directory)), True).close()
 
 
 @contextlib.contextmanager

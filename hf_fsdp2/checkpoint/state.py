@@ -366,7 +366,7 @@ def load_state(directory: str | os.PathLike, model: nn.Module, optimizer: torch.
     check_rng_state(rng, rng_file)
     if scheduler is not None and manifest.get("scheduler") is None:
         raise CheckpointError(f"{directory / MANIFEST}: no scheduler state was saved.")
-    weights = WeightsPlan(model, directory) if load_weights else None
+    weights = WeightsPlan(model_parts(model), directory) if load_weights else None
     try:
         if optimizer is not None:
             bnb_optimizers.prepare(optimizer)  # a bitsandbytes optimizer reads its 8-bit state by rows

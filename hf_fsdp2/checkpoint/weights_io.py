@@ -24,7 +24,7 @@ from .safetensors_io import (
 )
 from ..quantization import fp8, quantized
 from .lora_merge import base_model_name
-from ..sharding.model_parts import ModelParts, model_parts
+from ..sharding.model_parts import ModelParts
 from .tensor_export import (
     ExportTensor, adapter_tensors, block_range, model_tensors, row_range, tied_aliases,
 )
@@ -233,8 +233,7 @@ def existing_dir(directory: Path) -> Path:
 class WeightsPlan:
     """What `load_pretrained` will read, checked against the model, before anything changes."""
 
-    def __init__(self, model: nn.Module | ModelParts, directory: Path, strict: bool = True):
-        parts = model_parts(model)
+    def __init__(self, parts: ModelParts, directory: Path, strict: bool = True):
         self.model = model = parts.model
         if parts.has_peft and ((directory / ADAPTER_FILE).exists()
                                or (directory / (ADAPTER_FILE + INDEX_SUFFIX)).exists()):

@@ -66,9 +66,9 @@ def _prepare_fsdp(model: nn.Module, accelerator):
 def _iter_named_params(self):
     """`VLLMGeneration._iter_named_params` (a generator of (name, whole tensor), collective)."""
     from ..checkpoint.full_weights import full_weights
-    from ..sharding import is_sharded
+    from ..sharding import is_sharded, model_parts, record_of
 
     if not is_sharded(self.model):
         yield from upstream.original(VLLM_TARGET)(self)
         return
-    yield from full_weights(self.model)
+    yield from full_weights(model_parts(self.model), record_of(self.model).mesh)

@@ -349,16 +349,18 @@ def _shard_sizes(dp: int, cp: int, mesh_shape: tuple[int, int] | None) -> list[i
 
 
 def resolve_auto_layout(model: nn.Module, config: FSDP2Config, *,
-                        mesh_shape: tuple[int, int] | None = None) -> FSDP2Config:
-    """`config` with `shard_size="auto"` resolved for `model` on this process group (else unchanged).
+                        mesh_shape: tuple[int, int] | None = None) -> tuple[FSDP2Config, LayoutPlan | None]:
+    """`config` with `shard_size="auto"` resolved for `model` on this process group (else unchanged), and the plan
+    that chose it (None when there was nothing to resolve).
 
     Every rank computes the same plan from the same model; a default budget is agreed on (the
     smallest over ranks) first. The run's `tp_size` and `cp_size` are kept; `mesh_shape` (replicate,
-    shard): the data-parallel shape of a mesh already built (Accelerate's, with TP or CP), kept too. The decision is logged on rank 0 and kept in the model's record
-    (`record_of(model).layout`). Collective when the budget is the default: call on every rank.
+    shard): the data-parallel shape of a mesh already built (Accelerate's, with TP or CP), kept too. The decision is
+    logged on rank 0; hf_fsdp2/shard.py keeps the plan in the model's record (`record_of(model).layout`).
+    Collective when the budget is the default: call on every rank.
     """
     if not config.is_auto_layout:
-        return config
+        return config, None
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
     from ..runtime import collectives, host_allocator
@@ -385,11 +387,7 @@ def resolve_auto_layout(model: nn.Module, config: FSDP2Config, *,
         logger.warning("hf_fsdp2: the C library is not glibc; its freed memory may keep RSS over the budget.")
     if collectives.rank() == 0:
         logger.warning(plan.summary())
-    resolved = plan.config(config)
-    from ..sharding.record import record_of
-
-    record_of(model, create=True).layout = plan
-    return resolved
+    return plan.config(config), plan
 
 
 __all__ = ["Candidate", "LayoutPlan", "default_budget", "parallel_sizes", "plan_layout", "resolve_auto_layout"]

@@ -92,7 +92,7 @@ from ..runtime.host_allocator import HEAP_BLOCK_LIMIT
 from .activation_trace import trace_activations
 from ..sharding import replication, selective_checkpoint, sequence_parallel, sequence_tiling
 from ..sharding.groups import ShardPlan, apply_frozen_dtype, plan_groups, replicated_frozen_parameters
-from ..sharding.model_parts import model_parts
+from ..sharding.model_parts import ModelParts, model_parts
 from .memory_report import ActivationMemory, GroupMemory, MemoryEstimate
 from .meta_model import DEFAULT_LORA_TARGETS, add_lora, build_meta_model, meta_copy
 from .parallel_shapes import narrow_for_trace, tp_local_shapes
@@ -290,15 +290,16 @@ def _prepare(model_or_config: Any, config: FSDP2Config, dtype: torch.dtype | str
         quantized_from = next(p.dtype for p in model.parameters() if p.is_floating_point())
         quantization.quantize_on_meta(model, quantized_from, config.param_dtype or quantized_from)
     if lora_r is not None:
-        if model_parts(model).has_peft:
+        if parts.has_peft:
+    parts = model_parts(model)  # the planner's meta model comes in here: PEFT unwrapped once
             raise ValueError("`lora_r` is set but the model is already a PeftModel; pass the base model.")
         model = add_lora(model, lora_r, lora_targets)
     if quantization is not None:  # after PEFT, which reads the quantized layers to pick its LoRA layer class
         quantization.prepare(model, quantized_from)
     apply_frozen_dtype(model, config.frozen_dtype)  # as shard_model does, before sharding (floating only)
-    parts = model_parts(model)
     plan = plan_groups(parts, config)
     fp8_weights: set[int] = set()
+        parts = ModelParts(model, parts.base)  # the PeftModel just built around it
     if config.fp8:  # the weights shard_model converts are all-gathered in float8 (quantization/fp8.py)
         fp8_weights = {id(m.weight) for m in fp8.plan(model, plan.layers)[0].values()}
     return MetaTrainingModel(

@@ -25,7 +25,7 @@ from typing import Any
 import torch.nn as nn
 
 from .model_parts import ModelParts
-from .record import record_of
+from .record import ShardedModel
 
 
 def is_compiled(module: nn.Module) -> bool:
@@ -41,13 +41,13 @@ def compile_layers(layers: list[nn.Module], **compile_kwargs: Any) -> None:
             layer.compile(**kwargs)
 
 
-def disable_cache_in_training(parts: ModelParts) -> None:
+def disable_cache_in_training(parts: ModelParts, record: ShardedModel) -> None:
     """Training forwards of `model` run with `use_cache=False`, as transformers' gradient checkpointing
     does: a cache filled in forward is filled again by a checkpointed layer's recomputation, and it
     would specialise a compiled layer's graph per layer. Evaluation and `generate` keep the cache, and
     the config is untouched, so a saved config.json is what stock writes. A model whose forward takes
-    no `use_cache` argument gets `config.use_cache = False` instead (text config too). Idempotent."""
-    record = record_of(parts, create=True)
+    no `use_cache` argument gets `config.use_cache = False` instead (text config too). Idempotent: `record` (the
+    model's) says whether it ran."""
     if record.no_cache_in_training:
         return
     record.no_cache_in_training = True

@@ -43,7 +43,7 @@ from ..config import FSDP2Config
 from ..quantization import quantized
 from ..runtime import collectives, upstream
 from ..runtime.distributed import CP_DIM, TP_DIM, data_parallel_mesh
-from .record import record_of
+from .record import ShardedModel
 
 _inside = 0  # > 0 while a traced model's forward runs: properties gather
 
@@ -118,11 +118,11 @@ def unsupported(model: nn.Module, mesh: DeviceMesh) -> list[str]:
 
 
 def apply(model: nn.Module, config: FSDP2Config, mesh: DeviceMesh, ignored: set, layers: list[nn.Module],
-          checkpointed: list[nn.Module]) -> None:
+          checkpointed: list[nn.Module], record: ShardedModel) -> None:
     """Store every parameter of `model` (but `ignored`) sharded on dim 0 over `mesh`'s data-parallel
     dimensions, gathered where it is used; compile the root's training forward with bucketed collectives
     (buckets of `bucket_cap_mb`, by default the largest of the decoder `layers` gathered), recomputing the
-    `checkpointed` layers in backward."""
+    `checkpointed` layers in backward. The gather is kept in the model's `record` (generation reads it)."""
     reasons = unsupported(model, mesh)
     if reasons:
         raise ValueError("compile='model' (collectives in the compiled graph) cannot honour "
@@ -132,7 +132,7 @@ def apply(model: nn.Module, config: FSDP2Config, mesh: DeviceMesh, ignored: set,
     passes = _JointPasses(reshard=config.reshard_after_forward, save_matmuls=config.checkpoint_save_matmuls,
                           checkpointed=[names[id(layer)] for layer in checkpointed])
     sharded = [Replicate()] * (mesh.ndim - 1) + [Shard(0)]
-    use = record_of(model, create=True).gather = _Use(mesh, config.param_dtype, config.reduce_dtype)
+    use = record.gather = _Use(mesh, config.param_dtype, config.reduce_dtype)
     stored: dict[int, nn.Parameter] = {}  # a tied weight stays one parameter
     for module in list(model.modules()):
         own = []
@@ -324,18 +324,18 @@ def _seeded(node: torch.fx.Node) -> bool:
     return torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())
 
 
-def is_traced(model: nn.Module) -> bool:
-    """Sharded with compile="model" (its record holds the gather)."""
-    return getattr(record_of(model), "gather", None) is not None
+def is_traced(record: ShardedModel | None) -> bool:
+    """A model of this record was sharded with compile="model" (the record holds the gather)."""
+    return record is not None and record.gather is not None
 
 
 @contextlib.contextmanager
-def gathered_once(model: nn.Module, budget: int) -> Iterator[bool]:
+def gathered_once(model: nn.Module, record: ShardedModel, budget: int) -> Iterator[bool]:
     """Inside the block (generation), each parameter is gathered at its first use without gradient and
     kept, when the model's gathered weights fit `budget` bytes (the same on every rank); yields whether
     they do. Otherwise every use gathers again, as in training. Not re-entrant by design: an inner block
     keeps the outer one's weights."""
-    use: _Use | None = getattr(record_of(model), "gather", None)
+    use: _Use | None = record.gather
     if use is None or use.kept is not None or use.gathered_bytes(model) > budget:
         yield use is not None and use.kept is not None
         return

@@ -28,7 +28,7 @@ from torch.utils._pytree import tree_map
 
 from ..runtime import upstream
 from .groups import ShardPlan
-from .record import record_of
+from .record import ShardedModel
 
 # A parameter's cast copy in its module's instance dict shadows it for one forward.
 _SHADOW = "torch.nn.Module.__dict__"
@@ -46,9 +46,10 @@ def needs_cast(param: torch.Tensor, dtype: torch.dtype | None) -> bool:
     return dtype is not None and param.is_floating_point() and param.dtype != dtype
 
 
-def apply_compute_cast(model: nn.Module, plan: ShardPlan, dtype: torch.dtype | None,
+def apply_compute_cast(model: nn.Module, plan: ShardPlan, dtype: torch.dtype | None, record: ShardedModel,
                        ignored: list[nn.Module] = ()) -> bool:
-    """Cast `model`'s groups to `dtype` for compute; False (nothing registered) when no parameter needs it."""
+    """Cast `model`'s groups to `dtype` for compute, the casts kept in its `record` (for `cast_once`); False
+    (nothing registered) when no parameter needs it."""
     if dtype is None or not any(needs_cast(p, dtype) for p in model.parameters()):
         return False
     members = [*plan.layers, *(plan.embedding or []), *plan.head]
@@ -62,7 +63,7 @@ def apply_compute_cast(model: nn.Module, plan: ShardPlan, dtype: torch.dtype | N
                    if needs_cast(param, dtype) and id(param) not in skipped]
         hooked.append((module, entries))
     state = _CastState(dtype, [entry for _, entries in hooked for entry in entries])
-    record_of(model, create=True).compute_cast = state
+    record.compute_cast = state
     for module, entries in hooked:
         module.register_forward_pre_hook(_cast_inputs(state), with_kwargs=True, prepend=True)
         # A checkpoint wrapper's inner module runs again in backward: its casts are made there.
@@ -73,9 +74,9 @@ def apply_compute_cast(model: nn.Module, plan: ShardPlan, dtype: torch.dtype | N
 
 
 @contextlib.contextmanager
-def cast_once(model: nn.Module) -> Iterator[None]:
+def cast_once(record: ShardedModel) -> Iterator[None]:
     """Every group's cast copies made once and kept for the block (generate()), then dropped."""
-    state: _CastState | None = getattr(record_of(model), "compute_cast", None)
+    state: _CastState | None = record.compute_cast
     if state is None or state.held:
         yield
         return

@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from ..runtime import collectives, upstream
-from .model_parts import model_parts
+from .model_parts import ModelParts
 
 _CP_HANDLERS = "torch.distributed.tensor.experimental._context_parallel._attention.custom_ops"
 _SEQ_DIM = 2  # SDPA's [batch, heads, sequence, head_dim]
@@ -108,7 +108,7 @@ def context_parallel_active() -> bool:
     return torch.ops.aten._scaled_dot_product_flash_attention.default in DTensor._op_dispatcher._custom_op_handlers
 
 
-def require_context_parallel(model: nn.Module, cp_size: int) -> None:
+def require_context_parallel(parts: ModelParts, cp_size: int) -> None:
     """A training forward outside `maybe_context_parallel` would run every CP rank on whole sequences: a
     silent data-parallel run with `cp_size` set. Refused by name at that forward (evaluation and
     generation without CP are correct, each CP rank computing the same thing, and pass)."""
@@ -121,17 +121,17 @@ def require_context_parallel(model: nn.Module, cp_size: int) -> None:
                 "`accelerator.maybe_context_parallel(buffers=[input_ids, labels, position_ids, ...], "
                 "buffer_seq_dims=[1, ...])`: every CP rank would compute whole sequences. Wrap the forward and "
                 "backward in it (the Trainer does), or set parallelism_config_cp_size to 1.")
-        refuse_padding(_argument(module, "attention_mask", args, kwargs), cp_size)
+        refuse_padding(_argument(module, parts.base, "attention_mask", args, kwargs), cp_size)
 
-    model.register_forward_pre_hook(check, with_kwargs=True)
+    parts.model.register_forward_pre_hook(check, with_kwargs=True)
 
 
-def _argument(module: nn.Module, name: str, args: tuple, kwargs: dict):
+def _argument(module: nn.Module, base: nn.Module, name: str, args: tuple, kwargs: dict):
     """The forward's argument `name` however it was passed: `model(input_ids, attention_mask)` is LlamaForCausalLM's
     signature too, so a positional mask must be seen as a keyword one is. A PeftModel's forward takes `*args` and
-    hands them to the transformers model's: its signature names them. Arguments that bind to neither are the
-    forward's own error to raise."""
-    for forward in (module.forward, model_parts(module).base.forward):
+    hands them to the transformers model's (`base`): its signature names them. Arguments that bind to neither are
+    the forward's own error to raise."""
+    for forward in (module.forward, base.forward):
         try:
             bound = inspect.signature(forward).bind_partial(*args, **kwargs)
         except (TypeError, ValueError):

@@ -30,7 +30,7 @@ from .compile import compile_layers, disable_cache_in_training, is_compiled
 from .groups import ShardPlan, apply_frozen_dtype, plan_groups, replicated_frozen_parameters
 from .model_parts import ModelParts, model_parts
 from .generation import wrap_generate
-from .record import note_parameters, record_of, refuse_parameters_added_after
+from .record import ShardedModel, note_parameters, record_of, refuse_parameters_added_after
 from . import (activation_offload, adopt, compiled_collectives, context_parallel, expert_parallel, grad_clip,
                replication, selective_checkpoint, sequence_parallel, sequence_tiling, tensor_parallel)
 
@@ -266,6 +266,7 @@ def shard_planned(
         raise ValueError("`shard_size`='auto' must be planned first: call hf_fsdp2.shard_model.")
     parts = model_parts(model)  # PEFT unwrapped once: what follows receives the parts it needs
     model = parts.model
+    record = record_of(parts, create=True)  # looked up once: what follows keeps its state in it
     on_meta = _is_meta(model)
     device = default_device()
     mesh = mesh if mesh is not None else build_mesh(config)
@@ -295,8 +296,8 @@ def shard_planned(
         compile_layers(plan.layers)
     if config.compile == "model" or any(is_compiled(layer) or isinstance(layer, CheckpointWrapper)
                                          for layer in plan.layers):
-        disable_cache_in_training(parts)  # ours or Accelerate's checkpointing / regional compilation
-    replicated = _replicate_or_shard(model, plan, config, mesh)
+        disable_cache_in_training(parts, record)  # ours or Accelerate's checkpointing / regional compilation
+    replicated = _replicate_or_shard(model, plan, config, mesh, record)
     if config.fp8 and mesh.device_type == "cpu":
         fp8.gather_float8_as_bytes(model)
     if on_meta:
@@ -307,28 +308,28 @@ def shard_planned(
         fp8.precompute_scales(model)  # first all-gather then computes its scales itself
     if CP_DIM in (mesh.mesh_dim_names or ()) and mesh[CP_DIM].size() > 1:
         context_parallel.enable_cpu_ring_attention()  # the training loop enters torch's context_parallel
-        context_parallel.require_context_parallel(model, mesh[CP_DIM].size())
-    record = record_of(model, create=True)
+        context_parallel.require_context_parallel(parts, mesh[CP_DIM].size())
     record.config, record.mesh, record.sharded_object = config, mesh, id(model)
-    note_parameters(record, model)
-    wrap_generate(model)  # each group gathered once per generate() call
+    note_parameters(record, parts)
+    wrap_generate(model, record)  # each group gathered once per generate() call
     host_allocator.trim_if_returning()  # a CPU budget's plan: the unsharded weights' freed pages go back now
     return model
 
 
-def _replicate_or_shard(model: nn.Module, plan: ShardPlan, config: FSDP2Config, mesh: DeviceMesh) -> bool:
+def _replicate_or_shard(model: nn.Module, plan: ShardPlan, config: FSDP2Config, mesh: DeviceMesh,
+                        record: ShardedModel) -> bool:
     """One-rank shard groups train with DDP's reducer (sharding/replication.py) unless the config asks for
     FSDP2 or needs what only FSDP2 has; everything else with FSDP2, or, under compile="model", with the
     collectives in the compiled graph (sharding/compiled_collectives.py). True when the model was replicated."""
     if config.compile == "model":
         checkpointed = (selective_checkpoint.checkpointed_layers(plan.layers, config.checkpoint_every)
                         if config.activation_checkpointing else [])
-        compiled_collectives.apply(model, config, mesh, plan.ignored_params, plan.layers, checkpointed)
+        compiled_collectives.apply(model, config, mesh, plan.ignored_params, plan.layers, checkpointed, record)
         return False
     if replication.mesh_trains_on_reducer(mesh, config):
         reasons = replication.fsdp_only_reasons(model, config)
         if not reasons:
-            return replication.apply_replication(model, plan, config, mesh)
+            return replication.apply_replication(model, plan, config, mesh, record)
         if collectives.rank() == 0:
             logging.getLogger("hf_fsdp2").warning(
                 "shard size 1: replicating with FSDP2 one-rank groups instead of DDP's reducer, for %s.",
@@ -346,7 +347,7 @@ def _adopt(model: nn.Module, config: FSDP2Config, mesh: DeviceMesh | None) -> nn
     record = record_of(model, create=True)
     record.config, record.mesh, record.sharded_object = config, model_mesh, id(model)
     note_parameters(record, model)
-    wrap_generate(model)
+    wrap_generate(model, record)
     if config.ep_size > 1:  # its experts' gradients on their own mesh, as ours (sharding/grad_clip.py)
         grad_clip.refuse_in_torch()
     return model
@@ -415,7 +416,8 @@ def no_sync(model: nn.Module) -> Iterator[None]:
 
     Run the accumulation micro-steps inside, the last micro-step outside.
     """
-    if not (isinstance(model, FSDPModule) or replication.is_replicated(model) or compiled_collectives.is_traced(model)):
+    if not (isinstance(model, FSDPModule) or replication.is_replicated(model)
+            or compiled_collectives.is_traced(record_of(model))):
         raise TypeError(f"`no_sync` needs a model returned by `shard_model`, got {type(model).__name__}.")
     model.set_requires_gradient_sync(False)
     try:

@@ -33,6 +33,7 @@ import torch.nn as nn
 from ..runtime import collectives, fsdp_state, upstream
 from ..runtime.distributed import reshard
 from . import compiled_collectives, compute_cast
+from .record import ShardedModel
 
 FREE_MEMORY_FRACTION = 0.5  # of the memory free at generate(): the rest is the KV cache's and activations'
 _SEAM = "transformers.generation.utils.GenerationMixin.generate"
@@ -40,19 +41,21 @@ _FSDP_STATE = "torch.distributed.fsdp._fully_shard._fsdp_state.FSDPState"
 _HOOK_HANDLE = f"{_FSDP_STATE}._pre_forward_hook_handle"  # FSDP2's hooks swapped in the module's hook dicts
 
 
-def wrap_generate(model: nn.Module) -> None:
-    """Make `model.generate(...)` gather each group once per call (no-op for models without generate)."""
+def wrap_generate(model: nn.Module, record: ShardedModel) -> None:
+    """Make `model.generate(...)` gather each group once per call (no-op for models without generate); `record`:
+    the model's, read at each call."""
     if callable(getattr(model, "generate", None)):
-        upstream.wrap_instance_method(model, "generate", _SEAM, lambda original: _generate(model, original))
+        upstream.wrap_instance_method(model, "generate", _SEAM, lambda original: _generate(model, record, original))
 
 
-def _generate(model: nn.Module, original):
+def _generate(model: nn.Module, record: ShardedModel, original):
     @functools.wraps(original)
     def generate(*args, **kwargs):
-        ep_size = _expert_parallel_size(model)
+        ep_size = _expert_parallel_size(record)
         if ep_size > 1:  # before anything collective: a refusal leaves every rank where it was
             kwargs["synced_gpus"] = _synced_for_experts(kwargs.get("synced_gpus"), ep_size)
-        with gathered_for_generation(model) as kept, compute_cast.cast_once(model), _traced_kept(model) as traced:
+        with gathered_for_generation(model, record) as kept, compute_cast.cast_once(record), \
+                _traced_kept(model, record) as traced:
             if kwargs.get("synced_gpus") is None and len(kept) == len(_groups(model)) and traced is not False:
                 # transformers turns `synced_gpus` on for FSDP models (generation/utils.py: it checks
                 # is_fsdp_managed_module) so that ranks keep stepping together through per-token
@@ -64,11 +67,8 @@ def _generate(model: nn.Module, original):
     return generate
 
 
-def _expert_parallel_size(model: nn.Module) -> int:
-    from .record import record_of
-
-    record = record_of(model)
-    return record.config.ep_size if record is not None and record.config is not None else 1
+def _expert_parallel_size(record: ShardedModel) -> int:
+    return record.config.ep_size if record.config is not None else 1
 
 
 def _synced_for_experts(synced_gpus: bool | None, ep_size: int) -> bool:
@@ -85,14 +85,14 @@ def _synced_for_experts(synced_gpus: bool | None, ep_size: int) -> bool:
 
 
 @contextlib.contextmanager
-def _traced_kept(model: nn.Module) -> Iterator[bool | None]:
+def _traced_kept(model: nn.Module, record: ShardedModel) -> Iterator[bool | None]:
     """compile="model" (compiled_collectives.py): every parameter gathered once per generate() call when the
     whole model fits FREE_MEMORY_FRACTION of the free memory (smallest over ranks); yields whether it does
     (None for other models). Collective for those models: every rank calls generate()."""
-    if not compiled_collectives.is_traced(model):
+    if not compiled_collectives.is_traced(record):
         yield None
         return
-    with compiled_collectives.gathered_once(model, _generation_budget(model)) as kept:
+    with compiled_collectives.gathered_once(model, record, _generation_budget(model)) as kept:
         yield kept
 
 
@@ -169,13 +169,12 @@ def groups_to_keep(model: nn.Module, budget: int | None = None) -> list[nn.Modul
 
 
 @contextlib.contextmanager
-def gathered_for_generation(model: nn.Module, budget: int | None = None) -> Iterator[list[nn.Module]]:
+def gathered_for_generation(model: nn.Module, record: ShardedModel, budget: int | None = None
+                            ) -> Iterator[list[nn.Module]]:
     """Inside the block, the groups `groups_to_keep` picks stay gathered after their first forward;
     on exit every group is resharded and its own `reshard_after_forward` restored. Re-entrant (an
-    inner generate() inside an outer one changes nothing). Collective: call on every rank."""
-    from ..sharding.record import record_of
-
-    record = record_of(model, create=True)
+    inner generate() inside an outer one changes nothing: `record`, the model's, says so). Collective: call on
+    every rank."""
     if record.generating:
         yield []
         return

@@ -33,6 +33,7 @@ from ..runtime import collectives, upstream
 from ..runtime.distributed import REPLICATE_DIM, SHARD_DIM
 from . import compute_cast
 from .groups import ShardPlan, ignored_modules
+from .record import ShardedModel
 
 
 def trains_on_reducer(replicate_size: int, shard_size: int, other_dims: int, config: FSDP2Config) -> bool:
@@ -63,9 +64,11 @@ def fsdp_only_reasons(model: nn.Module, config: FSDP2Config) -> list[str]:
     return reasons
 
 
-def apply_replication(model: nn.Module, plan: ShardPlan, config: FSDP2Config, mesh: DeviceMesh) -> bool:
+def apply_replication(model: nn.Module, plan: ShardPlan, config: FSDP2Config, mesh: DeviceMesh,
+                      record: ShardedModel) -> bool:
     """`replicate` the model over `mesh`'s one replica group; False (nothing applied) when the model has
-    no trainable parameter (a reference or reward model: plain replicas, nothing to reduce)."""
+    no trainable parameter (a reference or reward model: plain replicas, nothing to reduce). `record`: the
+    model's, which keeps the compute cast."""
     if not any(p.requires_grad for p in model.parameters()):
         return False
     ignored = ignored_modules(model, config.ignored_modules)  # Accelerate's fsdp_ignored_modules
@@ -86,7 +89,7 @@ def apply_replication(model: nn.Module, plan: ShardPlan, config: FSDP2Config, me
     # `synchronize` builds the reducer before the first forward, after which torch's `register_comm_hook`
     # on the model would only queue the hook (it is applied at that lazy init): apply a queued one here.
     model.register_forward_pre_hook(_apply_queued_comm_hooks, prepend=True)
-    compute_cast.apply_compute_cast(model, plan, config.param_dtype, ignored)
+    compute_cast.apply_compute_cast(model, plan, config.param_dtype, record, ignored)
     for layer in plan.layers:
         layer.register_forward_pre_hook(_refuse_layer_outside_model(model))
     return True

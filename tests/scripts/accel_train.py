@@ -202,7 +202,7 @@ report = {
     "expert_mesh": sorted({(p.device_mesh.mesh_dim_names, tuple(p.device_mesh.shape)) for p in model.parameters()
                            if isinstance(p, DTensor) and "ep" in (p.device_mesh.mesh_dim_names or ())}),
     "ddp_reducer": is_replicated(model),  # shard size 1: DDP's reducer (sharding/replication.py)
-    "compiled_collectives": is_traced(model),  # compile="model" (sharding/compiled_collectives.py)
+    "compiled_collectives": is_traced(record_of(model)),  # compile="model" (sharding/compiled_collectives.py)
     "compiled_modules": sum(getattr(m, "_compiled_call_impl", None) is not None for m in model.modules()),
     "reshard_after_forward": getattr(getattr(record_of(model), "config", None), "reshard_after_forward", None),
     "loaded_on_meta_everywhere": loaded_on_meta_everywhere if args.from_pretrained else None,
