@@ -285,21 +285,21 @@ def prepare_meta_model(model_or_config: Any, config: FSDP2Config, *, dtype: torc
 def _prepare(model_or_config: Any, config: FSDP2Config, dtype: torch.dtype | str | None, lora_r: int | None,
              lora_targets: Sequence[str], quantization: quantized.MetaQuantization | None) -> MetaTrainingModel:
     model = build_meta_model(model_or_config, dtype=dtype)
+    parts = model_parts(model)  # the planner's meta model comes in here: PEFT unwrapped once
     quantized_from = None
     if quantization is not None:  # as hf_fsdp2.from_pretrained(..., quantization_config=...) builds it
         quantized_from = next(p.dtype for p in model.parameters() if p.is_floating_point())
         quantization.quantize_on_meta(model, quantized_from, config.param_dtype or quantized_from)
     if lora_r is not None:
         if parts.has_peft:
-    parts = model_parts(model)  # the planner's meta model comes in here: PEFT unwrapped once
             raise ValueError("`lora_r` is set but the model is already a PeftModel; pass the base model.")
         model = add_lora(model, lora_r, lora_targets)
+        parts = ModelParts(model, parts.base)  # the PeftModel just built around it
     if quantization is not None:  # after PEFT, which reads the quantized layers to pick its LoRA layer class
         quantization.prepare(model, quantized_from)
     apply_frozen_dtype(model, config.frozen_dtype)  # as shard_model does, before sharding (floating only)
     plan = plan_groups(parts, config)
     fp8_weights: set[int] = set()
-        parts = ModelParts(model, parts.base)  # the PeftModel just built around it
     if config.fp8:  # the weights shard_model converts are all-gathered in float8 (quantization/fp8.py)
         fp8_weights = {id(m.weight) for m in fp8.plan(model, plan.layers)[0].values()}
     return MetaTrainingModel(
@@ -359,7 +359,7 @@ def _estimate(prepared: MetaTrainingModel, world_size: int, config: FSDP2Config,
     window = 1 + max(1, config.forward_prefetch or 0, config.backward_prefetch)
     gathered_peak, peak_names, copy_out = _gathered_peak(groups, plan, config, window)
     reduce_scatter_peak = max((g.reduce_scatter_bytes for g in groups), default=0)
-    ddp_reducer = (replication.trains_on_reducer(replicate, shard, config.tp_size * cp_size, config)
+    ddp_reducer = (replication.trains_on_reducer(replicate, shard, config.tp_size * cp_size * sp, config)
                    and not replication.fsdp_only_reasons(model, config))
     if ddp_reducer:  # sharding/replication.py: parameters used in place, gradients all-reduced in their buckets
         gathered_peak, peak_names = _cast_peak(groups, _checkpointed_names(model, plan, config))
