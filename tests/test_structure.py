@@ -355,9 +355,10 @@ KNOWN_TECHNIQUE_SPREAD = {
 # record_of / model_parts called outside the entry modules, by file: 18 at 37ccd24, 3 since (the engine looks the
 # record up once and hands it to compile, compiled_collectives, replication's compute cast, generation; context
 # parallelism gets the parts; shard.py keeps the planner's plan; checkpoint's export and weights plan get the parts,
-# full_weights the parts and mesh from TRL's entry). Left: the planner's meta model is made here (memory.py), and
-# groups.py takes a bare model from the planner's callers, tools/config_writer.py and tests.
-KNOWN_STATE_LOOKUPS = collections.Counter({"planner/memory.py": 1, "sharding/groups.py": 2})
+# full_weights the parts and mesh from TRL's entry). Left: the planner's meta model is made here (memory.py; and
+# a693beb's sequence tiling of the trace's copy), and groups.py takes a bare model from the planner's callers,
+# tools/config_writer.py and tests.
+KNOWN_STATE_LOOKUPS = collections.Counter({"planner/memory.py": 2, "sharding/groups.py": 2})
 
 
 # ---------------------------------------------------------------------------------------------
