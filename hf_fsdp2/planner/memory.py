@@ -359,7 +359,7 @@ def _estimate(prepared: MetaTrainingModel, world_size: int, config: FSDP2Config,
     window = 1 + max(1, config.forward_prefetch or 0, config.backward_prefetch)
     gathered_peak, peak_names, copy_out = _gathered_peak(groups, plan, config, window)
     reduce_scatter_peak = max((g.reduce_scatter_bytes for g in groups), default=0)
-    ddp_reducer = (replication.trains_on_reducer(replicate, shard, config.tp_size * cp_size, config)
+    ddp_reducer = (replication.trains_on_reducer(replicate, shard, config.tp_size * cp_size * sp, config)
                    and not replication.fsdp_only_reasons(model, config))
     if ddp_reducer:  # sharding/replication.py: parameters used in place, gradients all-reduced in their buckets
         gathered_peak, peak_names = _cast_peak(groups, _checkpointed_names(model, plan, config))
