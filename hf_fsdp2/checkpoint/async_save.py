@@ -199,6 +199,10 @@ def start(directory: Path, commit: Callable[..., None], items: dict[str, Sequenc
     """Stage each list of `items` (by kind: buffers are reused per kind) and render rank 0's
     `small_files` now; then run `commit(staged_items_by_kind, write_small_files, group)` in the
     background. The caller has waited for the previous save (`wait_pending`)."""
+    if collectives.in_process_backend() == "threaded":
+        raise ValueError("a background save (`async_save`, `blocking=False`) is not done for ranks that are threads of "
+                         "one process (tools/local_ranks.py): the pending save and its staging buffers are the "
+                         "process's, one per process. Save with blocking=True / async_save=False there.")
     staged = {kind: _saves.pool.stage(kind_items, kind) for kind, kind_items in items.items()}
     try:
         files = capture_files(small_files) if collectives.rank() == 0 else {}

@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import os
 import re
+import threading
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -198,6 +199,16 @@ def build_on_meta(model_class, directory: Path, torch_dtype: torch.dtype | None 
     floating parameter in `torch_dtype` but those transformers keeps in fp32 at that dtype (its
     `_get_dtype_plan`: `_keep_in_fp32_modules` for fp16, `_keep_in_fp32_modules_strict` for fp16 and bf16),
     which are fp32, buffers of those too."""
+    with _building:
+        return _build_on_meta(model_class, directory, torch_dtype, config=config, **model_kwargs)
+
+
+# torch's default dtype is the process's: ranks that are threads of one process (tools/local_ranks.py) build one at
+# a time, so one's restore cannot undo another's setting (a thread creating floating tensors meanwhile still meets it).
+_building = threading.Lock()
+
+
+def _build_on_meta(model_class, directory: Path, torch_dtype: torch.dtype | None, *, config, **model_kwargs):
     previous = torch.get_default_dtype()
     if torch_dtype is not None and torch_dtype.is_floating_point:
         torch.set_default_dtype(torch_dtype)

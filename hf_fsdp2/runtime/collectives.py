@@ -8,7 +8,10 @@ type cpu"); gloo carries CPU tensors. So nothing here ever uses the default grou
   group over the whole world created once (the default group itself where it already has a CPU
   backend: plain gloo, or Accelerate's "cuda:nccl,cpu:gloo"). Background saves agree on their own
   gloo group (`host_group("background-saves")`): a collective from the saving thread must never
-  interleave with one from the training thread on the same group.
+  interleave with one from the training thread on the same group. Where every rank lives in this one
+  process (`in_process_backend()`: torch's fake group, tools/simulate.py; its threaded group, ranks as
+  threads, tools/local_ranks.py) no gloo peer exists to connect to: the side groups take the default
+  group's backend, and they are kept per default group (each thread-rank has its own).
 - **Data bound for the shards** (rank 0's weights, initial LoRA factors, 4-bit absmax): over the
   mesh's own groups, on the mesh's device (`mesh_device`), copied back to where the caller keeps it.
 
@@ -36,7 +39,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-_host_groups: dict[str, object] = {}
+# (default group, purpose) -> group: ranks that are threads of one process (tools/local_ranks.py) each have a
+# default group of their own, and must not share one rank's side group.
+_host_groups: dict[tuple[object, str], object] = {}
+# Backends whose ranks all live in this process: torch's fake group (torch/testing/_internal/distributed/fake_pg.py:
+# one rank of N, the others do not exist) and its threaded group (multi_threaded_pg.py: every rank a thread).
+IN_PROCESS_BACKENDS = ("fake", "threaded")
 
 
 def rank() -> int:
@@ -48,16 +56,29 @@ def world_size() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
+def in_process_backend() -> str | None:
+    """The default group's backend where all its ranks live in this process ("fake" or "threaded"), else None.
+    Such a group carries tensors of any device (as NCCL carries the GPU's): FSDP2 shards on the GPU there."""
+    if not dist.is_initialized():
+        return None
+    backend = str(dist.get_backend())
+    return backend if backend in IN_PROCESS_BACKENDS else None
+
+
 def is_simulated() -> bool:
     """The default group is torch's fake one (torch.testing._internal.distributed.fake_pg): this process runs
     one rank of a job whose other ranks do not exist; collectives move nothing (tools/simulate.py)."""
-    return dist.is_initialized() and dist.get_backend() == "fake"
+    return in_process_backend() == "fake"
 
 
 def default_group_devices() -> set[str]:
     """The device types the default group has a backend for ({"cuda"} for NCCL, {"cpu"} for gloo)."""
     group = dist.distributed_c10d._get_default_group()
-    return {device.type for device in group._device_types}
+    types = {device.type for device in group._device_types}
+    if not types and in_process_backend() is not None:
+        # A process group written in Python (torch's threaded one) names none; its registration says what it carries.
+        types = set(dist.Backend.backend_capability.get(str(dist.get_backend()), ()))
+    return types
 
 
 def default_group_timeout():
@@ -80,18 +101,25 @@ def host_group(purpose: str = "main"):
         return None
     if purpose == "main" and "cpu" in default_group_devices():
         return dist.group.WORLD
-    if purpose not in _host_groups:
+    key = (dist.distributed_c10d._get_default_group(), purpose)
+    if key not in _host_groups:
         timeout = default_group_timeout()
-        # Under torch's fake group (one rank of an N-rank job, `hf-fsdp2 simulate`) no gloo peer exists to
-        # connect to: the side group is fake too, so its collectives are counted and skipped like the rest.
-        backend = "fake" if is_simulated() else "gloo"
-        _host_groups[purpose] = dist.new_group(backend=backend, **({"timeout": timeout} if timeout else {}))
-    return _host_groups[purpose]
+        # Under torch's fake group (one rank of an N-rank job, `hf-fsdp2 simulate`) the side group is fake too, so
+        # its collectives are counted and skipped like the rest; under the threaded one it is threaded too.
+        backend = in_process_backend() or "gloo"
+        _host_groups[key] = dist.new_group(backend=backend, **({"timeout": timeout} if timeout else {}))
+    return _host_groups[key]
 
 
 def forget_host_groups() -> None:
-    """Drop the cached groups (they die with the default group: `dist.destroy_process_group()`)."""
-    _host_groups.clear()
+    """Drop the cached groups of this default group, or all without one (they die with the default group:
+    `dist.destroy_process_group()`)."""
+    if not dist.is_initialized():
+        _host_groups.clear()
+        return
+    default = dist.distributed_c10d._get_default_group()
+    for key in [k for k in _host_groups if k[0] is default]:
+        del _host_groups[key]
 
 
 def all_reduce_int(value: int, op: str, *, purpose: str = "main") -> int:
@@ -147,5 +175,6 @@ def all_gather_along(tensor: torch.Tensor, mesh: DeviceMesh, dim: int) -> list[t
     return [piece.to(tensor.device) for piece in pieces]
 
 
-__all__ = ["all_gather_along", "all_reduce_int", "broadcast_from_first", "default_group_devices",
-           "default_group_timeout", "host_group", "mesh_device", "rank", "sum_over_mesh", "world_size"]
+__all__ = ["IN_PROCESS_BACKENDS", "all_gather_along", "all_reduce_int", "broadcast_from_first", "default_group_devices",
+           "default_group_timeout", "host_group", "in_process_backend", "is_simulated", "mesh_device", "rank",
+           "sum_over_mesh", "world_size"]

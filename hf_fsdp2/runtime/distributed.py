@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -40,12 +42,35 @@ DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
 _INIT_SCHEMES = ("env://", "tcp://", "file://")
 
 
+# The device ranks that are threads of this process shard onto (tools/local_ranks.py sets it for its run; None:
+# the GPU where there is one). One value for the process: every thread-rank of a run uses the same device.
+_threads_device: str | None = None
+
+
 def device_type() -> str:
     """The device FSDP2 shards onto: "cuda" when the default group runs NCCL (alone, or beside gloo
-    as Accelerate's "cuda:nccl,cpu:gloo") or is torch's fake group, on a GPU; else "cpu"."""
-    if dist.is_initialized() and "nccl" not in str(dist.get_backend()) and not collectives.is_simulated():
-        return "cpu"  # torch's fake group (one simulated rank) carries any device's tensors: as NCCL would
+    as Accelerate's "cuda:nccl,cpu:gloo") or is one whose ranks all live in this process (torch's fake
+    or threaded group: they carry any device's tensors, as NCCL would), on a GPU; else "cpu". Thread-ranks
+    shard on the device their run chose (`threads_shard_on`)."""
+    in_process = collectives.in_process_backend()
+    if dist.is_initialized() and "nccl" not in str(dist.get_backend()) and in_process is None:
+        return "cpu"
+    if in_process == "threaded" and _threads_device is not None:
+        return _threads_device
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@contextlib.contextmanager
+def threads_shard_on(device: str) -> Iterator[None]:
+    """While it lasts, ranks under torch's threaded process group shard onto `device` ("cpu" or "cuda")."""
+    global _threads_device
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"`device`={device!r} must be 'cpu' or 'cuda'.")
+    previous, _threads_device = _threads_device, device
+    try:
+        yield
+    finally:
+        _threads_device = previous
 
 
 def refuse_accelerator_model_on_host_backend(device_types: set[str], target: torch.device) -> None:

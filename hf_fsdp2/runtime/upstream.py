@@ -43,6 +43,7 @@ import dataclasses
 import functools
 import importlib
 import sys
+import threading
 from typing import Any, Callable, Iterator
 
 PATCHED = "patched while installed"
@@ -352,6 +353,11 @@ PRIVATE: tuple[Private, ...] = (
             "planner/activation_trace.py, tools/collective_tally.py, tools/simulate.py"),
     # hf-fsdp2 simulate (tools/): torch's fake process group, and a c10d op's group and name as the dispatcher hands them
     Private("torch.testing._internal.distributed.fake_pg", "FakeStore", "tools/simulate.py"),
+    # ranks as threads (tools/local_ranks.py): torch's threaded process group, as its MultiThreadedTestCase runs it
+    Private("torch.testing._internal.distributed.multi_threaded_pg", "ProcessLocalGroup", "tools/local_ranks.py"),
+    Private("torch.testing._internal.distributed.multi_threaded_pg", "_install_threaded_pg", "tools/local_ranks.py"),
+    Private("torch.testing._internal.distributed.multi_threaded_pg", "_uninstall_threaded_pg", "tools/local_ranks.py"),
+    Private("torch._C._distributed_c10d", "_set_thread_isolation_mode", "tools/local_ranks.py"),
     Private("torch._C._distributed_c10d", "_resolve_process_group", "tools/collective_tally.py"),
     Private("torch._ops", "OpOverload._opname", "tools/collective_tally.py", instance=True),
     # checkpoint/convert.py: globals its restricted unpickler lets DCP's .metadata name (pickle's find_class)
@@ -533,18 +539,47 @@ def reinstate(target: str) -> None:
     setattr(owner, name, ours)
 
 
+# SCOPED targets inside a block: target -> (the attribute before, {thread id: replacements, innermost last}).
+_scopes: dict[str, tuple[Any, dict[int, list[Any]]]] = {}
+_scopes_lock = threading.Lock()
+
+
 @contextlib.contextmanager
 def scoped(target: str, make_replacement: Callable[[Any], Any]) -> Iterator[None]:
-    """Inside the block, the SCOPED `target` holds `make_replacement(original)`."""
+    """Inside the block, the SCOPED `target` holds `make_replacement(original)` for the thread that opened it.
+
+    Other threads meet the original meanwhile, and blocks of several threads may end in any order: ranks that
+    are threads of one process (tools/local_ranks.py) build models at once, and one rank's block must neither
+    reach another rank's parameters nor be left installed by the other's exit."""
     if seam(target).how != SCOPED:
         raise AssertionError(f"{target} is declared {seam(target).how}, not {SCOPED}")
     owner, name = resolve(target)
-    previous = getattr(owner, name)
-    setattr(owner, name, make_replacement(previous))
+    me = threading.get_ident()
+    with _scopes_lock:
+        if target not in _scopes:
+            per_thread: dict[int, list[Any]] = {}
+            before = getattr(owner, name)
+
+            @functools.wraps(before)
+            def dispatch(*args, **kwargs):
+                stack = per_thread.get(threading.get_ident())
+                return (stack[-1] if stack else before)(*args, **kwargs)
+
+            _scopes[target] = (before, per_thread)
+            setattr(owner, name, dispatch)
+        before, per_thread = _scopes[target]
+        stack = per_thread.setdefault(me, [])
+        stack.append(make_replacement(stack[-1] if stack else before))
     try:
         yield
     finally:
-        setattr(owner, name, previous)
+        with _scopes_lock:
+            stack.pop()
+            if not stack:
+                del per_thread[me]
+            if not per_thread:
+                del _scopes[target]
+                setattr(owner, name, before)
 
 
 def set_class(obj: Any, cls: type, target: str) -> None:

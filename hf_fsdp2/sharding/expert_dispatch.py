@@ -54,9 +54,10 @@ CAPACITY_FIELDS = ("expert_capacity", "capacity_factor", "moe_eval_capacity_toke
 EXPERTS_IMPLEMENTATION = "transformers.configuration_utils.PreTrainedConfig._experts_implementation"
 _dispatch = "even"
 
-# by the EP group's name: the gloo group over its ranks that carries the token counts, and the CPU tensor they
-# are all-reduced in (one per group: its layers run one after another)
-_HOST: dict[str, tuple[dist.ProcessGroup, torch.Tensor]] = {}
+# by the EP group: the gloo group over its ranks that carries the token counts, and the CPU tensor they are
+# all-reduced in (one per group: its layers run one after another). Keyed by the group itself, not its name: ranks
+# that are threads of one process (tools/local_ranks.py) have groups of the same names, one set per thread.
+_HOST: dict[dist.ProcessGroup, tuple[dist.ProcessGroup, torch.Tensor]] = {}
 
 
 def prepare(experts_mesh: DeviceMesh, ep_dim: str) -> None:
@@ -68,11 +69,12 @@ def prepare(experts_mesh: DeviceMesh, ep_dim: str) -> None:
         host = ep_mesh.get_group()
     else:  # an accelerator's group (NCCL) takes device tensors only: a gloo mesh over the same ranks (fake under
         # torch's fake group, `hf-fsdp2 simulate`: no gloo peer exists there), as runtime/collectives.py's host_group
-        names, backend = experts_mesh.mesh_dim_names, "fake" if collectives.is_simulated() else "gloo"
+        # (threaded under torch's threaded group, ranks as threads: tools/local_ranks.py)
+        names, backend = experts_mesh.mesh_dim_names, collectives.in_process_backend() or "gloo"
         host_mesh = init_device_mesh("cpu", tuple(experts_mesh.shape), mesh_dim_names=names,
                                      backend_override={dim: backend for dim in range(len(names))})
         host = host_mesh[ep_dim].get_group()
-    _HOST[ep_mesh.get_group().group_name] = (host, torch.zeros(1, dtype=torch.long))  # on the CPU, never the device
+    _HOST[ep_mesh.get_group()] = (host, torch.zeros(1, dtype=torch.long))  # on the CPU, never the device
 
 
 def host_buffers() -> list[torch.Tensor]:
@@ -159,7 +161,7 @@ def _implementation() -> type:
                 raise ValueError(f"the even all-to-all EP dispatch ({NAME}) with tensor parallelism (tp_size="
                                  f"{tp_mesh.size()}) is not done in hf_fsdp2.")
             self.group = ep_mesh.get_group()
-            self.host_group, self.host_tokens = _HOST[self.group.group_name]
+            self.host_group, self.host_tokens = _HOST[self.group]
 
         def max_tokens(self, num_tokens: int) -> int:
             """The EP group's largest token count: a host integer, all-reduced over the gloo host group."""
