@@ -10,8 +10,10 @@ sharding: the auto layout is chosen before the mesh exists, the mesh and config 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
 
+import torch
 import torch.nn as nn
 
 from ..runtime import upstream
@@ -21,6 +23,42 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
     from ..config import FSDP2Config
+    from ..quantization.fp8 import Fp8Conversion
+
+
+# The shapes of what modules that import this one keep here (importing them back would be a cycle, and planner/
+# is a layer above): each a Protocol their object satisfies, naming what is read of it.
+
+class LayoutChoice(Protocol):
+    """planner/layout.py's LayoutPlan: the candidates costed and the one chosen."""
+
+    @property
+    def candidates(self) -> tuple[Any, ...]: ...
+
+    @property
+    def chosen(self) -> Any: ...
+
+    @property
+    def smallest_workable_budget(self) -> int: ...
+
+    @property
+    def returns_freed_memory(self) -> bool: ...
+
+
+class ComputeCast(Protocol):
+    """sharding/compute_cast.py's casts: the dtype, every group's (module, name, parameter), held for generate()."""
+
+    dtype: torch.dtype
+    entries: list[tuple[nn.Module, str, nn.Parameter]]
+    held: bool
+
+
+class ParameterGather(Protocol):
+    """sharding/compiled_collectives.py's gather of the stored parameters (compile="model")."""
+
+    kept: dict[int, torch.Tensor] | None  # inside generation: gathered weights by id
+
+    def gathered_bytes(self, model: nn.Module) -> int: ...
 
 _ATTRIBUTE = "_hf_fsdp2"  # the one attribute hf_fsdp2 sets on a user's model
 
@@ -32,22 +70,22 @@ class ShardedModel:
     # id() of the object sharded (a PeftModel, or the model itself): a PeftModel wrapped around the model after
     # sharding is not sharded (its adapters are in no group), though it finds the same record.
     sharded_object: int | None = None
-    layout: Any = None  # planner.layout.LayoutPlan, when shard_size="auto" chose the layout
-    fp8: Any = None  # quantization.fp8.Fp8Conversion, when config.fp8: what was converted and why not
+    layout: LayoutChoice | None = None  # when shard_size="auto" chose the layout (hf_fsdp2/shard.py keeps it)
+    fp8: Fp8Conversion | None = None  # when config.fp8: what was converted and why not
     no_cache_in_training: bool = False  # compile.disable_cache_in_training ran
     generating: bool = False  # inside generation.gathered_for_generation
-    compute_cast: Any = None  # sharding/compute_cast.py's state, when DDP's reducer trains with a param_dtype cast
-    gather: Any = None  # compile="model": compiled_collectives' parameter gather (its generation cache)
-    deferred_checkpoint: Any = None  # integrations/deferred_load.py: a directory prepare() reads each rank's rows from
+    compute_cast: ComputeCast | None = None  # when DDP's reducer trains with a param_dtype cast
+    gather: ParameterGather | None = None  # compile="model": the parameters' gather (its generation cache)
+    deferred_checkpoint: Path | None = None  # integrations/deferred_load.py: the directory prepare() reads rows from
     # integrations/deferred_load.py, for a model on meta until prepare: values loaded into it (id -> (tensor,
-    # value)); each meta tensor's version counter when its values were last known (id -> (name, tensor, version)):
-    # an in-place change after that is lost on meta; and at prepare, every value given to it (loaded or assigned)
-    # by the name it has then (name -> value), written over the directory's rows (checkpoint/loading.py)
-    deferred_loaded: dict = dataclasses.field(default_factory=dict)
-    deferred_versions: dict = dataclasses.field(default_factory=dict)
-    deferred_values: dict = dataclasses.field(default_factory=dict)
+    # value, name)); each meta tensor's version counter when its values were last known (id -> (name, tensor,
+    # version)): an in-place change after that is lost on meta; and at prepare, every value given to it (loaded or
+    # assigned) by the name it has then (name -> value), written over the directory's rows (checkpoint/loading.py)
+    deferred_loaded: dict[int, tuple[torch.Tensor, torch.Tensor, str]] = dataclasses.field(default_factory=dict)
+    deferred_versions: dict[int, tuple[str, torch.Tensor, int]] = dataclasses.field(default_factory=dict)
+    deferred_values: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
     # the transformers model's parameter names once sharded: one added later is in no group (note_parameters)
-    parameter_names: frozenset | None = None
+    parameter_names: frozenset[str] | None = None
 
 
 def record_of(model: nn.Module | ModelParts, create: bool = False) -> ShardedModel | None:
