@@ -11,7 +11,7 @@ one sequence per data-parallel group, FSDP2 over all ranks; each mode in its own
 For each mode the sequence doubles from --start until one training step (forward + backward) adds more than the
 budget to a rank's peak resident memory (VmHWM reset before the step, glibc's free memory trimmed); the longest
 that fit is reported, and the tokens/s of ring CP and Ulysses at the same length (--speed-len, median of
---steps). Writes benchmarks/results/sequence-<stamp>.json.
+--steps, their steps alternating in the same ranks so that a shared machine's load falls on both alike). Writes benchmarks/results/sequence-<stamp>.json.
 """
 
 from __future__ import annotations
@@ -100,10 +100,46 @@ def run_job(rank: int, world: int, job: dict) -> dict:
         if not fits:
             break
         seq *= 2
-    if mode in ("ring_cp", "ulysses") and args.speed_len:
-        times = [step(args.speed_len, 100 + i) for i in range(args.steps)]
-        out["step_s"] = statistics.median(times[1:])
     return out
+
+
+def speed_job(rank: int, world: int, job: dict) -> dict:
+    """Ring CP and Ulysses at the same length, their steps alternating in the same ranks (a shared machine's load
+    falls on both alike): median seconds of a forward + backward."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental import context_parallel
+
+    import hf_fsdp2
+
+    args, seq = argparse.Namespace(**job["args"]), job["args"]["speed_len"]
+    ring, ulysses = _model(args), _model(args)
+    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp_shard", "cp"))
+    hf_fsdp2.shard_model(ring, hf_fsdp2.FSDP2Config(cp_size=world), mesh=mesh)
+    hf_fsdp2.shard_model(ulysses, hf_fsdp2.FSDP2Config(sp_size=world))
+    times: dict[str, list[float]] = {"ring_cp": [], "ulysses": []}
+    g = torch.Generator().manual_seed(7)
+    for _ in range(args.steps):
+        ids = torch.randint(0, args.vocab, (1, seq), generator=g)
+        for mode in times:
+            dist.barrier()
+            start = time.perf_counter()
+            if mode == "ring_cp":
+                x, labels = ids.clone(), ids.clone()
+                shift = torch.nn.functional.pad(ids, (0, 1), value=-100)[:, 1:].contiguous()
+                positions = torch.arange(seq).expand_as(ids).clone()
+                buffers = [x, labels, shift, positions]
+                with context_parallel(mesh["cp"], buffers=buffers, buffer_seq_dims=[1] * 4,
+                                      no_restore_buffers=set(buffers)):
+                    ring(input_ids=x, labels=labels, shift_labels=shift, position_ids=positions,
+                         num_items_in_batch=(shift != -100).sum() / world).loss.backward()
+                ring.zero_grad(set_to_none=True)
+            else:
+                ulysses(**hf_fsdp2.local_batch({"input_ids": ids, "labels": ids}, ulysses)).loss.backward()
+                ulysses.zero_grad(set_to_none=True)
+            times[mode].append(time.perf_counter() - start)
+    return {mode: statistics.median(t[1:]) for mode, t in times.items()}
 
 
 def main(argv=None) -> int:
@@ -136,11 +172,13 @@ def main(argv=None) -> int:
         ratio = f" ({r['longest'] / none:.0f}x none)" if none else ""
         print(f"{mode:>14}: longest {r['longest']:>6} tokens{ratio}   peak MiB by length: {peaks}")
     speed = {}
-    for mode in ("ring_cp", "ulysses"):
-        if "step_s" in results.get(mode, {}):
-            speed[mode] = args.speed_len / results[mode]["step_s"]
-            print(f"{mode:>14}: {speed[mode]:.0f} tokens/s at {args.speed_len} tokens (forward + backward, "
-                  f"median of {args.steps - 1})")
+    if args.speed_len:
+        step_s = harness.run_ranks(speed_job, args.world_size, {"args": vars(args)}, timeout=3600,
+                                   threads=threads)[0]
+        for mode, seconds in step_s.items():
+            speed[mode] = args.speed_len / seconds
+            print(f"{mode:>14}: {speed[mode]:.0f} tokens/s at {args.speed_len} tokens (forward + backward, median of "
+                  f"{args.steps - 1}, the two alternating in the same ranks)")
     path = harness.write_results("sequence", argv, budget_mib=args.budget_mib, world_size=args.world_size,
                                  threads_per_rank=threads,
                                  shape={"layers": args.layers, "hidden": args.hidden, "vocab": args.vocab,

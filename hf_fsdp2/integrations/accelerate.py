@@ -180,9 +180,13 @@ def _refuse_model_parallelism(pc) -> None:
     if pc is None:
         return
     if (getattr(pc, "sp_size", 1) or 1) > 1:
-        raise ValueError(f"parallelism_config sp_size={pc.sp_size}: sequence parallelism (DeepSpeed's Ulysses) is "
-                         "not done in hf_fsdp2, which shards over dp_replicate x dp_shard (x cp, x tp). Use "
-                         "parallelism_config_cp_size (context parallelism) instead, or run without hf_fsdp2.register().")
+        # Accelerate 1.15 accepts sp_backend "deepspeed" only and, for it, builds no mesh and hands the data loader
+        # and loss to DeepSpeed's ALST: hf_fsdp2's Ulysses (sharding/sequence_parallel.py) is not reached from here.
+        raise ValueError(f"parallelism_config sp_size={pc.sp_size}: sequence parallelism through Accelerate is "
+                         "DeepSpeed's (sp_backend: deepspeed); hf_fsdp2's Ulysses x FSDP2 from Accelerate's yaml, "
+                         "prepare or the Trainer is not done. In a plain PyTorch loop use FSDP2Config(sp_size=...) with "
+                         "hf_fsdp2.shard_model and hf_fsdp2.local_batch; with Accelerate use parallelism_config_cp_size "
+                         "(context parallelism), or run without hf_fsdp2.register().")
     if (getattr(pc, "cp_size", 1) or 1) > 1 and getattr(pc, "cp_backend", "torch") != "torch":
         raise ValueError(f"parallelism_config cp_backend={pc.cp_backend!r}: hf_fsdp2 runs context parallelism "
                          "with torch's ring attention only; set parallelism_config_cp_backend: torch.")

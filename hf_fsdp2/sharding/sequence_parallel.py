@@ -209,7 +209,7 @@ def _core(state: _Ulysses, module: nn.Module) -> Callable:
 def _attention(state: _Ulysses, module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                attention_mask, **kwargs):
     core = _core(state, module)
-    if not state.active:
+    if not module.training:  # the module's mode, not the forward's flag: a checkpointed layer recomputes in backward
         return core(module, query, key, value, attention_mask, **kwargs)
     named = [name for name in _PER_HEAD_ARGUMENTS if kwargs.get(name) is not None or hasattr(module, name)]
     if named:
