@@ -343,9 +343,8 @@ KNOWN_TECHNIQUE_SPREAD = {
         "sharding/replication.py", "sharding/tensor_parallel.py"},
     "4-bit": set(),  # the report names a quantized base as its format does (MetaQuantization.name, .storage)
     "activation offload": {"planner/layout.py", "sharding/adopt.py", "sharding/expert_parallel.py"},
-    "selective checkpointing": {
-        "planner/activation_trace.py", "planner/layout.py", "planner/memory_report.py",
-        "sharding/compiled_collectives.py"},
+    # compiled_collectives.py since: the engine hands compile="model"'s graph pass the ops a layer keeps
+    "selective checkpointing": {"planner/activation_trace.py", "planner/layout.py", "planner/memory_report.py"},
     "compile": {
         "sharding/adopt.py", "sharding/compiled_collectives.py", "sharding/expert_parallel.py", "sharding/generation.py",
         "sharding/record.py", "sharding/tensor_parallel.py"},

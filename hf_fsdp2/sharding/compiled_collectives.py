@@ -118,18 +118,19 @@ def unsupported(model: nn.Module, mesh: DeviceMesh) -> list[str]:
 
 
 def apply(model: nn.Module, config: FSDP2Config, mesh: DeviceMesh, ignored: set, layers: list[nn.Module],
-          checkpointed: list[nn.Module], record: ShardedModel) -> None:
+          checkpointed: list[nn.Module], record: ShardedModel, kept_ops: frozenset = frozenset()) -> None:
     """Store every parameter of `model` (but `ignored`) sharded on dim 0 over `mesh`'s data-parallel
     dimensions, gathered where it is used; compile the root's training forward with bucketed collectives
     (buckets of `bucket_cap_mb`, by default the largest of the decoder `layers` gathered), recomputing the
-    `checkpointed` layers in backward. The gather is kept in the model's `record` (generation reads it)."""
+    `checkpointed` layers in backward but the outputs of `kept_ops` (the engine's: selective checkpointing's). The
+    gather is kept in the model's `record` (generation reads it)."""
     reasons = unsupported(model, mesh)
     if reasons:
         raise ValueError("compile='model' (collectives in the compiled graph) cannot honour "
                          + "; ".join(reasons) + ". Use compile=True (regional) or drop the setting.")
     mesh = data_parallel_mesh(mesh)
     names = {id(module): name for name, module in model.named_modules()}
-    passes = _JointPasses(reshard=config.reshard_after_forward, save_matmuls=config.checkpoint_save_matmuls,
+    passes = _JointPasses(reshard=config.reshard_after_forward, kept_ops=kept_ops,
                           checkpointed=[names[id(layer)] for layer in checkpointed])
     sharded = [Replicate()] * (mesh.ndim - 1) + [Shard(0)]
     use = record.gather = _Use(mesh, config.param_dtype, config.reduce_dtype)
@@ -230,8 +231,8 @@ class _JointPasses:
     nodes (the tags torch's own checkpoint puts there: torch/utils/checkpoint.py, `_CachingTorchDispatchMode`):
 
     - activation checkpointing: every forward node run inside a checkpointed layer (its `nn_module_stack`
-      names the layer) is PREFER_RECOMPUTE, one `ac_graph_id` per layer; with `save_matmuls` the layer's
-      matmuls and attention (selective_checkpoint.SAVED_OPS) are MUST_SAVE; random ops (dropout, attention
+      names the layer) is PREFER_RECOMPUTE, one `ac_graph_id` per layer; the `kept_ops` the engine hands over
+      (op-level selective checkpointing's matmuls and attention) are MUST_SAVE; random ops (dropout, attention
       kernels) are saved (`_seeded`). torch's `checkpoint` (CheckpointWrapper) around a layer failed here
       ("expected all tensors_saved_with_vc_check to be Tensors", torch 2.13): it recomputes the layer's
       attention kernel, a seeded op, which `_seeded` explains; these tags keep it saved instead.
@@ -240,8 +241,8 @@ class _JointPasses:
       backward) or, with `reshard_after_forward=False`, MUST_SAVE (torchtitan's
       simple_fsdp/reshard_after_forward.py)."""
 
-    def __init__(self, reshard: bool, save_matmuls: bool, checkpointed: list[str]):
-        self.reshard, self.save_matmuls, self.checkpointed = reshard, save_matmuls, checkpointed
+    def __init__(self, reshard: bool, kept_ops: frozenset, checkpointed: list[str]):
+        self.reshard, self.kept_ops, self.checkpointed = reshard, kept_ops, checkpointed
 
     def __call__(self, gm: torch.fx.GraphModule, _inputs: Any = None) -> torch.fx.GraphModule:
         if self.checkpointed:
@@ -261,8 +262,6 @@ class _JointPasses:
     def _tag_checkpointed(self, gm: torch.fx.GraphModule) -> None:
         from torch.utils.checkpoint import CheckpointPolicy
 
-        from .selective_checkpoint import SAVED_OPS
-
         kept_tuples: set[torch.fx.Node] = set()  # tuple-valued ops whose outputs are saved
         for node in gm.graph.nodes:
             if node.op != "call_function" or node.meta.get("partitioner_tag") == "is_backward":
@@ -278,7 +277,7 @@ class _JointPasses:
                     policy = parent.meta["recompute"]
                 else:
                     continue
-            elif _seeded(node) or (self.save_matmuls and node.target in SAVED_OPS):
+            elif _seeded(node) or node.target in self.kept_ops:
                 if isinstance(node.meta.get("val"), (tuple, list)):
                     kept_tuples.add(node)  # a tuple is not saved itself: its getitems are
                     continue

@@ -324,7 +324,10 @@ def _replicate_or_shard(model: nn.Module, plan: ShardPlan, config: FSDP2Config, 
     if config.compile == "model":
         checkpointed = (selective_checkpoint.checkpointed_layers(plan.layers, config.checkpoint_every)
                         if config.activation_checkpointing else [])
-        compiled_collectives.apply(model, config, mesh, plan.ignored_params, plan.layers, checkpointed, record)
+        # op-level selective checkpointing as the graph pass's tags: the ops whose outputs a checkpointed layer keeps
+        kept_ops = selective_checkpoint.SAVED_OPS if config.checkpoint_save_matmuls else frozenset()
+        compiled_collectives.apply(model, config, mesh, plan.ignored_params, plan.layers, checkpointed, record,
+                                   kept_ops=kept_ops)
         return False
     if replication.mesh_trains_on_reducer(mesh, config):
         reasons = replication.fsdp_only_reasons(model, config)
