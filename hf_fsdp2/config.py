@@ -255,8 +255,8 @@ class FSDP2Config:
     shards and back; the loss is summed over the valid tokens of all sp ranks and divided by their count. FSDP2
     shards over dp_shard x sp. Must divide the shard size and the model's attention heads; its key/value heads
     must be a multiple of sp_size or divide it (fewer are replicated, as DeepSpeed's ALST does). The batch is split
-    along the sequence by `hf_fsdp2.local_batch` (the integrations split it for you). Not with
-    cp_size, tp_size, ep_size or compile (refused by name)."""
+    along the sequence by `hf_fsdp2.local_batch`. Not with cp_size, tp_size, ep_size, compile or shard_size="auto"
+    (refused by name); `hf-fsdp2 estimate-memory` counts it."""
     loss_tile_size: int | None = None
     """Sequence tiling of the loss (sharding/sequence_tiling.py): in a training forward with labels the lm_head and
     cross-entropy run over this many tokens at a time, their gradients computed as each tile goes, so the logits
@@ -412,6 +412,7 @@ class FSDP2Config:
             others = [f"`{name}`={getattr(self, name)}" for name in ("cp_size", "tp_size", "ep_size")
                       if getattr(self, name) > 1]
             others += [f"`compile`={self.compile!r}"] if self.compile else []
+            others += ["`shard_size`='auto'"] if self.shard_size == "auto" else []  # the planner's shard sizes: not yet
             if others:
                 raise ValueError(f"`sp_size`={self.sp_size} with {', '.join(others)} is not done in hf_fsdp2: Ulysses "
                                  "sequence parallelism composes with FSDP2 (dp_shard, HSDP), LoRA, activation "

@@ -145,7 +145,7 @@ def test_refusals_by_name():
                                                                      hidden_size=96)), 2)
     with pytest.raises(ValueError, match="attn_implementation"):
         sequence_parallel.refuse_unsupported(model_parts(build_model(0, attn_implementation="flex_attention")), 2)
-    for settings in ({"cp_size": 2}, {"tp_size": 2}, {"compile": True}):
+    for settings in ({"cp_size": 2}, {"tp_size": 2}, {"compile": True}, {"shard_size": "auto"}):
         with pytest.raises(ValueError, match="sp_size"):
             FSDP2Config(sp_size=2, **settings)
     with pytest.raises(ValueError, match="loss_tile_size"):
