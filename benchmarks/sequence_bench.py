@@ -11,7 +11,8 @@ one sequence per data-parallel group, FSDP2 over all ranks; each mode in its own
 For each mode the sequence doubles from --start until one training step (forward + backward) adds more than the
 budget to a rank's peak resident memory (VmHWM reset before the step, glibc's free memory trimmed); the longest
 that fit is reported, and the tokens/s of ring CP and Ulysses at the same length (--speed-len, median of
---steps, their steps alternating in the same ranks so that a shared machine's load falls on both alike). Writes benchmarks/results/sequence-<stamp>.json.
+--steps, their steps alternating in the same ranks so that a shared machine's load falls on both alike).
+Writes benchmarks/results/sequence-<stamp>.json.
 """
 
 from __future__ import annotations

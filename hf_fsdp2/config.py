@@ -412,7 +412,8 @@ class FSDP2Config:
             others = [f"`{name}`={getattr(self, name)}" for name in ("cp_size", "tp_size", "ep_size")
                       if getattr(self, name) > 1]
             others += [f"`compile`={self.compile!r}"] if self.compile else []
-            others += ["`shard_size`='auto'"] if self.shard_size == "auto" else []  # the planner's shard sizes: not yet
+            # the layout planner's candidate shard sizes do not know sp yet
+            others += ["`shard_size`='auto'"] if self.shard_size == "auto" else []
             if others:
                 raise ValueError(f"`sp_size`={self.sp_size} with {', '.join(others)} is not done in hf_fsdp2: Ulysses "
                                  "sequence parallelism composes with FSDP2 (dp_shard, HSDP), LoRA, activation "

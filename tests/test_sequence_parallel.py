@@ -70,7 +70,8 @@ def _reference(kind: str, batch: dict, groups: int, tiles: dict) -> tuple[list[f
 def _sequence_parallel_runs(rank, world):
     import hf_fsdp2
 
-    cases = [("llama", 2, True, {}), ("llama", 4, False, {}), ("llama_kv1", 4, True, {}), ("llama_kv1", 2, False, {"activation_checkpointing": True}),
+    cases = [("llama", 2, True, {}), ("llama", 4, False, {}), ("llama_kv1", 4, True, {}),
+             ("llama_kv1", 2, False, {"activation_checkpointing": True}),
              ("qwen3", 2, True, {}), ("llama_lora", 2, True, {}), ("llama_eager", 2, True, {}),
              ("llama", 2, True, {"loss_tile_size": 5, "mlp_tile_size": 4}),
              ("llama", 1, True, {"loss_tile_size": 3, "mlp_tile_size": 4, "activation_checkpointing": True})]

@@ -34,7 +34,8 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import nn
 from transformers import AttentionInterface
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface, find_packed_sequence_indices
+from transformers.masking_utils import (ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface,
+                                        find_packed_sequence_indices)
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ..config import FSDP2Config
@@ -133,8 +134,8 @@ def _before_forward(state: _Ulysses, module: nn.Module, args: tuple, kwargs: dic
         return
     get = lambda name: _argument(module, name, args, kwargs)  # noqa: E731
     if get("position_ids") is None:
-        raise ValueError(f"sp_size={state.size}: this training forward has no `position_ids`, so each rank would number "
-                         "its sequence shard from 0. Split the batch with hf_fsdp2.local_batch (it "
+        raise ValueError(f"sp_size={state.size}: this training forward has no `position_ids`, so each rank would "
+                         "number its sequence shard from 0. Split the batch with hf_fsdp2.local_batch (it "
                          "adds them).")
     if get("labels") is not None and (get("shift_labels") is None or get("num_items_in_batch") is None):
         raise ValueError(f"sp_size={state.size}: labels without `shift_labels` and `num_items_in_batch`: a shard's "

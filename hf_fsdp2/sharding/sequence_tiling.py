@@ -161,7 +161,8 @@ def _tile_loss(parts: ModelParts, tile: int) -> None:
     def after_head(module, args, output):
         if state.labels is not None and state.hidden is not None:
             labels = state.labels
-            state.loss = tiled_causal_lm_loss(state.hidden, module.weight, module.bias, labels.get("labels"), state.tile,
+            state.loss = tiled_causal_lm_loss(state.hidden, module.weight, module.bias, labels.get("labels"),
+                                              state.tile,
                                               shift_labels=labels.get("shift_labels"),
                                               num_items_in_batch=labels.get("num_items_in_batch"))
             state.hidden = None
