@@ -23,6 +23,8 @@ import pytest
 
 from . import dist_harness
 
+LONGEST = {"tests/test_compiled_collectives.py::test_compile_model_buckets_collectives_and_keeps_checkpoints",
+           "tests/test_gpu_check.py::test_gpu_check_dry_run_runs_every_section"}
 ENTRY_POINTS = {
     "launch": {"run_launched", "subprocess", "NotebookClient"},
     "ranks": {"run_ranks", "run_ranks_collecting_errors"},
@@ -70,6 +72,16 @@ def pytest_collection_modifyitems(items):
         for marker, entry_points in ENTRY_POINTS.items():
             if reached & entry_points:
                 item.add_marker(marker)
+    # The costly modules first (one that launches, then one that forks ranks; in their order otherwise, a module's
+    # tests kept together for its module-scoped fixtures): under `-n 2` the workers take the long tests while
+    # there is still short work to even them out, instead of one worker ending alone on a two-minute test
+    # (pyproject.toml's `--dist worksteal` lets an idle worker take the other's queue).
+    # LONGEST: the tests CI's --durations listed over a minute, started before any other.
+    cost: dict = {}
+    for item in items:
+        rank = 0 if item.get_closest_marker("launch") else 1 if item.get_closest_marker("ranks") else 2
+        cost[item.module] = min(cost.get(item.module, 2), rank)
+    items.sort(key=lambda item: -1 if item.nodeid in LONGEST else cost[item.module])
 
 
 @pytest.fixture(autouse=True)
