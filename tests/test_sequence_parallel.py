@@ -72,7 +72,7 @@ def _sequence_parallel_runs(rank, world):
 
     cases = [("llama", 2, True, {}), ("llama", 4, False, {}), ("llama_kv1", 4, True, {}),
              ("llama_kv1", 2, False, {"activation_checkpointing": True}),
-             ("qwen3", 2, True, {}), ("llama_lora", 2, True, {}), ("llama_eager", 2, True, {}),
+             ("qwen3", 2, True, {}), ("llama", 2, False, {"replicate_size": 2}), ("llama_lora", 2, True, {}), ("llama_eager", 2, True, {}),
              ("llama", 2, True, {"loss_tile_size": 5, "mlp_tile_size": 4}),
              ("llama", 1, True, {"loss_tile_size": 3, "mlp_tile_size": 4, "activation_checkpointing": True})]
     report = []
@@ -105,7 +105,7 @@ def _sequence_parallel_runs(rank, world):
 
 
 def test_ulysses_equals_one_process():
-    """sp 2 and 4 on 4 gloo ranks (dp_shard x sp): Llama, Qwen3, key/value heads fewer than sp, LoRA, eager,
+    """sp 2 and 4 on 4 gloo ranks (dp_shard x sp; HSDP dp_replicate x sp once): Llama, Qwen3, key/value heads fewer than sp, LoRA, eager,
     left padding, activation checkpointing (the all-to-alls recomputed), with tiling of the loss and MLP, and
     tiling alone with activation checkpointing."""
     run_ranks(_sequence_parallel_runs, 4)
