@@ -32,6 +32,7 @@ BUILDERS = {
     "llama_lora": lambda: lora(build_model(0)),
     "llama_eager": lambda: build_model(0, attn_implementation="eager"),
     "qwen3": lambda: _qwen3(0),
+    "qwen3_lora": lambda: lora(_qwen3(0)),  # at sp 4 its 2 key/value heads are repeated too
 }
 
 
@@ -72,7 +73,8 @@ def _sequence_parallel_runs(rank, world):
 
     cases = [("llama", 2, True, {}), ("llama", 4, False, {}), ("llama_kv1", 4, True, {}),
              ("llama_kv1", 2, False, {"activation_checkpointing": True}),
-             ("qwen3", 2, True, {}), ("llama", 2, False, {"replicate_size": 2}), ("llama_lora", 2, True, {}), ("llama_eager", 2, True, {}),
+             ("qwen3", 2, True, {}), ("llama", 2, False, {"replicate_size": 2}),
+             ("qwen3_lora", 4, True, {}), ("llama_lora", 2, True, {}), ("llama_eager", 2, True, {}),
              ("llama", 2, True, {"loss_tile_size": 5, "mlp_tile_size": 4}),
              ("llama", 1, True, {"loss_tile_size": 3, "mlp_tile_size": 4, "activation_checkpointing": True})]
     report = []
