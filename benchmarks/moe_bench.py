@@ -13,10 +13,12 @@ Contestants, side by side in one run, each loading the same hub-format checkpoin
   transformers_ep4 hf_fsdp2.shard_model: transformers' own EP x FSDP2
 
 Per contestant: all-gathered and all-to-all bytes of one training step (torch.profiler's c10d events: the
-output buffers' numel x 4 bytes, fp32), host reads per MoE layer in that step's forwards (tests/host_reads.py:
+output buffers' numel x 4 bytes, fp32), host reads per MoE layer in the next step's forwards (tests/host_reads.py:
 item/tolist/bool/nonzero/... of a tensor; the even dispatch's one read of its CPU token-count tensor counted apart,
-`host_int_reads_per_layer`), tokens/s over the timed steps, peak RSS per rank over the steps (max over ranks),
-and the losses (equal across contestants: EP changes where experts run, not the math).
+`host_int_reads_per_layer`), tokens/s over the timed steps (the median of `--repeat` round-robin runs), each
+rank's own CPU seconds per timed step (max over ranks: what other load on the machine moves least), peak RSS per
+rank over the steps (max over ranks), and the losses (equal across contestants: EP changes where experts run,
+not the math).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from __future__ import annotations
 import argparse
 import math
 import shutil
+import statistics
 import time
 from pathlib import Path
 
@@ -81,7 +84,7 @@ def run_rank(rank: int, world: int, job: dict) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     g = torch.Generator().manual_seed(1 + rank)
     vocab = model.config.vocab_size
-    data = [torch.randint(0, vocab, (job["batch"], job["seq"]), generator=g) for _ in range(job["warmup"] + job["steps"])]
+    data = [torch.randint(0, vocab, (job["batch"], job["seq"]), generator=g) for _ in range(job["warmup"] + 2 + job["steps"])]
 
     def step(ids):
         loss = model(input_ids=ids, labels=ids).loss
@@ -91,12 +94,13 @@ def run_rank(rank: int, world: int, job: dict) -> dict:
         return loss.item()
 
     losses = [step(ids) for ids in data[:job["warmup"]]]
-    moe_blocks = [layer.mlp for layer in model.model.layers]
-    reads = HostReads(expert_dispatch.host_buffers())
-    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof, reads.counting(), \
-            reads.windows(moe_blocks):
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         losses.append(step(data[job["warmup"]]))
     collective = _collective_bytes(prof)
+    moe_blocks = [layer.mlp for layer in model.model.layers]
+    reads = HostReads(expert_dispatch.host_buffers())  # a step of its own: the modes would show in the profile
+    with reads.counting(), reads.windows(moe_blocks):
+        losses.append(step(data[job["warmup"] + 1]))
     collective["host_reads"] = dict(reads.counts)
     collective["host_reads_per_layer"] = reads.total / len(moe_blocks)
     collective["host_int_reads_per_layer"] = reads.exempt_reads / len(moe_blocks)
@@ -105,19 +109,23 @@ def run_rank(rank: int, world: int, job: dict) -> dict:
     harness.malloc_trim()
     dist.barrier()
     harness.reset_hwm()
-    start = time.perf_counter()
-    losses += [step(ids) for ids in data[job["warmup"] + 1:]]
+    start, cpu_start = time.perf_counter(), time.process_time()
+    timed = data[job["warmup"] + 2:]
+    losses += [step(ids) for ids in timed]
+    cpu_seconds = time.process_time() - cpu_start  # this rank's own CPU: less moved by other load than the wall
     dist.barrier()
     seconds = time.perf_counter() - start
-    return {"losses": losses, "seconds": seconds, "peak_rss": harness.hwm_bytes(), **collective,
-            "tokens": (job["steps"] - 1) * job["batch"] * job["seq"]}
+    return {"losses": losses, "seconds": seconds, "cpu_s_per_step": cpu_seconds / len(timed),
+            "peak_rss": harness.hwm_bytes(), **collective, "tokens": len(timed) * job["batch"] * job["seq"]}
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--contestants", nargs="+", choices=CONTESTANTS, default=list(CONTESTANTS))
-    p.add_argument("--steps", type=int, default=4, help="timed steps (the first of them profiled, not timed)")
+    p.add_argument("--steps", type=int, default=4, help="timed steps, after a warm-up, a profiled and a counted step")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="run the contestants this many times, round-robin (a loaded machine): tokens/s is the median")
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seq", type=int, default=256)
     args = p.parse_args(argv)
@@ -134,33 +142,44 @@ def main(argv=None) -> int:
     model.save_pretrained(root / "src")
     del model
     seq = 16 if args.tiny else args.seq
-    steps = 2 if args.tiny else args.steps
+    steps = 1 if args.tiny else args.steps
     results = {}
-    for name in args.contestants:
-        job = {"contestant": name, "src": str(root / "src"), "batch": args.batch, "seq": seq, "warmup": 1,
-               "steps": steps}
-        ranks = harness.run_ranks(run_rank, world, job, timeout=3600, threads=1,
-                                  preload=harness.TINY_PRELOAD if args.tiny else ())
-        seconds = max(r["seconds"] for r in ranks)
-        results[name] = {
-            "losses": ranks[0]["losses"], "rank_losses": [r["losses"] for r in ranks],
-            "all_gather_bytes": max(r["all_gather"] for r in ranks), "all_to_all_bytes": max(r["all_to_all"] for r in ranks),
-            "peak_rss": max(r["peak_rss"] for r in ranks), "tokens_per_s": world * ranks[0]["tokens"] / seconds,
-            "host_reads_per_layer": max(r["host_reads_per_layer"] for r in ranks), "host_reads": ranks[0]["host_reads"],
-            "host_int_reads_per_layer": max(r["host_int_reads_per_layer"] for r in ranks),
-        }
+    for _ in range(args.repeat):
+        for name in args.contestants:
+            job = {"contestant": name, "src": str(root / "src"), "batch": args.batch, "seq": seq, "warmup": 1,
+                   "steps": steps}
+            ranks = harness.run_ranks(run_rank, world, job, timeout=3600, threads=1,
+                                      preload=harness.TINY_PRELOAD if args.tiny else ())
+            speed = world * ranks[0]["tokens"] / max(r["seconds"] for r in ranks)
+            cpu = max(r["cpu_s_per_step"] for r in ranks)
+            if name in results:
+                results[name]["tokens_per_s_runs"].append(speed)
+                results[name]["cpu_s_per_step_runs"].append(cpu)
+                continue
+            results[name] = {
+                "losses": ranks[0]["losses"], "rank_losses": [r["losses"] for r in ranks],
+                "all_gather_bytes": max(r["all_gather"] for r in ranks),
+                "all_to_all_bytes": max(r["all_to_all"] for r in ranks), "peak_rss": max(r["peak_rss"] for r in ranks),
+                "tokens_per_s_runs": [speed], "cpu_s_per_step_runs": [cpu],
+                "host_reads_per_layer": max(r["host_reads_per_layer"] for r in ranks),
+                "host_reads": ranks[0]["host_reads"],
+                "host_int_reads_per_layer": max(r["host_int_reads_per_layer"] for r in ranks),
+            }
+    for r in results.values():
+        r["tokens_per_s"] = statistics.median(r["tokens_per_s_runs"])
+        r["cpu_s_per_step"] = statistics.median(r["cpu_s_per_step_runs"])
     shutil.rmtree(root, ignore_errors=True)
     base = results.get("fsdp2")
     lines = [f"Qwen3-MoE shape {'(tiny)' if args.tiny else ''} {total_bytes / 2**20:.0f} MiB fp32, experts "
              f"{expert_bytes / total_bytes:.0%} of it; {world} ranks, batch {args.batch} x seq {seq} per rank",
              f"{'contestant':16s} {'all-gather/step':>16s} {'all-to-all/step':>16s} {'peak RSS':>10s} {'tokens/s':>9s}"
-             f"        host reads/MoE layer  loss diff"]
+             f"         CPU s/step  host reads/MoE layer  loss diff"]
     for name, r in results.items():
         rel = (f" ({r['all_gather_bytes'] / base['all_gather_bytes']:.2f}x)" if base else "")
         speed = (f" ({r['tokens_per_s'] / base['tokens_per_s']:.2f}x)" if base else "")
         diff = max(abs(a - b) for a, b in zip(r["losses"], base["losses"])) if base else float("nan")
         lines.append(f"{name:16s} {r['all_gather_bytes'] / 2**20:9.1f} MiB{rel:>8s} {r['all_to_all_bytes'] / 2**20:8.1f} MiB "
-                     f"{r['peak_rss'] / 2**30:7.2f} GiB {r['tokens_per_s']:8.0f}{speed:8s} "
+                     f"{r['peak_rss'] / 2**30:7.2f} GiB {r['tokens_per_s']:8.0f}{speed:8s} {r['cpu_s_per_step']:6.2f}     "
                      f"{r['host_reads_per_layer']:4.1f} (+{r['host_int_reads_per_layer']:.0f} CPU int)  {diff:.1e}")
     print("\n".join(lines))
     path = harness.write_results("moe_bench", argv, world_size=world, tiny=args.tiny, shape=TINY if args.tiny else SHAPE,
