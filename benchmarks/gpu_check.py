@@ -28,6 +28,9 @@ traceback and the rest go on) and each skipped once the time budget (--budget-s)
                eager: tokens/s, peak memory.
   two_process  2 processes on the one GPU: NCCL (which refuses two ranks on one device), then gloo with
                a CUDA model (which shard_model refuses by name); what happened is reported either way.
+  local_ranks  2 and 4 ranks on the one GPU as threads (torch's threaded process group, hf_fsdp2/tools/
+               local_ranks.py): a small Llama trained like one process, each rank saving and loading its rows
+               from CUDA memory, EP at 2 on a small Qwen3-MoE (benchmarks/local_ranks_check.py); equal or not.
   memory_phases  one step after warm-up, plain / ours / Accelerate, LoRA and full: peak and live bytes per
                phase (forward, backward, optimizer), what autograd saved, the allocation sites live at the peak.
   fp8_large    FP8 vs bf16 under regional compile on 6 of Llama 3.1 8B's layers (where float8 matmuls pay).
@@ -792,6 +795,33 @@ def section_two_process(run: Run) -> dict:
     return out
 
 
+def section_local_ranks(run: Run) -> dict:
+    """Several ranks on the one GPU with real data (issue 61): ranks as threads under torch's threaded process group
+    (hf_fsdp2/tools/local_ranks.py) at 2 and 4 ranks train a small Llama like one process, each saves and loads its
+    rows from CUDA memory, and EP at 2 trains a small Qwen3-MoE like one process (benchmarks/local_ranks_check.py).
+    A fresh interpreter: this one holds a process group and CUDA, and the threads need CUDA_LAUNCH_BLOCKING=1 from
+    CUDA's start (the threaded group copies on rank 0's stream). The dry run: 2 ranks and EP on the CPU."""
+    if run.left() < 45 and not run.dry:  # the dry run covers every section, however slow the CPU
+        return {"skipped": "out of time", "ok": None}
+    device = "cuda" if run.cuda else "cpu"
+    # about 30 s on a GPU (tiny models; blocking launches); the dry run's 40 s on 2 shared cores may take minutes
+    limit = 300.0 if run.dry else max(30.0, min(150.0, run.left()))
+    command = [sys.executable, str(REPO / "benchmarks" / "local_ranks_check.py"), "--device", device,
+               "--worlds", "2" if run.dry else "2,4", "--json", "--tmp", str(run.tmp), "--timeout-s", str(limit)]
+    launch = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")  # init_world_one's
+    env = {**{k: v for k, v in os.environ.items() if k not in launch}, "CUDA_LAUNCH_BLOCKING": "1"}
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=REPO, timeout=limit)
+    except subprocess.TimeoutExpired as e:
+        return {"ok": False, "error": f"timed out after {limit:.0f} s", "log_tail": str(e.stdout or "")[-2000:]}
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if not lines:
+        return {"ok": False, "error": (done.stderr or done.stdout)[-3000:], "returncode": done.returncode}
+    results = json.loads(lines[-1])
+    return {"ok": results.pop("ok"), "device": results.pop("device"), "steps": results.pop("steps"),
+            "results": results}
+
+
 # One rank of an 8-rank job on this one GPU (issue 61): `hf-fsdp2 simulate` under torch's fake process group, each
 # case a fresh interpreter (this one holds a process group and CUDA, and simulate forks a process per rank).
 # The shapes users ask about, with the published 8-GPU numbers they would compare against.
@@ -990,7 +1020,7 @@ def section_memory_phases(run: Run, state: dict) -> dict:
 
 
 SECTIONS = ["equality", "checkpoint", "simulate", "throughput", "save_load", "generate", "variants", "two_process",
-            "memory_phases", "fp8_large"]
+            "local_ranks", "memory_phases", "fp8_large"]
 
 
 def targets(result: dict) -> list[dict]:
@@ -1084,6 +1114,15 @@ def table(result: dict) -> str:
                              f"hf_fsdp2/planner/step_time.py); published: {r['published_tokens_per_s_per_gpu']}")
             for case, why in sec.get("not_done", {}).items():
                 lines.append(f"    {case}: {why}")
+        if name == "local_ranks":
+            for case, r in sec.get("results", {}).items():
+                if "error" in r:
+                    lines.append(f"    FAIL {case}: {r['error'][:160]}")
+                    continue
+                lines.append(f"    {'ok  ' if r['ok'] else 'FAIL'} {case} on {','.join(r.get('devices', [sec['device']]))}: "
+                             f"loss diff {r['max_loss_diff']:.2e}, weight diff {r['max_param_diff']:.2e}"
+                             + (f", saved = trained {r['saved_equal_trained']}, loaded rows = trained "
+                                f"{r['loaded_rows_equal']}" if "saved_equal_trained" in r else ""))
         if name == "two_process":
             for k, r in sec.items():
                 if isinstance(r, dict):

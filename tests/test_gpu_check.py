@@ -12,13 +12,16 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def test_gpu_check_dry_run_runs_every_section(tmp_path):
+    # A budget that lets every section run, however slow the CPU: ~6-8 minutes on 2 shared cores (the default 450 s
+    # skipped the last section's cases there).
     out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_check.py"), "--dry-run", "--out", str(tmp_path),
-                          "--tmp", str(tmp_path), "--rounds", "1"], capture_output=True, text=True, timeout=600, cwd=REPO)
+                          "--tmp", str(tmp_path), "--rounds", "1", "--budget-s", "800"],
+                         capture_output=True, text=True, timeout=900, cwd=REPO)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     result = json.loads((tmp_path / "gpu_check.json").read_text())
     sections = result["sections"]
     assert list(sections) == ["equality", "checkpoint", "simulate", "throughput", "save_load", "generate", "variants",
-                              "two_process", "memory_phases", "fp8_large"]
+                              "two_process", "local_ranks", "memory_phases", "fp8_large"]
     assert not [n for n, s in sections.items() if "error" in s or s.get("skipped")], sections
     # Correctness sections decide for themselves: plain PyTorch vs hf_fsdp2, stock reloads.
     assert sections["equality"]["ok"] and len(sections["equality"]["cases"]) == 4
@@ -34,6 +37,9 @@ def test_gpu_check_dry_run_runs_every_section(tmp_path):
     assert measured == {"eager", "activation_checkpointing", "op_level_checkpointing", "activation_offload",
                         "regional_compile", "fp8", "fp8_regional_compile", "compile_model"}
     assert sections["two_process"]["gloo_cpu"]["ran"]
+    # ranks as threads (on the GPU: 2 and 4 ranks; here 2): equal to one process, rows saved and loaded, EP
+    assert sections["local_ranks"]["ok"] and set(sections["local_ranks"]["results"]) == {"train_save_load_2",
+                                                                                        "expert_parallel_2"}
     for case in ("llama31_8b_full", "qwen3_30b_a3b_lora_ep8"):  # one rank of 4 each, first and last
         simulated = sections["simulate"][case]
         assert [r["rank"] for r in simulated["ranks"]] == [0, 3], simulated

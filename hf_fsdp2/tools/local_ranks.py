@@ -70,7 +70,8 @@ def run_local_ranks(fn: Callable[..., Any], world_size: int, *args: Any, device:
     threaded process group, sharding on `device`; what each returned, in rank order.
 
     A rank that raises wakes the others out of their collectives (they stop), and its exception is raised here
-    once every thread has ended, the lowest failed rank's, with the others' named in the message."""
+    once every thread has ended (or `FAILED_GRACE_S` later, the ones still waiting named), the lowest failed
+    rank's, with the others' named in the message. No rank ending within `timeout_s`: TimeoutError."""
     from torch.testing._internal.distributed.multi_threaded_pg import (ProcessLocalGroup, _install_threaded_pg,
                                                                        _uninstall_threaded_pg)
 
