@@ -119,27 +119,32 @@ def _grads(model):
             for name, p in model.named_parameters() if p.requires_grad}
 
 
-def _uneven_rank(rank, world, arch, ep_size):
-    model = _build(arch)
-    shard_model(model, FSDP2Config(ep_size=ep_size))
-    ids = _uneven(rank, world)
-    out = model(input_ids=ids, labels=ids)
-    out.loss.backward()  # FSDP2 averages the ranks' gradients: the reference's mean of the ranks' losses
-    return {"loss": out.loss.item(), "aux": out.aux_loss.item(), "grads": _grads(model)}
+def _uneven_rank(rank, world, cases):
+    out = {}
+    for arch, ep_size in cases:
+        model = _build(arch)
+        shard_model(model, FSDP2Config(ep_size=ep_size))
+        ids = _uneven(rank, world)
+        result = model(input_ids=ids, labels=ids)
+        result.loss.backward()  # FSDP2 averages the ranks' gradients: the reference's mean of the ranks' losses
+        out[arch] = {"loss": result.loss.item(), "aux": result.aux_loss.item(), "grads": _grads(model)}
+    return out
 
 
-@pytest.mark.parametrize("arch,ep_size", [("qwen3_moe", 4), ("gpt_oss", 2)])
-def test_uneven_token_counts_train_like_one_process(arch, ep_size):
-    """Ranks holding batches of different lengths (the even blocks are sized by the group's largest): each rank's
-    loss and router auxiliary loss, and every gradient, are one process's."""
-    model = _build(arch)
-    outs = [model(input_ids=_uneven(r, WORLD), labels=_uneven(r, WORLD)) for r in range(WORLD)]
-    (sum(o.loss for o in outs) / WORLD).backward()
-    ref = _grads(model)
-    ranks = run_ranks(_uneven_rank, WORLD, arch, ep_size)
-    for rank, result in enumerate(ranks):
-        assert result["loss"] == pytest.approx(outs[rank].loss.item(), rel=1e-5)
-        assert result["aux"] == pytest.approx(outs[rank].aux_loss.item(), rel=1e-5)
-        assert result["grads"].keys() == ref.keys()
-        for name, expected in ref.items():
-            torch.testing.assert_close(result["grads"][name], expected, rtol=1e-5, atol=1e-7, msg=name)
+def test_uneven_token_counts_train_like_one_process():
+    """Ranks holding batches of different lengths (the even blocks are sized by the group's largest), Qwen3-MoE at
+    ep 4 and gpt-oss at ep 2 (one run): each rank's loss and router auxiliary loss, and every gradient, are one
+    process's."""
+    cases = [("qwen3_moe", 4), ("gpt_oss", 2)]
+    ranks = run_ranks(_uneven_rank, WORLD, cases)
+    for arch, _ in cases:
+        model = _build(arch)
+        outs = [model(input_ids=_uneven(r, WORLD), labels=_uneven(r, WORLD)) for r in range(WORLD)]
+        (sum(o.loss for o in outs) / WORLD).backward()
+        ref = _grads(model)
+        for rank, result in enumerate(r[arch] for r in ranks):
+            assert result["loss"] == pytest.approx(outs[rank].loss.item(), rel=1e-5), arch
+            assert result["aux"] == pytest.approx(outs[rank].aux_loss.item(), rel=1e-5), arch
+            assert result["grads"].keys() == ref.keys()
+            for name, expected in ref.items():
+                torch.testing.assert_close(result["grads"][name], expected, rtol=1e-5, atol=1e-7, msg=f"{arch} {name}")
