@@ -227,7 +227,10 @@ TECHNIQUES = {
         "compile", "compile_layers", "is_compiled", "disable_cache_in_training", "no_cache_in_training",
         "_compiled_call_impl", "compiled_collectives"}),
     "sequence parallelism": ("sharding/sequence_parallel.py", {
-        "sp_size", "SP_DIM", "sequence_parallel", "apply_sequence_parallel", "split_for_sequence_parallel"}),
+        "sp_size", "SP_DIM", "sequence_parallel", "apply_sequence_parallel", "split_batch"}),
+    "sequence tiling": ("sharding/sequence_tiling.py", {
+        "loss_tile_size", "mlp_tile_size", "sequence_tiling", "apply_sequence_tiling", "TiledMLP",
+        "tiled_causal_lm_loss", "refuse_loss_tiling"}),
 }
 # Besides its module: its config section, its planner cost and the one place that applies techniques in order. A
 # quantization format is applied through the format dispatcher (quantization/quantized.py), which the engine calls.
@@ -349,6 +352,7 @@ KNOWN_TECHNIQUE_SPREAD = {
         "sharding/adopt.py", "sharding/compiled_collectives.py", "sharding/expert_parallel.py", "sharding/generation.py",
         "sharding/record.py", "sharding/tensor_parallel.py"},
     "sequence parallelism": {"integrations/accelerate.py"},
+    "sequence tiling": set(),  # written in this shape (issue 63): its module, config.py, planner/memory.py, the engine
 }
 
 # record_of / model_parts called outside the entry modules, by file: 18 at 37ccd24, 3 since (the engine looks the
