@@ -8,7 +8,7 @@ dropless and stays on the device:
 
 - block size C = T_max x min(top_k, local experts): T_max the largest token count of the EP group (its ranks may hold
   batches of different lengths). A token picks distinct experts, so at most min(top_k, E/ep) of its pairs go to
-  one rank; T_max is exchanged as a host integer over a gloo group (`host_group`), a CPU tensor that never was on
+  one rank; T_max is exchanged as a host integer over a gloo group (`_HOST`), a CPU tensor that never was on
   the device: one small host collective per layer call, no device read.
 - the sender sorts its pairs by expert, so the pairs for rank d are contiguous; their positions in d's block are
   computed on the device (a cumsum of per-rank counts), and the block's unused rows carry the local expert id
@@ -30,7 +30,8 @@ it, or transformers' `all_to_all` where `set_dispatch("all_to_all")` asks (bench
 
 Refused by name (`refuse_unsupported`): a capacity factor in the model's config (this dispatch is dropless; a
 capacity would drop tokens the router chose) and an experts implementation not known to skip the EP sentinel rows
-(e.g. "sonicmoe"; "deepgemm_megamoe", which exchanges the tokens inside its kernel).
+(e.g. "sonicmoe"; "deepgemm_megamoe", which exchanges the tokens inside its kernel; "eager", the models' own
+loops, not all of which skip it).
 """
 
 from __future__ import annotations
@@ -47,11 +48,11 @@ NAME = "hf_fsdp2_even_all_to_all"
 REGISTRY = "transformers.distributed.expert_parallel.EPImplementationInterface._global_mapping"
 DISPATCHES = {"even": NAME, "all_to_all": "all_to_all"}  # ours, and transformers' AllToAllEP (the benchmark's baseline)
 # transformers' experts implementations that skip the rows a split experts module does not hold (local id
-# `num_experts`, transformers' EP sentinel; integrations/moe.py, deepgemm.py); None and "eager": the model's own loop
-SENTINEL_AWARE = (None, "eager", "grouped_mm", "batched_mm", "deepgemm")
+# `num_experts`, transformers' EP sentinel; integrations/moe.py, deepgemm.py). Not "eager", the model's own loop:
+# some skip it (Qwen3-MoE's one_hot has num_experts + 1 classes), gpt-oss's fails on it (and reads the host anyway)
+SENTINEL_AWARE = ("grouped_mm", "batched_mm", "deepgemm")
 # config fields of routers that drop tokens past a capacity (Switch Transformers, NLLB-MoE)
 CAPACITY_FIELDS = ("expert_capacity", "capacity_factor", "moe_eval_capacity_token_fraction")
-EXPERTS_IMPLEMENTATION = "transformers.configuration_utils.PreTrainedConfig._experts_implementation"
 _dispatch = "even"
 
 # by the EP group: the gloo group over its ranks that carries the token counts, and the CPU tensor they are
@@ -107,8 +108,9 @@ def refuse_unsupported(config, ep_size: int) -> None:
     implementation = getattr(config, "_experts_implementation", None)
     if _dispatch == "even" and implementation not in SENTINEL_AWARE:
         raise ValueError(f"`experts_implementation`={implementation!r} with `ep_size`={ep_size}: its experts are not "
-                         "known to skip the rows another EP rank holds; not done in hf_fsdp2. Use one of "
-                         f"{', '.join(repr(n) for n in SENTINEL_AWARE if n)}.")
+                         "known to skip the rows another EP rank holds in hf_fsdp2's even all-to-all; not done. Use "
+                         f"one of {', '.join(repr(n) for n in SENTINEL_AWARE)} (grouped_mm: transformers' default), "
+                         "or transformers' AllToAllEP: hf_fsdp2.sharding.expert_dispatch.set_dispatch('all_to_all').")
 
 
 def slots(expert_ids: torch.Tensor, num_local: int, ep_size: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
