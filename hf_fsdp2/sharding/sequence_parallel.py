@@ -32,11 +32,9 @@ from typing import Any, Callable, Mapping
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
+# transformers is imported where it is used: the planner imports this module (heads), and the command line's
+# config checker must not import transformers (nor, through it, accelerate and torchao)
 from torch import nn
-from transformers import AttentionInterface
-from transformers.masking_utils import (ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface,
-                                        find_packed_sequence_indices)
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ..config import FSDP2Config
 from .model_parts import ModelParts
@@ -106,6 +104,9 @@ def apply_sequence_parallel(parts: ModelParts, config: FSDP2Config, sp_mesh) -> 
     base = parts.base
     state = _Ulysses(sp_mesh.get_group(), sp, base.config._attn_implementation)
     name = f"hf_fsdp2_ulysses_{next(_names)}"
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
     AttentionInterface.register(name, lambda *args, **kwargs: _attention(state, *args, **kwargs))
     AttentionMaskInterface.register(name, lambda **kwargs: _mask(state, **kwargs))
     base.set_attn_implementation(name)
@@ -143,6 +144,8 @@ def _before_forward(state: _Ulysses, module: nn.Module, args: tuple, kwargs: dic
                          "per-rank means. Split the batch with hf_fsdp2.local_batch (it adds both).")
     if get("attention_mask") is None:
         positions = _gather_sequence(get("position_ids").expand(_batch_size(module, args, kwargs), -1), state)
+        from transformers.masking_utils import find_packed_sequence_indices
+
         if find_packed_sequence_indices(positions) is not None:
             raise ValueError(f"sp_size={state.size}: the batch packs several sequences per row (position_ids restart) "
                              "without an attention_mask; packed sequences under Ulysses are not done in hf_fsdp2.")
@@ -204,6 +207,8 @@ class _Heads:
 def _core(state: _Ulysses, module: nn.Module) -> Callable:
     if state.core == "eager":  # the model's own eager function, from its modeling module (as its forward finds it)
         return sys.modules[type(module).__module__].eager_attention_forward
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
     return ALL_ATTENTION_FUNCTIONS[state.core]
 
 
@@ -232,6 +237,8 @@ def _attention(state: _Ulysses, module: nn.Module, query: torch.Tensor, key: tor
 def _mask(state: _Ulysses, *, batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset=0,
           attention_mask=None, **kwargs):
     """The core implementation's mask for the whole sequence: the padding mask gathered over the sp ranks."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
     core = ALL_MASK_ATTENTION_FUNCTIONS[state.core]
     if state.active:
         if q_offset or kv_offset or kv_length != q_length:

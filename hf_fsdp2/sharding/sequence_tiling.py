@@ -26,7 +26,6 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import ActivationWrapper
 from torch.utils.checkpoint import checkpoint
-from transformers.loss.loss_utils import ForCausalLMLoss
 
 from ..config import FSDP2Config
 from .model_parts import ModelParts
@@ -134,6 +133,8 @@ def refuse_loss_tiling(parts: ModelParts) -> nn.Module:
     if changed:
         raise ValueError(f"`loss_tile_size`: {type(base).__name__} transforms its logits (`{changed[0]}`), which the "
                          "tiled loss does not; not done.")
+    from transformers.loss.loss_utils import ForCausalLMLoss  # here: the planner imports this module
+
     if getattr(base, "loss_function", None) is not ForCausalLMLoss:
         raise ValueError(f"`loss_tile_size`: {type(base).__name__}'s loss is not transformers' ForCausalLMLoss; the "
                          "tiled loss computes that one only.")

@@ -93,9 +93,17 @@ class _Switch(importlib.abc.MetaPathFinder):
                 return
             self._done = True
         self._upstream.remove_finder(self)
-        import hf_fsdp2
+        try:
+            import hf_fsdp2
 
-        hf_fsdp2.register()
+            hf_fsdp2.register()
+        except BaseException as error:
+            # Said here: the import that triggered this may sit in a library's `try: ... except ImportError`
+            # (evaluate's and transformers' availability checks do), which would swallow the error and leave the
+            # process silently unregistered.
+            print(f"hf_fsdp2: registration at start-up (hf-fsdp2 run) FAILED on importing {self._due} in pid "
+                  f"{os.getpid()}: {type(error).__name__}: {error}", file=sys.stderr)
+            raise
         if os.environ.get("RANK", "0") == "0":  # the launcher, or rank 0 of what it starts
             print(f"hf_fsdp2: registered at start-up (HF_FSDP2=1, hf-fsdp2 run; on importing {self._due}) in pid "
                   f"{os.getpid()}", file=sys.stderr)
