@@ -30,7 +30,7 @@ sys.path.insert(0, str(REPO))  # hf_fsdp2 from this checkout, installed or not
 import torch  # noqa: E402
 
 STEPS = 3
-BATCH, SEQ, VOCAB, LR = 8, 16, 128, 1e-2
+BATCH, VOCAB = 8, 128  # sequences of 16 tokens, AdamW at lr 1e-2: tests/common.py's
 LOSS_TOL = 1e-4   # absolute, on losses near 4.8: the repository's sharded-vs-one-process bar (tests/test_sharding.py)
 PARAM_TOL = 1e-4  # absolute, per element, as tests/test_sharding.py; the relative norm difference is reported too
 TINY = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
@@ -55,23 +55,22 @@ def qwen3_moe(seed: int = 0):
 
 
 def batches(steps: int = STEPS) -> list[torch.Tensor]:
-    """Learnable sequences (each token the previous + a per-row stride), as tests/common.py's."""
-    g = torch.Generator().manual_seed(1)
-    out = []
-    for _ in range(steps):
-        start = torch.randint(0, VOCAB, (BATCH, 1), generator=g)
-        stride = torch.randint(1, 4, (BATCH, 1), generator=g)
-        out.append((start + stride * torch.arange(SEQ)) % VOCAB)
-    return out
+    """Learnable sequences: tests/common.py's, at this check's sizes."""
+    from tests.common import batches as learnable
+
+    return learnable(steps, batch=BATCH, vocab=VOCAB)
 
 
 def rows(ids: torch.Tensor, rank: int, world: int) -> torch.Tensor:
-    per = ids.shape[0] // world
-    return ids[rank * per:(rank + 1) * per]
+    from tests.common import local_rows as rank_rows
+
+    return rank_rows(ids, rank, world)
 
 
 def adamw(model) -> torch.optim.Optimizer:
-    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, weight_decay=0.01)
+    from tests.common import optimizer
+
+    return optimizer(model)
 
 
 def whole(t: torch.Tensor) -> torch.Tensor:

@@ -368,24 +368,27 @@ def _context_parallel_size(config: FSDP2Config, mesh: DeviceMesh) -> FSDP2Config
 
 def _sequence_parallel_size(config: FSDP2Config, mesh: DeviceMesh) -> FSDP2Config:
     """The config's sp_size is the mesh's "sp" dimension (hf_fsdp2.build_mesh builds it from sp_size)."""
-    names = mesh.mesh_dim_names or ()
-    sp = mesh[SP_DIM].size() if SP_DIM in names else 1
-    if config.sp_size not in (1, sp):
-        raise ValueError(f"`sp_size`={config.sp_size} but the mesh {dict(zip(names, mesh.shape))} has "
-                         f"{'an sp dimension of ' + str(sp) if sp > 1 else 'no sp dimension'}; build it with "
-                         "hf_fsdp2.build_mesh(config).")
+    sp = _size_on_mesh(mesh, SP_DIM, "sp_size", config.sp_size)
     return config.replace(sp_size=sp) if config.sp_size != sp else config
+
+
+def _size_on_mesh(mesh: DeviceMesh, dim: str, field: str, asked: int) -> int:
+    """The size of the mesh's `dim` dimension (1 without one), refused by name where the config's `field` asked
+    for another."""
+    names = mesh.mesh_dim_names or ()
+    size = mesh[dim].size() if dim in names else 1
+    if asked not in (1, size):
+        article = "an" if dim[0] in "aefhilmnorsx" else "a"  # as the letter's name is said: "an sp", "a tp"
+        raise ValueError(f"`{field}`={asked} but the mesh {dict(zip(names, mesh.shape))} has "
+                         f"{f'{article} {dim} dimension of {size}' if size > 1 else f'no {dim} dimension'}; build it "
+                         "with hf_fsdp2.build_mesh(config).")
+    return size
 
 
 def _tensor_parallel(parts: ModelParts, config: FSDP2Config, mesh: DeviceMesh, on_meta: bool) -> FSDP2Config:
     """TP on the mesh's "tp" dimension (sharding/tensor_parallel.py), before FSDP2 shards the rest; the
     config's tp_size follows a mesh (or a model transformers split) that has one."""
-    names = mesh.mesh_dim_names or ()
-    tp = mesh[TP_DIM].size() if TP_DIM in names else 1
-    if config.tp_size not in (1, tp):
-        raise ValueError(f"`tp_size`={config.tp_size} but the mesh {dict(zip(names, mesh.shape))} has "
-                         f"{'a tp dimension of ' + str(tp) if tp > 1 else 'no tp dimension'}; build it with "
-                         "hf_fsdp2.build_mesh(config).")
+    tp = _size_on_mesh(mesh, TP_DIM, "tp_size", config.tp_size)
     if tensor_parallel.is_tensor_parallel(parts.model) and tp == 1:
         raise ValueError("the model is already tensor-parallel (transformers split it): pass the mesh it was "
                          "split on (with its 'tp' dimension) as `mesh`.")
