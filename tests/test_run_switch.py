@@ -135,3 +135,17 @@ def test_python_flags_that_turn_the_switch_off_are_named():
         assert not _python_without_pythonpath(cmd), cmd
     proc = subprocess.run(SWITCH + [PY, "-I", "-c", "pass"], capture_output=True, text=True, timeout=120, env=_env())
     assert proc.returncode == 0 and "python -I ...: Python's -I, -E and -S ignore PYTHONPATH" in proc.stderr, proc.stderr
+
+
+def test_a_registration_that_fails_at_start_up_is_said_where_the_import_is_swallowed(tmp_path):
+    """A library's `try: import accelerate / except ImportError` (evaluate's and transformers' availability checks)
+    would swallow register()'s error and leave the process silently unregistered: the switch says it on stderr
+    first. Here an accelerate package without its modules makes register() fail."""
+    (tmp_path / "accelerate").mkdir()
+    (tmp_path / "accelerate" / "__init__.py").write_text("")
+    probe = "try:\n    import accelerate\nexcept ImportError:\n    print('swallowed')"
+    proc = subprocess.run([PY, "-c", probe], capture_output=True, text=True, timeout=120,
+                          env=_env(HF_FSDP2="1", PYTHONPATH=os.pathsep.join([str(STARTUP), str(tmp_path)])))
+    assert proc.returncode == 0 and proc.stdout.split() == ["swallowed"], proc.stderr[-3000:]
+    assert "hf_fsdp2: registration at start-up (hf-fsdp2 run) FAILED on importing accelerate" in proc.stderr, \
+        proc.stderr[-3000:]
