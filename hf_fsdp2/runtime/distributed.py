@@ -36,7 +36,6 @@ SHARD_DIM = "dp_shard"
 REPLICATE_DIM = "dp_replicate"
 TP_DIM = "tp"
 CP_DIM = "cp"
-SHARD_CP_DIM = "dp_shard_cp"  # Accelerate's flattened (dp_shard, cp): FSDP2's shard dimension under CP
 # A rank that dies inside a collective leaves the others waiting; this bounds the wait.
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
 _INIT_SCHEMES = ("env://", "tcp://", "file://")
@@ -196,26 +195,18 @@ def init_distributed(
 
 def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """The mesh FSDP2 shards over: `mesh` without its "tp" dimension (the same mesh without one). With
-    a "cp" dimension (context parallelism), FSDP2 shards over dp_shard x cp flattened ("dp_shard_cp",
-    as Accelerate's own FSDP2 path does): CP ranks hold slices of the same sequences, so their
-    gradients are averaged with the data-parallel ones."""
+    dimensions whose ranks hold slices of the same sequences ("cp", context parallelism, or the config's
+    `sequence_split_dims`, "sp"), FSDP2 shards over dp_shard x those flattened ("dp_shard_cp", as Accelerate's
+    own FSDP2 path names it; "dp_shard_sp"), so their gradients are averaged with the data-parallel ones."""
     names = mesh.mesh_dim_names or ()
-    split = tuple(n for n in names if n not in (REPLICATE_DIM, SHARD_DIM, TP_DIM, CP_DIM))
-    if split:  # the config's sequence_split_dims (as CP): ranks holding slices of the same sequences
-        flat = "_".join((SHARD_DIM, *split))
+    split = tuple(n for n in names if n not in (REPLICATE_DIM, SHARD_DIM, TP_DIM))
+    if split:
+        flat = "_".join((SHARD_DIM, *split))  # under CP: "dp_shard_cp", Accelerate's name
         try:
-            shard_split = mesh[flat]
+            shard_split = mesh[flat]  # Accelerate's build_device_mesh flattens dp_shard_cp already
         except KeyError:
             shard_split = mesh[tuple(n for n in (SHARD_DIM, *split) if n in names)]._flatten(flat)
         return shard_split if REPLICATE_DIM not in names else mesh[(REPLICATE_DIM, flat)]
-    if CP_DIM in names:
-        try:
-            shard_cp = mesh[SHARD_CP_DIM]  # Accelerate's build_device_mesh flattens it already
-        except KeyError:
-            shard_cp = mesh[tuple(n for n in (SHARD_DIM, CP_DIM) if n in names)]._flatten(SHARD_CP_DIM)
-        if REPLICATE_DIM not in names:
-            return shard_cp
-        return mesh[(REPLICATE_DIM, SHARD_CP_DIM)]
     if TP_DIM not in names:
         return mesh
     rest = tuple(n for n in names if n != TP_DIM)
