@@ -383,9 +383,10 @@ PRIVATE: tuple[Private, ...] = (
     Private("transformers.modeling_utils", "PreTrainedModel._weight_conversions", "checkpoint/key_conversion.py",
             optional=True),
     Private("transformers.trainer", "Trainer._get_output_dir", _TR),
-    # Ulysses' differentiable collectives (torch.distributed.nn.functional's are deprecated for these)
+    # differentiable collectives of Ulysses and of the even EP dispatch (torch.distributed.nn.functional's are deprecated)
     *[Private("torch.distributed._functional_collectives", name, "sharding/sequence_parallel.py")
       for name in ("all_reduce", "all_to_all_single_autograd")],
+    Private("torch.distributed._functional_collectives", "all_to_all_single_autograd", "sharding/expert_dispatch.py"),
     # the implementation a model's attention looks up (Ulysses wraps it: sharding/sequence_parallel.py)
     Private("transformers.configuration_utils", "PreTrainedConfig._attn_implementation",
             "sharding/sequence_parallel.py"),

@@ -40,6 +40,7 @@ import functools
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from ..runtime import collectives, upstream
@@ -130,22 +131,10 @@ def slots(expert_ids: torch.Tensor, num_local: int, ep_size: int, block: int) ->
     return pair_slots, local_ids
 
 
-class _Exchange(torch.autograd.Function):
-    """An even all-to-all (equal blocks to and from every rank of `group`) that autograd differentiates: its
-    backward is the same exchange of the gradients. c10d's `all_to_all_single`, ordered on the device's stream."""
-
-    @staticmethod
-    def forward(ctx, rows: torch.Tensor, group) -> torch.Tensor:
-        ctx.group = group
-        out = torch.empty_like(rows)
-        dist.all_to_all_single(out, rows.contiguous(), group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        out = torch.empty_like(grad)
-        dist.all_to_all_single(out, grad.contiguous(), group=ctx.group)
-        return out, None
+def _exchange(rows: torch.Tensor, group) -> torch.Tensor:
+    """An even all-to-all (equal blocks to and from every rank of `group`) that autograd differentiates (its backward
+    is the same exchange of the gradients): torch's functional `all_to_all_single_autograd`, as Ulysses uses it."""
+    return funcol.all_to_all_single_autograd(rows.contiguous(), None, None, group)
 
 
 @functools.cache
@@ -182,13 +171,13 @@ def _implementation() -> type:
                 0, pair_slots, hidden_states.repeat_interleave(top_k, dim=0))
             recv_ids = torch.empty_like(local_ids)
             dist.all_to_all_single(recv_ids, local_ids, group=self.group)
-            recv = _Exchange.apply(send, self.group)
+            recv = _exchange(send, self.group)
             # experts run top-1 with unit weights; the router's weights are applied on the sender, as AllToAllEP does
             if block == 0:  # no rank holds a token: one zero row keeps the experts in backward (as AllToAllEP)
                 out = self.experts_forward(recv.sum(0, keepdim=True), recv_ids.new_zeros(1, 1), recv.new_ones(1, 1))[:0]
             else:
                 out = self.experts_forward(recv, recv_ids.unsqueeze(-1), recv.new_ones(recv.shape[0], 1))
-            back = _Exchange.apply(out.to(hidden_states.dtype), self.group)
+            back = _exchange(out.to(hidden_states.dtype), self.group)
             pairs = back.index_select(0, pair_slots).view(num_tokens, top_k, hidden)
             return (pairs * top_k_weights.unsqueeze(-1)).sum(dim=1)
 
