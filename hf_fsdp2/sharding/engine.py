@@ -378,9 +378,8 @@ def _size_on_mesh(mesh: DeviceMesh, dim: str, field: str, asked: int) -> int:
     names = mesh.mesh_dim_names or ()
     size = mesh[dim].size() if dim in names else 1
     if asked not in (1, size):
-        article = "an" if dim[0] in "aefhilmnorsx" else "a"  # as the letter's name is said: "an sp", "a tp"
         raise ValueError(f"`{field}`={asked} but the mesh {dict(zip(names, mesh.shape))} has "
-                         f"{f'{article} {dim} dimension of {size}' if size > 1 else f'no {dim} dimension'}; build it "
+                         f"{f'a {dim!r} dimension of {size}' if size > 1 else f'no {dim!r} dimension'}; build it "
                          "with hf_fsdp2.build_mesh(config).")
     return size
 
