@@ -26,12 +26,11 @@ from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..config import FSDP2Config
 from ..planner.meta_model import DEFAULT_LORA_TARGETS, add_lora, build_meta_model
 from ..planner.step_time import Interconnect, predict_step
-from torch.utils._python_dispatch import TorchDispatchMode
-
 from ..runtime import collectives, memory_probe
 from .collective_tally import Collective, CollectiveTally, summarize
 
