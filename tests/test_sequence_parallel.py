@@ -11,7 +11,7 @@ from hf_fsdp2.sharding import model_parts
 from hf_fsdp2.sharding import sequence_parallel, sequence_tiling
 
 from .common import build_model, canonical_name, lora
-from .dist_harness import run_ranks
+from .dist_harness import NCCL_LIKE, run_ranks
 
 SEQ, ROWS_PER_GROUP = 16, 2
 
@@ -109,8 +109,9 @@ def _sequence_parallel_runs(rank, world):
 def test_ulysses_equals_one_process():
     """sp 2 and 4 on 4 gloo ranks (dp_shard x sp; HSDP dp_replicate x sp once): Llama, Qwen3, key/value heads fewer than sp, LoRA, eager,
     left padding, activation checkpointing (the all-to-alls recomputed), with tiling of the loss and MLP, and
-    tiling alone with activation checkpointing."""
-    run_ranks(_sequence_parallel_runs, 4)
+    tiling alone with activation checkpointing. The default group refuses CPU tensors, as NCCL does (NCCL_LIKE):
+    every collective of SP runs on the mesh's groups."""
+    run_ranks(_sequence_parallel_runs, 4, backend=NCCL_LIKE)
 
 
 def test_tiling_equals_untiled_in_one_process():

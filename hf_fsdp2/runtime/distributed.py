@@ -205,7 +205,11 @@ def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
         try:
             shard_split = mesh[flat]  # Accelerate's build_device_mesh flattens dp_shard_cp already
         except KeyError:
-            shard_split = mesh[tuple(n for n in (SHARD_DIM, *split) if n in names)]._flatten(flat)
+            # the flattened group on gloo where the mesh's own groups are (build_mesh: the default group cannot
+            # carry the mesh's device's tensors, e.g. NCCL while sharding on the CPU)
+            override = "gloo" if mesh.device_type not in collectives.default_group_devices() else None
+            shard_split = mesh[tuple(n for n in (SHARD_DIM, *split) if n in names)]._flatten(flat,
+                                                                                              backend_override=override)
         return shard_split if REPLICATE_DIM not in names else mesh[(REPLICATE_DIM, flat)]
     if TP_DIM not in names:
         return mesh
