@@ -21,12 +21,15 @@ from hf_fsdp2.cli import STARTUP, _python_without_pythonpath
 SWITCH = [sys.executable, "-m", "hf_fsdp2.cli", "run"]  # `hf-fsdp2 run`, with this interpreter
 PY = sys.executable
 # Waits for a signal; on SIGTERM says so and exits 0; on Ctrl-C cleans up for a second first, then dies of it.
+# Short sleeps, not one of 60 s: Python runs a signal's handler between bytecodes, so a signal landing after its
+# last check but before the sleep's syscall blocks waits out the whole sleep (CI under load hit that: 30 s, no output).
 WAITER = """
 import os, signal, sys, time
 signal.signal(signal.SIGTERM, lambda *_: (print("got SIGTERM", flush=True), sys.exit(0)))
 try:
     print("ready", os.getpid(), flush=True)
-    time.sleep(60)
+    for _ in range(600):
+        time.sleep(0.1)
 except KeyboardInterrupt:
     time.sleep(1)
     print("cleaned up", flush=True)
