@@ -492,10 +492,6 @@ def _run_simulate(args: argparse.Namespace) -> int:
     if args.replication is not None:
         extra["replication"] = args.replication
     config, setup = _layout_setup(args, **extra)
-    if setup.pop("load_in_4bit"):
-        raise ValueError("`--load-in-4bit`: not done under simulate (random 4-bit weights are not built from a "
-                         "config yet); estimate-memory --load-in-4bit costs it.")
-    setup.pop("bnb_4bit_use_double_quant", None)
     ranks = args.rank if args.rank is not None else sorted({0, args.world_size - 1})
     bad = [r for r in ranks if not 0 <= r < args.world_size]
     if bad:

@@ -184,14 +184,33 @@ def materialize(parts: ModelParts, device: torch.device, *, init_weights: bool =
     with torch.no_grad():
         if init_weights:
             init_fn = getattr(parts.base, "_init_weights", None)
+            packed = {id(w.module): w for w in quantized.weights(model).values()}
             for module in model.modules():
-                if init_fn is not None:
+                if id(module) in packed:  # a quantized base's packed rows: no float init applies to them
+                    _init_quantized_rows(packed[id(module)], init_fn)
+                elif init_fn is not None:
                     init_fn(module)
                 elif hasattr(module, "reset_parameters"):
                     module.reset_parameters()
         for name, t in [*model.named_parameters(), *model.named_buffers()]:
             if name in real:
                 local_tensor(t).copy_(real[name])
+
+
+def _init_quantized_rows(weight, init_fn) -> None:
+    """A quantized layer on meta (a 4-bit model built from its config, as hf-fsdp2 simulate builds one) initialised
+    as the model's own init draws the float layer, then quantized into this rank's rows: the init run on a float
+    `nn.Linear` of the local rows (its bias copied to the layer's, which FSDP2 shards by the same rows). Collective
+    for some formats (QuantizedWeight.load_rows): every rank reaches it in the same module order."""
+    rows = local_tensor(weight.packed).shape[0]
+    bias = getattr(weight.module, "bias", None)
+    stand_in = nn.Linear(weight.in_features, rows, bias=bias is not None, dtype=weight.dtype,
+                         device=local_tensor(weight.packed).device)
+    if init_fn is not None:
+        init_fn(stand_in)
+    weight.load_rows(stand_in.weight)
+    if bias is not None:
+        local_tensor(bias).copy_(stand_in.bias)
 
 
 def _shared_parameter_names(model: nn.Module) -> list[list[str]]:

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..config import FSDP2Config
-from ..planner.meta_model import DEFAULT_LORA_TARGETS, add_lora, build_meta_model
+from ..planner.meta_model import DEFAULT_LORA_TARGETS
 from ..planner.step_time import Interconnect, predict_step
 from ..runtime import collectives, memory_probe
 from .collective_tally import Collective, CollectiveTally, summarize
@@ -136,11 +136,14 @@ def simulate_rank(
     gradient_accumulation_steps: int = 1,
     interconnect: Interconnect | None = None,
     device: str | None = None,
+    **quantization: Any,
 ) -> RankReport:
     """Train rank `rank` of a `world_size`-rank job for `steps` optimizer steps in this process (no process group
     may exist); `model`: a transformers config, a model directory or its config.json (random weights, this rank's
-    rows only). Arguments as `estimate_memory`'s, whose estimate for the same setup the report carries."""
-    from ..planner.memory import estimate_memory
+    rows only). Arguments as `estimate_memory`'s, whose estimate for the same setup the report carries;
+    `quantization`: its quantization keywords (`load_in_4bit=True`: QLoRA, the model's own init drawn in float
+    and quantized into each rank's rows, sharding/engine.py `_init_quantized_rows`)."""
+    from ..planner.memory import estimate_memory, prepare_meta_model
     from ..shard import plan, shard_model
 
     config = config or FSDP2Config()
@@ -160,14 +163,14 @@ def simulate_rank(
             torch.cuda.set_device(0)
         # The meta model and its layout first (shard_size="auto" resolved as shard_model resolves it), then the
         # estimate for that layout: neither allocates a real tensor, so both stay out of the measurement.
-        module = build_meta_model(model, dtype=dtype)
-        if lora_r is not None:
-            module = add_lora(module, lora_r, lora_targets)
+        # The meta model the estimate costs (a quantized base quantized on meta and prepared as from_pretrained's).
+        module = prepare_meta_model(model, config, dtype=dtype, lora_r=lora_r, lora_targets=lora_targets,
+                                    **quantization).model
         layout = plan(module, config)
         refuse_reducer(layout.mesh, layout.config)
         estimate = estimate_memory(model, world_size, layout.config, dtype=dtype, lora_r=lora_r,
                                    lora_targets=lora_targets, batch_size=batch_size, seq_len=seq_len,
-                                   gradient_accumulation_steps=gradient_accumulation_steps)
+                                   gradient_accumulation_steps=gradient_accumulation_steps, **quantization)
         gc.collect()
         if device == "cuda":
             torch.cuda.synchronize()
