@@ -345,9 +345,11 @@ KNOWN_TECHNIQUE_SPREAD = {
         "sharding/adopt.py", "sharding/expert_parallel.py", "sharding/groups.py", "sharding/record.py",
         "sharding/replication.py", "sharding/tensor_parallel.py"},
     "4-bit": set(),  # the report names a quantized base as its format does (MetaQuantization.name, .storage)
-    "activation offload": {"planner/layout.py", "sharding/adopt.py", "sharding/expert_parallel.py"},
-    # compiled_collectives.py since: the engine hands compile="model"'s graph pass the ops a layer keeps
-    "selective checkpointing": {"planner/activation_trace.py", "planner/layout.py", "planner/memory_report.py"},
+    # planner/layout.py no more: it tries the activation choices its planner cost lists (memory.activation_choices)
+    "activation offload": {"sharding/adopt.py", "sharding/expert_parallel.py"},
+    # none since: the trace and the report count what they are handed (the kept ops, the checkpointed layers and
+    # what each keeps) by planner/memory.py, and the layout tries memory.activation_choices
+    "selective checkpointing": set(),
     "compile": {
         "sharding/adopt.py", "sharding/compiled_collectives.py", "sharding/expert_parallel.py", "sharding/generation.py",
         "sharding/record.py", "sharding/tensor_parallel.py"},

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Sequence
+from typing import Any, Collection, Iterable, Sequence
 
 import torch
 import torch.nn as nn
@@ -14,7 +14,6 @@ from torch.utils._pytree import tree_leaves
 
 from ..runtime.host_allocator import HEAP_BLOCK_LIMIT
 from .memory_report import ActivationMemory
-from ..sharding.selective_checkpoint import SAVED_OPS
 
 
 class _FusedAttention(torch.autograd.Function):
@@ -26,7 +25,8 @@ class _FusedAttention(torch.autograd.Function):
         out = q.new_empty((*q.shape[:-3], q.shape[-2], q.shape[-3], v.shape[-1])).transpose(-3, -2)
         lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
         ctx.save_for_backward(q, k, v, out, lse)
-        op_outputs.extend((out, lse))  # the attention kernel's outputs, as selective checkpointing saves them
+        if op_outputs is not None:  # the fused kernel's outputs, when the caller's kept ops are recorded
+            op_outputs.extend((out, lse))
         return out
 
     @staticmethod
@@ -69,11 +69,11 @@ class _FusedAttentionMode(TorchFunctionMode):
 
 
 class _SavedOpOutputs(TorchDispatchMode):
-    """Records the outputs of the ops op-level selective checkpointing keeps (selective_checkpoint.py)."""
+    """Records the outputs of `kept_ops` (the caller's: planner/memory.py hands the ops a checkpointed layer keeps)."""
 
-    def __init__(self, op_outputs: list):
+    def __init__(self, op_outputs: list, kept_ops: Collection):
         super().__init__()
-        self.op_outputs = op_outputs
+        self.op_outputs, self.kept_ops = op_outputs, kept_ops
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if (func is torch.ops.aten._local_scalar_dense.default and args[0].is_meta
@@ -83,7 +83,7 @@ class _SavedOpOutputs(TorchDispatchMode):
             # sequences (masking_utils.find_packed_sequence_indices). The trace's batch is plain: True.
             return True
         out = func(*args, **(kwargs or {}))
-        if func in SAVED_OPS:
+        if func in self.kept_ops:
             self.op_outputs.extend(t for t in tree_leaves(out) if isinstance(t, torch.Tensor))
         return out
 
@@ -96,13 +96,15 @@ def _storage_key(t: torch.Tensor):
 
 def trace_activations(model: nn.Module, layers: Sequence[nn.Module], batch_size: int, seq_len: int, *,
                       compute_dtype: torch.dtype | None = None, checkpointing: bool = False,
-                      head: nn.Module | None = None) -> ActivationMemory:
+                      head: nn.Module | None = None, kept_ops: Collection = frozenset()) -> ActivationMemory:
     """Run one training forward (with labels) on the meta device and measure what autograd saves.
 
     `model` must be on the meta device; it is cast in place to `compute_dtype` (as FSDP2's
     `param_dtype` would gather it). `layers` are the decoder layers checkpointing would wrap. `head`
     (the output embedding): what is saved after it ran is the loss's (`loss_saved_bytes`), freed by
-    the loss's backward before the head's backward needs its weights again.
+    the loss's backward before the head's backward needs its weights again. `kept_ops`: aten ops whose outputs
+    each layer's `layer_matmul_bytes` counts (what a checkpointed layer would keep); the fused-attention
+    stand-in's outputs are counted with them when any are given (the kernels it stands for are among them).
     """
     if any(not t.is_meta for t in model.parameters()):
         raise ValueError("`trace_activations` needs a model on the meta device (see `build_meta_model`).")
@@ -135,7 +137,7 @@ def trace_activations(model: nn.Module, layers: Sequence[nn.Module], batch_size:
                 owner.setdefault(k, active[-1] if active else -1)
         return t
 
-    op_outputs: list[torch.Tensor] = []  # since the current layer began: what selective checkpointing keeps
+    op_outputs: list[torch.Tensor] = []  # since the current layer began: the outputs of `kept_ops`
     matmul_bytes = [0] * len(layers)
     matmul_seen: set = set()
 
@@ -152,7 +154,7 @@ def trace_activations(model: nn.Module, layers: Sequence[nn.Module], batch_size:
 
     def post_hook(module, args, kwargs, output):
         index = active.pop()
-        for t in op_outputs:  # what selective checkpointing would keep of this layer
+        for t in op_outputs:  # what this layer would keep if checkpointed
             k = key_of(t)
             if k not in matmul_seen:
                 matmul_seen.add(k)
@@ -167,8 +169,8 @@ def trace_activations(model: nn.Module, layers: Sequence[nn.Module], batch_size:
         handles.append(head.register_forward_hook(lambda *_: after_head.append(True)))
     ids = torch.zeros(batch_size, seq_len, dtype=torch.long, device="meta")
     try:
-        with (torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _FusedAttentionMode(op_outputs),
-              _SavedOpOutputs(op_outputs)):
+        with (torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+              _FusedAttentionMode(op_outputs if kept_ops else None), _SavedOpOutputs(op_outputs, kept_ops)):
             out = model(input_ids=ids, labels=ids)
     finally:
         for h in handles:

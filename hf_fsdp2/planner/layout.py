@@ -40,7 +40,7 @@ import torch
 import torch.nn as nn
 
 from ..config import FSDP2Config
-from .memory import MemoryEstimate, MetaTrainingModel, prepare_meta_model
+from .memory import ActivationChoice, MemoryEstimate, MetaTrainingModel, activation_choices, prepare_meta_model
 from .memory_report import format_bytes
 
 CUDA_BUDGET_FRACTION = 0.85
@@ -55,31 +55,32 @@ class Candidate:
     shard_size: int  # data-parallel ranks FSDP2 shards over (cp ranks included)
     replicate_size: int
     reshard_after_forward: bool
-    activation_checkpointing: bool
-    checkpoint_every: int
-    activation_offload: bool
-    cpu_offload: bool
+    activations: ActivationChoice  # what happens to activations (memory.activation_choices): its settings read as
+    cpu_offload: bool  # attributes of the candidate, e.g. `candidate.checkpoint_every`
     estimate: MemoryEstimate
     needed_bytes: int  # what must fit the budget: the device peak (on CPU: device + host, one RAM, + glibc's heap)
     host_bytes: int  # offloaded state in host memory (CUDA only)
     fits: bool
     tp_size: int = 1
     cp_size: int = 1
-    checkpoint_save_matmuls: bool = False
     # On CPU: glibc gives freed blocks back to the OS (runtime/host_allocator.py), so what a step frees is not
     # counted in `needed_bytes`; about 0.6x speed, dearer than any layout (docs/planner.md).
     returns_freed_memory: bool = False
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or name == "activations":  # not set yet (copy, pickle): no recursion
+            raise AttributeError(name)
+        try:
+            return self.activations.setting(name)
+        except KeyError:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}") from None
 
     def describe(self) -> str:
         layout = (f"shard_size={self.shard_size}" if self.replicate_size == 1
                   else f"shard_size={self.shard_size} x {self.replicate_size} replicas")
         layout += f", tp_size={self.tp_size}" if self.tp_size > 1 else ""
         layout += f", cp_size={self.cp_size}" if self.cp_size > 1 else ""
-        return (f"{layout}, reshard_after_forward={self.reshard_after_forward}, "
-                f"activation_checkpointing={self.activation_checkpointing}"
-                + (f" (checkpoint_every={self.checkpoint_every})" if self.checkpoint_every > 1 else "")
-                + (" (checkpoint_save_matmuls=True)" if self.checkpoint_save_matmuls else "")
-                + (", activation_offload=True" if self.activation_offload else "")
+        return (f"{layout}, reshard_after_forward={self.reshard_after_forward}, {self.activations.description}"
                 + f", cpu_offload={self.cpu_offload}"
                 + (", freed memory returned to the OS" if self.returns_freed_memory else ""))
 
@@ -116,12 +117,8 @@ class LayoutPlan:
         if chosen is None:
             raise ValueError(self.failure())
         return base.replace(shard_size=chosen.shard_size, replicate_size=chosen.replicate_size, tp_size=chosen.tp_size,
-                            cp_size=chosen.cp_size,
-                            reshard_after_forward=chosen.reshard_after_forward,
-                            activation_checkpointing=chosen.activation_checkpointing,
-                            checkpoint_every=chosen.checkpoint_every, activation_offload=chosen.activation_offload,
-                            checkpoint_save_matmuls=chosen.checkpoint_save_matmuls,
-                            cpu_offload=chosen.cpu_offload, memory_budget=None)
+                            cp_size=chosen.cp_size, reshard_after_forward=chosen.reshard_after_forward,
+                            **dict(chosen.activations.settings), cpu_offload=chosen.cpu_offload, memory_budget=None)
 
     def failure(self) -> str:
         leanest = min(self.candidates, key=lambda c: c.needed_bytes)
@@ -169,23 +166,13 @@ class LayoutPlan:
             mark = "  <- chosen" if c is chosen else ""
             lines.append(f"{i:>3}  {f'{c.shard_size} x {c.replicate_size}':>12}  {f'{c.tp_size} x {c.cp_size}':>7}  "
                          f"{str(c.reshard_after_forward):>7}  "
-                         f"{_ac_label(c):>5}  {str(c.cpu_offload):>7}  "
+                         f"{c.activations.label:>5}  {str(c.cpu_offload):>7}  "
                          f"{format_bytes(c.needed_bytes):>12}  {format_bytes(c.host_bytes) if c.host_bytes else '-':>10}  "
                          f"{'yes' if c.fits else 'no':>4}"
                          + (f"  {'to OS' if c.returns_freed_memory else 'heap':>5}" if self.device_type == "cpu" else "")
                          + mark)
         lines.append(f"chosen: {chosen.describe()}{self._heap_note()}" if chosen else self.failure())
         return "\n".join(lines)
-
-
-def _ac_label(c: Candidate) -> str:
-    if c.activation_offload:
-        return "host"
-    if not c.activation_checkpointing:
-        return "False"
-    if c.checkpoint_save_matmuls:
-        return "ops"
-    return "True" if c.checkpoint_every == 1 else f"1/{c.checkpoint_every}"
 
 
 def default_budget(device_type: str, local_world_size: int) -> tuple[int, str]:
@@ -241,7 +228,7 @@ def expert_parallel_options(prepared: MetaTrainingModel, plan: "LayoutPlan", bas
     its estimate: what `hf-fsdp2 plan` proposes. Empty for a dense model or a layout EP does not combine with."""
     chosen = plan.chosen
     if chosen is None or base.ep_size > 1 or chosen.replicate_size > 1 or chosen.tp_size > 1 \
-            or chosen.cp_size > 1 or chosen.cpu_offload or chosen.activation_offload:
+            or chosen.cp_size > 1 or chosen.cpu_offload:
         return []
     config = getattr(prepared.base, "config", None)
     experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None) or getattr(
@@ -253,6 +240,8 @@ def expert_parallel_options(prepared: MetaTrainingModel, plan: "LayoutPlan", bas
         if ep > 1 and experts % ep == 0:
             try:
                 layout = plan.config(base).replace(ep_size=ep)
+                if chosen.activations not in activation_choices(layout, plan.device_type):
+                    return []  # what EP does not do with activations (memory.activation_choices)
                 out.append((ep, prepared.estimate(plan.world_size, layout, batch_size=batch_size, seq_len=seq_len)))
             except ValueError:  # transformers without its EP machinery, a model without an EP plan
                 return []
@@ -276,37 +265,20 @@ def plan_layout(prepared: MetaTrainingModel, world_size: int, config: FSDP2Confi
     `tp_sizes` / `cp_sizes`: the tensor / context parallel sizes to cost (`parallel_sizes` lists the
     workable ones); `mesh_shape`: (replicate, shard) when a given mesh fixes them."""
     offloads = [True] if config.cpu_offload else ([False] if device_type == "cpu" else [False, True])
-    # What to do with activations (checkpointing, every, keep matmul outputs, offload): keep them;
-    # checkpoint every layer but keep its matmul and attention outputs (op-level: only the cheap ops
-    # are recomputed); checkpoint every other layer (half the recomputation of every layer); every
-    # layer; or (on an accelerator) move them to the host. Checkpointing or offload you set (or layers
-    # already wrapped, every one) is kept as it is.
-    if checkpointing_fixed:
-        checkpointing = [(True, 1, False, False)]
-    elif config.activation_checkpointing:
-        checkpointing = [(True, config.checkpoint_every, config.checkpoint_save_matmuls, False)]
-    elif config.activation_offload:
-        checkpointing = [(False, 1, False, True)]
-    else:
-        checkpointing = [(False, 1, False, False), (True, 1, True, False), (True, 2, False, False),
-                         (True, 1, False, False)]
-        if device_type != "cpu":
-            checkpointing.append((False, 1, False, True))
+    activations = activation_choices(config, device_type, fixed=checkpointing_fixed)  # their planner cost's list
     ep = config.ep_size
     if ep > 1:  # expert parallelism: one shard group over every rank, no offload (sharding/expert_parallel.py)
-        offloads, checkpointing = [False], [c for c in checkpointing if not c[3]]
-    layouts = [(offload, tp, cp, activations, reshard, shard)
+        offloads = [False]
+    layouts = [(offload, tp, cp, choice, reshard, shard)
                for offload in offloads for tp, cp in _parallel_options(world_size, tp_sizes, cp_sizes)
-               for activations in checkpointing for reshard in (False, True)
+               for choice in activations for reshard in (False, True)
                for shard in _shard_sizes(world_size // tp, cp, mesh_shape)
                if ep == 1 or (shard == world_size // tp and shard % ep == 0)]
     candidates = []
-    for offload, tp, cp, (ac, every, save_matmuls, act_offload), reshard, shard in layouts:
+    for offload, tp, cp, choice, reshard, shard in layouts:
         replicate = world_size // tp // shard
         layout = config.replace(shard_size=shard, replicate_size=replicate, tp_size=tp, cp_size=cp, memory_budget=None,
-                                reshard_after_forward=reshard, activation_checkpointing=ac, checkpoint_every=every,
-                                checkpoint_save_matmuls=save_matmuls, activation_offload=act_offload,
-                                cpu_offload=offload)
+                                reshard_after_forward=reshard, **dict(choice.settings), cpu_offload=offload)
         estimate = prepared.estimate(world_size, layout, batch_size=batch_size, seq_len=seq_len, cp_size=cp)
         if estimate.activations is None:
             raise ValueError(f"shard_size='auto' cannot plan {estimate.model_type}: its activations "
@@ -315,8 +287,7 @@ def plan_layout(prepared: MetaTrainingModel, world_size: int, config: FSDP2Confi
         host = estimate.host_bytes if device_type != "cpu" else 0
         needed = estimate.device_bytes + (estimate.host_bytes if device_type == "cpu" else 0)
         fits = needed <= budget_bytes and (host_budget_bytes is None or host <= host_budget_bytes)
-        candidates.append(Candidate(shard, replicate, reshard, ac, every, act_offload, offload, estimate, needed, host,
-                                    fits, tp, cp, save_matmuls))
+        candidates.append(Candidate(shard, replicate, reshard, choice, offload, estimate, needed, host, fits, tp, cp))
     if device_type == "cpu":
         candidates = _costed_heap(candidates, budget_bytes)
     if not candidates:

@@ -254,7 +254,8 @@ class MetaTrainingModel:
                 sequence_tiling.apply_sequence_tiling(model_parts(copy_), layers, tiling)
             try:
                 self._activations[key] = (trace_activations(copy_, layers, batch_size, seq_len // cp_size,
-                                                            compute_dtype=compute_dtype, head=head), None)
+                                                            compute_dtype=compute_dtype, head=head,
+                                                            kept_ops=selective_checkpoint.SAVED_OPS), None)
             except Exception as e:  # noqa: BLE001 - an architecture the meta trace cannot run; report why
                 self._activations[key] = (None, f"{type(e).__name__}: {e}")
         traced, error = self._activations[key]
@@ -262,7 +263,12 @@ class MetaTrainingModel:
             return None, error
         if offload:
             return traced.offloaded_to_host(), None
-        return traced.with_checkpointing(checkpointing, every, save_matmuls), None
+        # the engine's rule for which layers are checkpointed, and op-level selective checkpointing's kept outputs
+        checkpointed = selective_checkpoint.checkpointed_layers(range(len(traced.layer_bytes)), every)
+        if save_matmuls:
+            return traced.with_checkpointing(checkpointing, every, checkpointed, traced.layer_matmul_bytes,
+                                             "matmul outputs"), None
+        return traced.with_checkpointing(checkpointing, every, checkpointed), None
 
     def estimate(self, world_size: int, config: FSDP2Config, *, batch_size: int | None = 1,
                  seq_len: int | None = 2048, cp_size: int | None = None,
@@ -677,7 +683,54 @@ def _gathered_peak(groups: list[GroupMemory], plan: ShardPlan, config: FSDP2Conf
     return best, best_names, best_flat
 
 
+@dataclass(frozen=True)
+class ActivationChoice:
+    """One thing the layout planner may do with activations: the config settings it sets (planner/layout.py
+    applies them as they are), its mark in the plan's table and its words in a layout's description."""
+
+    settings: tuple[tuple[str, Any], ...]
+    label: str
+    description: str
+
+    def setting(self, name: str) -> Any:
+        return dict(self.settings)[name]
+
+
+def _activation_choice(checkpointing: bool, every: int, save_matmuls: bool, offload: bool) -> ActivationChoice:
+    settings = (("activation_checkpointing", checkpointing), ("checkpoint_every", every),
+                ("checkpoint_save_matmuls", save_matmuls), ("activation_offload", offload))
+    label = ("host" if offload else "False" if not checkpointing else "ops" if save_matmuls
+             else "True" if every == 1 else f"1/{every}")
+    description = (f"activation_checkpointing={checkpointing}"
+                   + (f" (checkpoint_every={every})" if every > 1 else "")
+                   + (" (checkpoint_save_matmuls=True)" if save_matmuls else "")
+                   + (", activation_offload=True" if offload else ""))
+    return ActivationChoice(settings, label, description)
+
+
+def activation_choices(config: FSDP2Config, device_type: str, fixed: bool = False) -> list[ActivationChoice]:
+    """What the layout planner tries for activations, cheapest first: keep them; checkpoint every layer but
+    keep its matmul and attention outputs (op-level selective checkpointing: only the cheap ops are
+    recomputed); checkpoint every other layer (half the recomputation of every layer); every layer; or, on an
+    accelerator, move them to the host (activation offload: on a CPU host and device are one memory; not with
+    expert parallelism, sharding/expert_parallel.py). Checkpointing or offload `config` sets (or layers
+    already wrapped, `fixed`: every one) is kept as it is."""
+    if fixed:
+        options = [(True, 1, False, False)]
+    elif config.activation_checkpointing:
+        options = [(True, config.checkpoint_every, config.checkpoint_save_matmuls, False)]
+    elif config.activation_offload:
+        options = [(False, 1, False, True)]
+    else:
+        options = [(False, 1, False, False), (True, 1, True, False), (True, 2, False, False), (True, 1, False, False)]
+        if device_type != "cpu":
+            options.append((False, 1, False, True))
+    if config.ep_size > 1:
+        options = [o for o in options if not o[3]]
+    return [_activation_choice(*o) for o in options]
+
+
 __all__ = [
-    "ActivationMemory", "GroupMemory", "MemoryEstimate", "MetaTrainingModel", "estimate_memory", "prepare_meta_model",
-    "shard_rows",
+    "ActivationChoice", "ActivationMemory", "GroupMemory", "MemoryEstimate", "MetaTrainingModel", "activation_choices",
+    "estimate_memory", "prepare_meta_model", "shard_rows",
 ]

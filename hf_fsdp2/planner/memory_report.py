@@ -6,9 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import asdict, dataclass, field
-from typing import Any
-
-from ..sharding.selective_checkpoint import checkpointed_layers
+from typing import Any, Collection, Sequence
 
 
 @dataclass(frozen=True)
@@ -42,8 +40,8 @@ class ActivationMemory:
     largest_layer_bytes: int  # one decoder layer's saved activations (recomputed during backward with AC)
     layer_bytes: tuple[int, ...] = ()  # each decoder layer's saved activations, inputs excluded
     checkpoint_every: int = 1
-    layer_matmul_bytes: tuple[int, ...] = ()  # each layer's matmul and attention outputs (op-level selective AC keeps them)
-    save_matmuls: bool = False
+    layer_matmul_bytes: tuple[int, ...] = ()  # each layer's outputs of the ops the estimate asked to count (memory.py)
+    kept_outputs: str | None = None  # what each checkpointed layer keeps of them, as the table names it; None: nothing
     offloaded: bool = False
     host_bytes: int = 0  # with activation offload: the layers' saved activations, in host memory
     # Saved by the loss after the head ran (transformers upcasts the logits: their fp32 log-probabilities);
@@ -59,25 +57,28 @@ class ActivationMemory:
         return dataclasses.replace(self, checkpointing=False, checkpoint_every=1, offloaded=True, host_bytes=layers,
                                    peak_bytes=self.outside_layers_bytes + self.largest_layer_bytes)
 
-    def with_checkpointing(self, checkpointing: bool, every: int = 1, save_matmuls: bool = False) -> "ActivationMemory":
+    def with_checkpointing(self, checkpointing: bool, every: int = 1, checkpointed: Collection[int] | None = None,
+                           kept: Sequence[int] | None = None, kept_outputs: str | None = None) -> "ActivationMemory":
         """The same trace, its peak with or without activation checkpointing: everything outside the
         layers + every layer's inputs + what the layers that are not checkpointed save + one
-        checkpointed layer recomputed (`every`: layers 0, every, 2 x every, ... are checkpointed), or
-        everything saved. `save_matmuls` (op-level selective AC): a checkpointed layer keeps its
-        matmul and attention outputs and recomputes the rest."""
+        checkpointed layer recomputed, or everything saved. `checkpointed`: the indices of the layers
+        checkpointing recomputes (default every layer; `every`, the config's checkpoint_every, is recorded
+        for the table); `kept`: what each checkpointed layer keeps besides its inputs (its bytes per
+        layer, default nothing), named `kept_outputs` in the table (memory.py: the outputs of the ops a
+        layer keeps under op-level selective checkpointing)."""
         if not checkpointing:
-            return dataclasses.replace(self, checkpointing=False, checkpoint_every=1, save_matmuls=False,
+            return dataclasses.replace(self, checkpointing=False, checkpoint_every=1, kept_outputs=None,
                                        peak_bytes=self.saved_bytes)
         if not self.layer_bytes:  # a trace without per-layer bytes: every layer checkpointed
-            kept, recomputed = 0, self.largest_layer_bytes
+            held, recomputed = 0, self.largest_layer_bytes
         else:
-            matmuls = self.layer_matmul_bytes if save_matmuls else (0,) * len(self.layer_bytes)
-            checkpointed = checkpointed_layers(range(len(self.layer_bytes)), every)
-            kept = (sum(b for i, b in enumerate(self.layer_bytes) if i not in checkpointed)
-                    + sum(matmuls[i] for i in checkpointed))
-            recomputed = max(max(0, self.layer_bytes[i] - matmuls[i]) for i in checkpointed)
-        peak = self.outside_layers_bytes + self.layer_inputs_bytes + kept + recomputed
-        return dataclasses.replace(self, checkpointing=True, checkpoint_every=every, save_matmuls=save_matmuls,
+            kept = tuple(kept) if kept is not None else (0,) * len(self.layer_bytes)
+            checkpointed = set(range(len(self.layer_bytes)) if checkpointed is None else checkpointed)
+            held = (sum(b for i, b in enumerate(self.layer_bytes) if i not in checkpointed)
+                    + sum(kept[i] for i in checkpointed))
+            recomputed = max(max(0, self.layer_bytes[i] - kept[i]) for i in checkpointed)
+        peak = self.outside_layers_bytes + self.layer_inputs_bytes + held + recomputed
+        return dataclasses.replace(self, checkpointing=True, checkpoint_every=every, kept_outputs=kept_outputs,
                                    peak_bytes=peak)
 
 
@@ -249,7 +250,7 @@ class MemoryEstimate:
             ac = ("offloaded to the host" if a.offloaded else "no checkpointing" if not a.checkpointing
                   else "with activation checkpointing"
                   + (f" of 1 layer in {a.checkpoint_every}" if a.checkpoint_every > 1 else "")
-                  + (", matmul outputs kept" if a.save_matmuls else ""))
+                  + (f", {a.kept_outputs} kept" if a.kept_outputs else ""))
             split = (f", the heads and MLP features 1/{self.tp_size}" if self.tp_size > 1 else "")
             rows.append((f"activations: batch {a.batch_size} x seq {a.seq_len}{split}, {ac}", a.peak_bytes,
                          a.host_bytes))
