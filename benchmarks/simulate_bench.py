@@ -8,6 +8,8 @@ RSS and glibc live bytes against `estimate-memory`'s peak for the same setup.
 Cases (random weights, fp32 storage and compute, AdamW, batch 1):
   llama32_1b_8   Llama-3.2-1B's shape (1.24B, tied embeddings) on 8 ranks, seq 512, 2 steps.
   llama31_8b_64  Llama-3.1-8B's shape (8.03B) on 64 ranks, seq 256, 1 step.
+  llama31_70b_qlora_8  Llama-3.1-70B's widths, 4 of its 80 layers (CPU time), QLoRA: NF4 base from bf16, LoRA r 16
+                 on every projection, bf16 compute, on 8 ranks, seq 128, 2 steps (needs bitsandbytes).
 Results: stdout and benchmarks/results/simulate-*.json.
 """
 
@@ -25,6 +27,13 @@ CASES = {
         model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
         num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False, max_position_embeddings=8192,
         rope_theta=500000.0)),
+    "llama31_70b_qlora_8": dict(world=8, seq=128, steps=2, dtype="bfloat16", config=dict(param_dtype="bfloat16"),
+                               setup=dict(lora_r=16, lora_targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                                   "up_proj", "down_proj"), load_in_4bit=True),
+                               shape=dict(model_type="llama", vocab_size=128256, hidden_size=8192,
+                                          intermediate_size=28672, num_hidden_layers=4, num_attention_heads=64,
+                                          num_key_value_heads=8, tie_word_embeddings=False,
+                                          max_position_embeddings=8192, rope_theta=500000.0)),
 }
 
 
@@ -42,8 +51,9 @@ def main() -> None:
         case = CASES[name]
         shape = dict(case["shape"])
         config = AutoConfig.for_model(shape.pop("model_type"), **shape)
-        reports = simulate_ranks([0, case["world"] - 1], config, case["world"], FSDP2Config(), batch_size=1,
-                                 seq_len=case["seq"], steps=case["steps"])
+        reports = simulate_ranks([0, case["world"] - 1], config, case["world"], FSDP2Config(**case.get("config", {})),
+                                 batch_size=1, seq_len=case["seq"], steps=case["steps"], dtype=case.get("dtype"),
+                                 **case.get("setup", {}))
         print(f"== {name}\n{format_reports(reports)}", flush=True)
         results[name] = {"world": case["world"], "seq_len": case["seq"], "steps": case["steps"],
                          "ranks": [r.to_dict() for r in reports]}
