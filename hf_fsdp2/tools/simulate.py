@@ -242,7 +242,7 @@ def _train(model, config: FSDP2Config, device: str, batch_size: int, seq_len: in
     in every step (the exchange is sized by it); otherwise the tally runs in the last step only, so the timed
     steps before it pay no dispatch hook. With `measure_heap` (CPU) the last step also reads glibc's live bytes
     after every op; that peak is the third value returned."""
-    from ..sharding.engine import no_sync
+    from ..sharding.engine import local_batch, no_sync
 
     vocab = model.config.vocab_size if hasattr(model, "config") else 32000
     generator = torch.Generator().manual_seed(dist.get_rank())
@@ -260,8 +260,12 @@ def _train(model, config: FSDP2Config, device: str, batch_size: int, seq_len: in
             for micro in range(accumulation):
                 ids = torch.randint(0, vocab, (batch_size, seq_len), generator=generator).to(device)
                 sync = contextlib.nullcontext() if micro == accumulation - 1 else no_sync(model)
-                with sync:
-                    model(input_ids=ids, labels=ids).loss.backward()
+                batch = {"input_ids": ids, "labels": ids}
+                if config.sp_size > 1:  # an all-ones mask, as a collator gives: without one Ulysses all-gathers the
+                    # position ids to refuse packed rows, and under the fake group the gathered values are garbage
+                    batch["attention_mask"] = torch.ones_like(ids)
+                with sync:  # this rank's slice of each sequence under sp_size > 1 (Ulysses), as a user's loop feeds it
+                    model(**local_batch(batch, model)).loss.backward()
             optimizer.step()
             optimizer.zero_grad()
             if device == "cuda":
