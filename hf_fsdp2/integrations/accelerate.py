@@ -32,7 +32,7 @@ from . import trl as trl_backend
 from .accelerate_settings import ENV_PREFIX, AccelerateSettings, env_overrides, fsdp2_values, layer_names  # noqa: F401 (ENV_PREFIX: re-exported)
 from ..quantization import bnb_optimizers, fp8
 from ..shard import shard_model
-from ..sharding import is_sharded
+from ..sharding import is_sharded, sequence_parallel
 from ..sharding.record import refuse_parameters_added_after
 from ..sharding.model_parts import model_parts
 from ..sharding.adopt import sharded_by_transformers
@@ -75,7 +75,8 @@ def register(**overrides: Any) -> None:
     for name, wrapper in (("__init__", _init), ("_prepare_fsdp2", _prepare_fsdp2), ("_prepare_ao", _prepare_ao),
                           ("save_model", accelerator_checkpoint.save_model), ("prepare_model", _prepare_model),
                           ("save_state", accelerator_checkpoint.save_state),
-                          ("load_state", accelerator_checkpoint.load_state), ("_prepare_tp", _prepare_tp)):
+                          ("load_state", accelerator_checkpoint.load_state), ("_prepare_tp", _prepare_tp),
+                          ("prepare_data_loader", _prepare_data_loader)):
         upstream.replace(f"accelerate.accelerator.Accelerator.{name}",
                          functools.wraps(getattr(Accelerator, name))(wrapper), GROUP)
     upstream.replace(deferred_load.SEAM, classmethod(_from_pretrained), GROUP)
@@ -174,19 +175,22 @@ def _refuse_fsdp1_only(plugin) -> None:
 
 
 def _refuse_model_parallelism(pc) -> None:
-    """hf_fsdp2 shards over (dp_replicate, dp_shard[, cp]) and applies TP on "tp": a sequence-parallel
-    size above 1 (DeepSpeed's Ulysses) would otherwise become a silent data-parallel run over those
-    ranks, so it is refused here, where the model is prepared; so is a CP backend other than torch's."""
+    """hf_fsdp2 shards over (dp_replicate, dp_shard[, cp]) and applies TP on "tp": Accelerate's sequence-parallel
+    size above 1 (DeepSpeed's Ulysses) would otherwise become a silent data-parallel run over those ranks, so it is
+    refused here, where the model is prepared, naming hf_fsdp2's own; so is a CP backend other than torch's."""
     if pc is None:
         return
     if (getattr(pc, "sp_size", 1) or 1) > 1:
-        # Accelerate 1.15 accepts sp_backend "deepspeed" only and, for it, builds no mesh and hands the data loader
-        # and loss to DeepSpeed's ALST: hf_fsdp2's Ulysses (sharding/sequence_parallel.py) is not reached from here.
+        # Accelerate 1.15's ParallelismConfig accepts sp_backend "deepspeed" only (its __post_init__) and builds no
+        # mesh for it; the Trainer, seeing sp_size, multiplies its dataloader length by it (DeepSpeed's adapter runs
+        # each loaded batch as sp shards) and divides its token count by it. Naming hf_fsdp2 there would tell them
+        # something else than what runs: hf_fsdp2's Ulysses is its own setting, which they do not see.
         raise ValueError(f"parallelism_config sp_size={pc.sp_size}: sequence parallelism through Accelerate is "
-                         "DeepSpeed's (sp_backend: deepspeed); hf_fsdp2's Ulysses x FSDP2 from Accelerate's yaml, "
-                         "prepare or the Trainer is not done. In a plain PyTorch loop use FSDP2Config(sp_size=...) with "
-                         "hf_fsdp2.shard_model and hf_fsdp2.local_batch; with Accelerate use parallelism_config_cp_size "
-                         "(context parallelism), or run without hf_fsdp2.register().")
+                         "DeepSpeed's (sp_backend: deepspeed only), which hf_fsdp2 does not run. For hf_fsdp2's "
+                         "Ulysses x FSDP2 leave parallelism_config_sp_size at 1 and set HF_FSDP2_SP_SIZE (or "
+                         "hf_fsdp2.register(sp_size=...)): the prepared data loader gives the ranks of an sp group "
+                         "the same rows and the prepared model's training forward keeps each rank's slice of every "
+                         "sequence (docs/parallelism.md).")
     if (getattr(pc, "cp_size", 1) or 1) > 1 and getattr(pc, "cp_backend", "torch") != "torch":
         raise ValueError(f"parallelism_config cp_backend={pc.cp_backend!r}: hf_fsdp2 runs context parallelism "
                          "with torch's ring attention only; set parallelism_config_cp_backend: torch.")
@@ -372,6 +376,8 @@ def _prepare_fsdp2(self, *args):
     if deferred:  # Accelerate maps optimizer parameters by data_ptr(), 0 for every meta parameter
         deferred_load.repoint_optimizers(result, optimizer_names)
     prepared = next((r for r in result if isinstance(r, nn.Module)), None)
+    if prepared is not None and is_sharded(prepared):  # its Ulysses (sp_size) takes whole sequences from the loader
+        sequence_parallel.split_in_forward(model_parts(prepared))
     if prepared is not None and fp8.has_fp8(prepared):  # FP8 scales after every step of the prepared optimizers
         for optimizer in (r for r in result if isinstance(r, torch.optim.Optimizer)):
             fp8.attach_to_optimizer(prepared, optimizer)
@@ -411,6 +417,44 @@ def _regional_compilation_in_place():
 
     with upstream.scoped("accelerate.accelerator.compile_regions", in_place):
         yield
+
+
+def _prepare_data_loader(self, data_loader, device_placement=None, slice_fn_for_dispatch=None):
+    """Accelerator.prepare_data_loader. Under Ulysses (sp_size > 1, hf_fsdp2's setting) the ranks of one sp group
+    must load the same rows, which the prepared model's training forward then splits along the sequence
+    (sequence_parallel.split_in_forward): Accelerate's loader is built for the data-parallel ranks only, world /
+    sp of them, rank // sp being a rank's data-parallel index (hf_fsdp2's mesh puts an sp group's ranks side by
+    side: runtime/distributed.build_mesh)."""
+    original = _original("Accelerator", "prepare_data_loader")
+    sp = _sequence_parallel_size(self)
+    if sp == 1:
+        return original(self, data_loader, device_placement, slice_fn_for_dispatch)
+    from accelerate.data_loader import DataLoaderDispatcher
+
+    def data_parallel_only(prepare):
+        def prepare_data_loader(*args, **kwargs):
+            kwargs.update(num_processes=kwargs["num_processes"] // sp, process_index=kwargs["process_index"] // sp,
+                          torch_device_mesh=None)
+            return prepare(*args, **kwargs)
+        return prepare_data_loader
+
+    with upstream.scoped("accelerate.accelerator.prepare_data_loader", data_parallel_only):
+        prepared = original(self, data_loader, device_placement, slice_fn_for_dispatch)
+    if isinstance(prepared, DataLoaderDispatcher):  # it slices rank 0's batches by the state's rank, not ours
+        raise ValueError(f"sp_size={sp} with Accelerate's batch dispatching (an IterableDataset, or "
+                         "dispatch_batches=True) is not done in hf_fsdp2: the dispatcher gives every rank rows of its "
+                         "own. Use a map-style dataset, or DataLoaderConfiguration(dispatch_batches=False).")
+    return prepared
+
+
+def _sequence_parallel_size(accelerator) -> int:
+    """hf_fsdp2's sp_size for this accelerator (register() / HF_FSDP2_SP_SIZE), refused by name where Accelerate
+    does not hand the model to hf_fsdp2 (its training forward would not split the rows the ranks share)."""
+    sp = FSDP2Config.from_dict(_user_settings(), source="register() and HF_FSDP2_* variables").sp_size
+    if sp > 1 and not getattr(accelerator, "is_fsdp2", False):
+        raise ValueError(f"sp_size={sp} (hf_fsdp2.register() / HF_FSDP2_SP_SIZE) needs FSDP2 (an FSDP config with "
+                         "fsdp_version: 2): hf_fsdp2's Ulysses runs in the models it shards.")
+    return config_from_accelerator(accelerator).sp_size if sp > 1 else 1
 
 
 def _prepare_tp(self, *args):

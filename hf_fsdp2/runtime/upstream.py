@@ -106,6 +106,12 @@ SEAMS: tuple[Seam, ...] = (
          "the `_cp_context` it sets (torch's context_parallel on the cp mesh, what maybe_context_parallel enters) is "
          "wrapped on the prepared accelerator: a sequence length cp_size does not divide is refused by name (torch "
          "would split it unevenly and its ring attention would fail inside)"),
+    Seam("accelerate.accelerator.Accelerator.prepare_data_loader", PATCHED, _ACC,
+         "under hf_fsdp2's Ulysses (sp_size) the ranks of an sp group load the same rows (the prepared model's "
+         "training forward splits them along the sequence): the loader is built for the data-parallel ranks only"),
+    Seam("accelerate.accelerator.prepare_data_loader", SCOPED, _ACC,
+         "inside Accelerator.prepare_data_loader under sp_size: num_processes / process_index of the data-parallel "
+         "ranks (world / sp, rank // sp) and no mesh (Accelerate's mesh-based split knows tp and cp, not sp)"),
     Seam("accelerate.parallelism_config.ParallelismConfig._validate_accelerator", SCOPED, _ACC,
          "it rejects the MULTI_CPU state that Accelerator.__init__ passes through before we make it FSDP"),
     Seam("transformers.modeling_utils.PreTrainedModel.from_pretrained", PATCHED, "integrations/deferred_load.py",

@@ -424,11 +424,12 @@ def local_batch(batch: Mapping[str, Any], model: nn.Module) -> dict[str, Any]:
     (sharding/sequence_parallel.py) input_ids, labels, attention_mask, position_ids cut along the sequence, with
     `position_ids`, `shift_labels` and `num_items_in_batch` added for the whole sequences first; the ranks of one
     sp group (neighbouring ranks: rank // sp_size is the data-parallel index under hf_fsdp2.build_mesh) pass the
-    same batch. Otherwise the batch as it is. The integrations call it for you."""
+    same batch. Otherwise the batch as it is. A model prepared by Accelerate (or the Trainer) splits the whole
+    sequences in its training forward itself (sequence_parallel.split_in_forward): its batch is returned as it is."""
     record = record_of(model)
     if record is None or record.mesh is None:
         raise ValueError("local_batch: the model is not sharded; call hf_fsdp2.shard_model first.")
-    if SP_DIM not in (record.mesh.mesh_dim_names or ()):
+    if SP_DIM not in (record.mesh.mesh_dim_names or ()) or sequence_parallel.splits_in_forward(model_parts(model)):
         return dict(batch)
     sp = record.mesh[SP_DIM]
     return sequence_parallel.split_batch(batch, sp.get_local_rank(), sp.size())

@@ -16,7 +16,11 @@ Nothing of transformers' is replaced:
   so each rank's loss is its valid tokens' sum / the global count; their sum over the sp ranks (a differentiable
   all-reduce) is the loss. Its backward all-reduces too, giving each rank sp x its shard's gradient, which
   FSDP2's average over dp_shard x sp (runtime/distributed.data_parallel_mesh) turns into the one-process gradient.
-- `split_batch` cuts a batch along the sequence for a rank, position ids following their tokens.
+- `split_batch` cuts a batch along the sequence for a rank, position ids following their tokens. A plain loop calls
+  it (hf_fsdp2.local_batch); under Accelerate (and so the Trainer) `split_in_forward` has the model's training
+  forward call it on the whole sequences it is given (the data loader hands every rank of an sp group the same
+  rows: integrations/accelerate.py), so the count of valid tokens a caller passes as `num_items_in_batch` is over
+  whole sequences too.
 
 Only in training mode (as ALST's `disable_in_eval`): evaluation and generation run whole sequences on each rank.
 """
@@ -26,6 +30,7 @@ from __future__ import annotations
 import inspect
 import itertools
 import sys
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
@@ -46,16 +51,25 @@ _CORES = ("sdpa", "eager")
 _PER_HEAD_ARGUMENTS = ("position_bias", "s_aux", "sinks")  # would need splitting by head too: not done
 _SPLIT_KEYS = ("input_ids", "labels", "shift_labels", "position_ids", "attention_mask", "inputs_embeds",
                "token_type_ids")
+# A keyword of TRL's SFTTrainer (its fused LM head: the loss computed from per-token log-probabilities outside the
+# model's own loss, which is what Ulysses sums over the sp ranks)
+_OUTSIDE_LOSSES = ("fused_lm_head",)
 _names = itertools.count()
 
 
 @dataclass
 class _Ulysses:
-    """One model's SP: its group, the core implementation, and whether this forward's inputs are shards."""
+    """One model's SP: its group, this rank's place in it, the core implementation, whether this forward's inputs
+    are shards, and whether the training forward is given whole sequences and keeps this rank's shard itself."""
     group: dist.ProcessGroup
     size: int
+    rank: int
     core: str
     active: bool = False
+    splits_inputs: bool = False
+
+
+_STATES: "weakref.WeakKeyDictionary[nn.Module, _Ulysses]" = weakref.WeakKeyDictionary()  # ModelParts.model -> its SP
 
 
 # ---------------------------------------------------------------------------------------------
@@ -102,7 +116,8 @@ def apply_sequence_parallel(parts: ModelParts, config: FSDP2Config, sp_mesh) -> 
     sp = sp_mesh.size()
     refuse_unsupported(parts, sp)
     base = parts.base
-    state = _Ulysses(sp_mesh.get_group(), sp, base.config._attn_implementation)
+    state = _Ulysses(sp_mesh.get_group(), sp, sp_mesh.get_local_rank(), base.config._attn_implementation)
+    _STATES[parts.model] = state
     name = f"hf_fsdp2_ulysses_{next(_names)}"
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
@@ -113,6 +128,21 @@ def apply_sequence_parallel(parts: ModelParts, config: FSDP2Config, sp_mesh) -> 
     parts.model.register_forward_pre_hook(lambda module, args, kwargs: _before_forward(state, module, args, kwargs),
                                           with_kwargs=True)
     parts.model.register_forward_hook(lambda module, args, output: _after_forward(state, output))
+
+
+def split_in_forward(parts: ModelParts) -> None:
+    """From now on the model's training forwards take whole sequences (every rank of an sp group the same rows) and
+    keep this rank's 1/sp of them (`split_batch`), so the loop does not: what Accelerate's prepare (and so the
+    Trainer) asks for. Evaluation forwards run whole sequences as before. Nothing for a model without Ulysses."""
+    state = _STATES.get(parts.model)
+    if state is not None:
+        state.splits_inputs = True
+
+
+def splits_in_forward(parts: ModelParts) -> bool:
+    """Whether `split_in_forward` was asked for this model (its batches must not be split before the forward)."""
+    state = _STATES.get(parts.model)
+    return state is not None and state.splits_inputs
 
 
 # ---------------------------------------------------------------------------------------------
@@ -128,11 +158,22 @@ def _argument(module: nn.Module, name: str, args: tuple, kwargs: dict) -> Any:
         return None
 
 
-def _before_forward(state: _Ulysses, module: nn.Module, args: tuple, kwargs: dict) -> None:
-    """A training forward takes sequence shards (`split_batch`'s); what would silently train wrong is refused."""
+def _before_forward(state: _Ulysses, module: nn.Module, args: tuple, kwargs: dict):
+    """A training forward takes sequence shards (`split_batch`'s; under `split_in_forward` it cuts them here from
+    the whole sequences it is given); what would silently train wrong is refused."""
     state.active = module.training
     if not state.active:
-        return
+        return None
+    outside = [name for name in _OUTSIDE_LOSSES if kwargs.get(name)]
+    if outside:
+        raise ValueError(f"sp_size={state.size}: the forward is asked for `{outside[0]}=True` (TRL's SFTTrainer: its "
+                         "loss is computed from per-token log-probabilities outside the model's loss, so it would "
+                         "be each rank's shard alone, not summed over the sp ranks); TRL's SFT under hf_fsdp2's "
+                         "Ulysses is not done.")
+    if state.splits_inputs:
+        names = list(inspect.signature(module.forward).parameters)
+        whole = {**dict(zip(names, args)), **kwargs}
+        args, kwargs = (), split_batch(whole, state.rank, state.size)
     get = lambda name: _argument(module, name, args, kwargs)  # noqa: E731
     if get("position_ids") is None:
         raise ValueError(f"sp_size={state.size}: this training forward has no `position_ids`, so each rank would "
@@ -148,7 +189,9 @@ def _before_forward(state: _Ulysses, module: nn.Module, args: tuple, kwargs: dic
 
         if find_packed_sequence_indices(positions) is not None:
             raise ValueError(f"sp_size={state.size}: the batch packs several sequences per row (position_ids restart) "
-                             "without an attention_mask; packed sequences under Ulysses are not done in hf_fsdp2.")
+                             "without an attention_mask (e.g. TRL's padding_free or packing); packed sequences under "
+                             "Ulysses are not done in hf_fsdp2.")
+    return (args, kwargs) if state.splits_inputs else None
 
 
 def _batch_size(module: nn.Module, args: tuple, kwargs: dict) -> int:
@@ -288,4 +331,5 @@ def split_batch(batch: Mapping[str, Any], rank: int, size: int) -> dict[str, Any
     return batch
 
 
-__all__ = ["apply_sequence_parallel", "heads", "refuse_unsupported", "split_batch"]
+__all__ = ["apply_sequence_parallel", "heads", "refuse_unsupported", "split_batch", "split_in_forward",
+           "splits_in_forward"]

@@ -506,8 +506,9 @@ def _check_parallelism_config(cfg: Mapping[str, Any], out: list[Finding]) -> _Pa
 
     if parallel.sizes["sp"] > 1:
         _error(out, "parallelism_config.parallelism_config_sp_size",
-               f"{parallel.sizes['sp']}: hf_fsdp2 shards over (dp_replicate, dp_shard, cp) and applies tensor "
-               "parallelism on tp; sequence parallelism (DeepSpeed's Ulysses) is not supported. Set it to 1, or use "
+               f"{parallel.sizes['sp']}: Accelerate's sequence parallelism (DeepSpeed's Ulysses, sp_backend "
+               "deepspeed) is not supported. Set it to 1; for hf_fsdp2's Ulysses x FSDP2 set HF_FSDP2_SP_SIZE in the "
+               "launch's environment (the prepared data loader and model split the sequences), or use "
                "parallelism_config_cp_size (context parallelism).")
     backend = (section or {}).get("parallelism_config_cp_backend", "torch")
     if parallel.sizes["cp"] > 1 and backend != "torch":

@@ -61,6 +61,9 @@ def main():
     rows = torch.cat(batches(steps=12, batch=8))
     dataset = [{"input_ids": r, "labels": r} for r in rows]
     trainer = Trainer(model=model, args=args, train_dataset=dataset, eval_dataset=dataset[:8] if script.eval else None)
+    lengths = set()  # the sequence lengths the model embeds in training (under Ulysses: each rank's slice)
+    model.get_input_embeddings().register_forward_hook(
+        lambda module, args, out: lengths.add(args[0].shape[-1]) if module.training else None)
     trainer.train(resume_from_checkpoint=script.resume)
     if script.final_dir:
         trainer.save_model(script.final_dir)
@@ -69,6 +72,7 @@ def main():
 
     groups = [m._get_fsdp_state()._fsdp_param_group for m in model.modules() if isinstance(m, FSDPModule)]
     groups = [g for g in groups if g is not None]
+    mesh = getattr(record_of(model), "mesh", None)
     if trainer.is_world_process_zero():
         losses = {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
         Path(script.report).write_text(json.dumps({
@@ -76,7 +80,8 @@ def main():
             # on one process (a one-rank shard group) frozen weights stay plain tensors, outside FSDP
             "trainable_dtensor": all(isinstance(p, DTensor) for p in model.parameters() if p.requires_grad),
             "frozen_plain": all(not isinstance(p, DTensor) for p in model.parameters() if not p.requires_grad),
-            "world": trainer.args.world_size,
+            "world": trainer.args.world_size, "embedded_lengths": sorted(lengths),
+            "mesh": dict(zip(mesh.mesh_dim_names, mesh.shape)) if mesh is not None else None,
             "expert_mesh": sorted({(p.device_mesh.mesh_dim_names, tuple(p.device_mesh.shape)) for p in model.parameters()
                                    if isinstance(p, DTensor) and "ep" in (p.device_mesh.mesh_dim_names or ())}),
             "packed_4bit_rows": [[p.to_local().shape[0], p.shape[0]] for p in model.parameters()

@@ -1,0 +1,166 @@
+"""Ulysses sequence parallelism from the entry points (issue 63): Accelerate's prepare, the Trainer, TRL's SFT.
+hf_fsdp2's `sp_size` (register(sp_size=...) / HF_FSDP2_SP_SIZE): the prepared data loader gives the ranks of an sp
+group the same rows and the prepared model's training forward keeps each rank's slice of every sequence
+(sharding/sequence_parallel.split_in_forward); the loop is a plain Accelerate loop. Losses equal one process's
+(rel 1e-4, fp32) on 2 ranks at sp 2."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from .common import build_model, lora
+from .dist_harness import NCCL_LIKE, run_ranks
+
+ROOT = Path(__file__).resolve().parents[1]
+ROWS, SEQ = 4, 16
+
+
+def _rows() -> list[dict]:
+    """8 left-padded rows of different lengths (the valid token counts differ between batches and sp shards)."""
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 128, (2 * ROWS, SEQ), generator=g)
+    mask = torch.ones_like(ids)
+    for row in range(2 * ROWS):
+        mask[row, :(row * 3) % 7] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    return [{"input_ids": i, "attention_mask": m, "labels": x} for i, m, x in zip(ids, mask, labels)]
+
+
+def _model(use_lora: bool):
+    return lora(build_model(0)) if use_lora else build_model(0)
+
+
+def _reference(use_lora: bool) -> list[float]:
+    """The same loop on one process."""
+    from torch.utils.data import DataLoader
+
+    model = _model(use_lora)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    losses = []
+    for batch in DataLoader(_rows(), batch_size=ROWS):
+        loss = model(**batch).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _sft_dataset_and_model():
+    import transformers
+    from datasets import Dataset
+
+    tiny = ROOT / "examples" / "tiny-llama"
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(tiny)).float()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tiny)
+    return Dataset.from_list([{"text": "the capital of france is paris ."}] * 8), model, tokenizer
+
+
+def _accelerate_loops(rank, world):
+    """On each rank: the Accelerate loop, full then LoRA."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from torch.utils.data import DataLoader
+
+    import hf_fsdp2
+    from hf_fsdp2.sharding import record_of
+
+    hf_fsdp2.register(sp_size=2)
+    report = {}
+    for use_lora in (False, True):
+        accelerator = Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2))
+        model = _model(use_lora)
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        model, opt, data = accelerator.prepare(model, opt, DataLoader(_rows(), batch_size=ROWS))
+        lengths = set()
+        model.get_input_embeddings().register_forward_hook(lambda m, args, out: lengths.add(args[0].shape[-1]))
+        losses, rows_seen = [], []
+        for batch in data:
+            rows_seen.append(batch["input_ids"][:, 0].tolist())
+            assert hf_fsdp2.local_batch(batch, model) == batch  # the forward splits: nothing to do in the loop
+            loss = model(**batch).loss
+            accelerator.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        mesh = record_of(model).mesh
+        report[use_lora] = {"losses": losses, "rows": rows_seen, "lengths": sorted(lengths),
+                            "mesh": dict(zip(mesh.mesh_dim_names, mesh.shape))}
+        if not use_lora:  # TRL's fused LM head computes its loss outside the model's: refused at the forward
+            with pytest.raises(ValueError, match="fused_lm_head.*TRL's SFT under hf_fsdp2's Ulysses is not done"):
+                model(**batch, fused_lm_head=True)
+            model.eval()  # evaluation runs whole sequences on every rank
+            with torch.no_grad():
+                model(**batch)
+            assert sorted(lengths) == [SEQ // 2, SEQ]
+        AcceleratorState._reset_state(True)
+    return report
+
+
+def _sft_refused(rank, world, tmp):
+    """TRL's SFTTrainer with sp_size 2: refused by name at its first training forward. On plain gloo: TRL's dataset
+    preparation waits on the default group with CPU tensors, which the NCCL-like group refuses (TRL's, not ours)."""
+    import hf_fsdp2
+    from trl import SFTConfig, SFTTrainer
+
+    from hf_fsdp2.sharding import record_of
+
+    hf_fsdp2.register(sp_size=2)
+    dataset, model, tokenizer = _sft_dataset_and_model()
+    args = SFTConfig(output_dir=str(tmp / f"sft-{rank}"), max_steps=1, per_device_train_batch_size=2,
+                     max_length=16, pad_to_multiple_of=2, report_to="none", save_strategy="no", fsdp="full_shard",
+                     fsdp_config={"fsdp_version": 2}, bf16=False, disable_tqdm=True)
+    trainer = SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer)
+    with pytest.raises(ValueError, match="fused_lm_head.*TRL's SFT under hf_fsdp2's Ulysses is not done"):
+        trainer.train()
+    mesh = record_of(trainer.model).mesh  # sharded by hf_fsdp2 with Ulysses before the refusal
+    return dict(zip(mesh.mesh_dim_names, mesh.shape))
+
+
+def test_accelerate_prepare_with_sp_size_2_equals_one_process_and_trl_sft_is_refused(tmp_path):
+    """register(sp_size=2) on 2 ranks: both ranks load the same rows (one data-parallel rank), each trains on its
+    half of every left-padded sequence (its embedding sees 8 of the 16 tokens), the loss summed over the sp ranks'
+    valid tokens: losses equal one process's, full and LoRA. TRL's SFTTrainer (its loss from a fused LM head,
+    outside the model's loss Ulysses sums) is refused by name at its first training forward. The loops run with
+    GPU process-group semantics (NCCL_LIKE: nothing of SP's goes through the default group on CPU tensors)."""
+    got = run_ranks(_accelerate_loops, 2, timeout=300, backend=NCCL_LIKE)  # the default group refuses CPU tensors
+    for lora_case in (False, True):
+        want = _reference(lora_case)
+        for rank_report in got:
+            out = rank_report[lora_case]
+            assert out["mesh"] == {"dp_shard": 1, "sp": 2}
+            assert out["lengths"] == [SEQ // 2]  # each rank embeds its half of every sequence
+            assert out["losses"] == pytest.approx(want, rel=1e-4), lora_case
+        assert got[0][lora_case]["rows"] == got[1][lora_case]["rows"]  # an sp group's ranks load the same rows
+    assert run_ranks(_sft_refused, 2, tmp_path, timeout=300) == [{"dp_shard": 1, "sp": 2}] * 2
+
+
+def test_trainer_with_hf_fsdp2_sp_size_2_equals_one_process(tmp_path):
+    """The Trainer under `--fsdp` with HF_FSDP2_SP_SIZE=2 on 2 ranks (one data-parallel rank of 8 rows): its
+    token count over whole sequences, its loss scaling and gradient clipping as on one process; losses equal."""
+    from .launched_runs import forked_torchrun, run_script, single_trainer_losses
+
+    out = run_script(forked_torchrun(2, {"HF_FSDP2_SP_SIZE": "2"}), tmp_path / "sp.json", tmp_path / "sp", 1, 3,
+                     "--fsdp", "full_shard", "--fsdp_config", str(ROOT / "accelerate_configs" / "fsdp2.json"),
+                     "--save_strategy", "no")
+    assert out["world"] == 2 and out["mesh"] == {"dp_shard": 1, "sp": 2} and out["embedded_lengths"] == [8]
+    assert out["losses"] == pytest.approx(single_trainer_losses(tmp_path, 3), rel=1e-4)
+
+
+def test_sp_size_refusals_by_name(monkeypatch):
+    """Accelerate's parallelism_config sp_size (DeepSpeed's) names hf_fsdp2's setting; hf_fsdp2's sp_size without
+    FSDP2 (the model not ours to split) and with Accelerate's batch dispatching are refused by name."""
+    from types import SimpleNamespace
+
+    from hf_fsdp2.integrations import accelerate as backend
+
+    with pytest.raises(ValueError, match="sp_size=2.*DeepSpeed.*HF_FSDP2_SP_SIZE"):
+        backend._refuse_model_parallelism(SimpleNamespace(sp_size=2, cp_size=1))
+    monkeypatch.setenv("HF_FSDP2_SP_SIZE", "2")
+    with pytest.raises(ValueError, match="sp_size=2 .*needs FSDP2"):
+        backend._sequence_parallel_size(SimpleNamespace(is_fsdp2=False))
