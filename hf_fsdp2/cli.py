@@ -356,6 +356,8 @@ def _flag_names(e: ValueError) -> ValueError:
     message = str(e)
     for name, flag in (("model", "--model"), ("lora_targets", "--lora-targets"), ("lora_r", "--lora-r"),
                        ("tp_size", "--tp-size"), ("cp_size", "--cp-size"), ("ep_size", "--ep-size"),
+                       ("sp_size", "--sp-size"), ("loss_tile_size", "--loss-tile-size"),
+                       ("mlp_tile_size", "--mlp-tile-size"),
                        ("seq_len", "--seq-len"),
                        ("load_in_4bit", "--load-in-4bit"), ("bnb_4bit_use_double_quant", "--double-quant"),
                        ("gradient_accumulation_steps", "--gradient-accumulation-steps")):
@@ -397,6 +399,13 @@ def _add_layout_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cp-size", type=_positive_int, default=1, metavar="C",
                    help="context parallelism: C of the shard ranks split every sequence (each holds --seq-len / C "
                         "tokens)")
+    p.add_argument("--sp-size", type=_positive_int, default=1, metavar="S",
+                   help="Ulysses sequence parallelism: S neighbouring shard ranks each hold --seq-len / S tokens of "
+                        "every sequence, attention by heads after an all-to-all (FSDP2Config.sp_size)")
+    p.add_argument("--loss-tile-size", type=_positive_int, default=None, metavar="N",
+                   help="sequence tiling: the head and loss computed N tokens at a time (FSDP2Config.loss_tile_size)")
+    p.add_argument("--mlp-tile-size", type=_positive_int, default=None, metavar="N",
+                   help="sequence tiling: each MLP computed N tokens at a time (FSDP2Config.mlp_tile_size)")
     p.add_argument("--gradient-accumulation-steps", type=_positive_int, default=1, metavar="G",
                    help="micro-batches per optimizer step; above 1 the gradients stay alive through forward "
                         "(default 1)")
@@ -417,7 +426,8 @@ def _layout_setup(args: argparse.Namespace, **extra) -> tuple[object, dict]:
     layout = {"replicate_size": replicate, "shard_size": shard, **extra}  # simulate's auto layout replaces the shard size
     return _model_setup(args, cpu_offload=args.offload, activation_checkpointing=args.activation_checkpointing,
                         checkpoint_every=args.checkpoint_every, checkpoint_save_matmuls=args.checkpoint_save_matmuls,
-                        tp_size=args.tp_size, ep_size=args.ep_size, **layout)
+                        tp_size=args.tp_size, ep_size=args.ep_size, sp_size=args.sp_size,
+                        loss_tile_size=args.loss_tile_size, mlp_tile_size=args.mlp_tile_size, **layout)
 
 
 def _run_estimate_memory(args: argparse.Namespace) -> int:
