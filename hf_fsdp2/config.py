@@ -167,6 +167,22 @@ def _parse_int(value: Any, field_name: str, minimum: int) -> int:
     return number
 
 
+# The fields that decide how a model is sharded: they cannot change once transformers sharded it at load
+# (sharding/adopt.py refuses any of them set on such a model).
+SHARDING_FIELDS = ("wrap_policy", "min_num_params", "ignored_modules", "param_dtype", "reduce_dtype", "output_dtype",
+                   "reshard_after_forward", "forward_prefetch", "backward_prefetch", "activation_checkpointing",
+                   "checkpoint_every", "activation_offload", "cpu_offload", "frozen_dtype", "fp8", "compile",
+                   "memory_budget")
+
+# What a parallelism is not done with yet, refused by name where it is applied (`FSDP2Config.not_done_with`, from
+# sharding/tensor_parallel.py and expert_parallel.py): its size field -> (setting, how the refusal names it).
+_NOT_DONE_WITH = {
+    "tp_size": (("fp8", "`fp8`"), ("compile", "`compile` (regional compilation)")),
+    "ep_size": (("fp8", "`fp8`"), ("compile", "`compile`"), ("cpu_offload", "`cpu_offload`"),
+                ("activation_offload", "`activation_offload`")),
+}
+
+
 @dataclass(frozen=True)
 class FSDP2Config:
     """How `shard_model` shards a model. Every field is validated in `__post_init__`.
@@ -442,6 +458,11 @@ class FSDP2Config:
     @property
     def is_auto_layout(self) -> bool:
         return self.shard_size == "auto"
+
+    def not_done_with(self, size_field: str) -> str | None:
+        """The first setting of this config the parallelism of `size_field` ("tp_size", "ep_size") is not done
+        with yet, as its refusal names it; None when there is none."""
+        return next((words for name, words in _NOT_DONE_WITH[size_field] if getattr(self, name)), None)
 
     def mesh_shape(self, world_size: int) -> tuple[int, int]:
         """(replicate, shard) for `world_size` ranks (the data-parallel ones: world_size / tp_size);

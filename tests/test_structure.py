@@ -340,25 +340,29 @@ KNOWN_TECHNIQUE_SPREAD = {
         "integrations/presharded.py", "planner/layout.py", "planner/memory_report.py", "sharding/adopt.py",
         "sharding/expert_dispatch.py", "sharding/expert_lora.py", "sharding/generation.py", "sharding/groups.py",
         "sharding/parallel_plans.py"},
+    # adopt.py, expert_parallel.py, tensor_parallel.py no more: config.py holds the fields that decide sharding
+    # (SHARDING_FIELDS) and what TP and EP are not done with (FSDP2Config.not_done_with)
     "fp8": {
         "checkpoint/weights_io.py", "integrations/accelerate.py", "integrations/accelerate_settings.py",
-        "sharding/adopt.py", "sharding/expert_parallel.py", "sharding/groups.py", "sharding/record.py",
-        "sharding/replication.py", "sharding/tensor_parallel.py"},
+        "sharding/groups.py", "sharding/record.py", "sharding/replication.py"},
     "4-bit": set(),  # the report names a quantized base as its format does (MetaQuantization.name, .storage)
-    # planner/layout.py no more: it tries the activation choices its planner cost lists (memory.activation_choices)
-    "activation offload": {"sharding/adopt.py", "sharding/expert_parallel.py"},
+    # none since: the layout tries the activation choices its planner cost lists (memory.activation_choices);
+    # adopt.py and expert_parallel.py ask config.py (SHARDING_FIELDS, FSDP2Config.not_done_with)
+    "activation offload": set(),
     # none since: the trace and the report count what they are handed (the kept ops, the checkpointed layers and
     # what each keeps) by planner/memory.py, and the layout tries memory.activation_choices
     "selective checkpointing": set(),
-    "compile": {
-        "sharding/adopt.py", "sharding/compiled_collectives.py", "sharding/expert_parallel.py", "sharding/generation.py",
-        "sharding/record.py", "sharding/tensor_parallel.py"},
+    # compile="model"'s own module, which compiles the training forward (torch.compile) with its collectives in the
+    # graph: compile's second mode, not moved. Since: adopt.py, expert_parallel.py and tensor_parallel.py ask
+    # config.py; generation.py asks the record's `gather` (a ParameterGather) to keep what it gathers; compile.py
+    # remembers the models it took the training cache from (no record field)
+    "compile": {"sharding/compiled_collectives.py"},
     "sequence parallelism": {"integrations/accelerate.py"},
     "sequence tiling": set(),  # written in this shape (issue 63): its module, config.py, planner/memory.py, the engine
 }
 
 # record_of / model_parts called outside the entry modules, by file: 18 at 37ccd24, 3 since (the engine looks the
-# record up once and hands it to compile, compiled_collectives, replication's compute cast, generation; context
+# record up once and hands it to compiled_collectives, replication's compute cast, generation; context
 # parallelism gets the parts; shard.py keeps the planner's plan; checkpoint's export and weights plan get the parts,
 # full_weights the parts and mesh from TRL's entry). Left: the planner's meta model is made here (memory.py; and
 # a693beb's sequence tiling of the trace's copy), and groups.py takes a bare model from the planner's callers,

@@ -23,17 +23,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from ..config import FSDP2Config
+from ..config import SHARDING_FIELDS, FSDP2Config
 from ..runtime.distributed import REPLICATE_DIM, TP_DIM
 from .expert_parallel import EP_DIM
 
 TRANSFORMERS_SHARD_DIM = "fsdp"  # transformers' name for the dimension FSDP2 shards over
-
-# FSDP2Config fields that decide how a model is sharded: they cannot change once transformers did it.
-_SHARDING_FIELDS = ("wrap_policy", "min_num_params", "ignored_modules", "param_dtype", "reduce_dtype",
-                    "output_dtype", "reshard_after_forward", "forward_prefetch", "backward_prefetch",
-                    "activation_checkpointing", "checkpoint_every", "activation_offload", "cpu_offload", "frozen_dtype",
-                    "fp8", "compile", "memory_budget")
 
 
 def sharded_by_transformers(model: nn.Module) -> bool:
@@ -76,7 +70,7 @@ def adopted_config(model: nn.Module, config: FSDP2Config) -> tuple[FSDP2Config, 
     actual = {"replicate_size": sizes.get(REPLICATE_DIM, 1), "shard_size": sizes[TRANSFORMERS_SHARD_DIM],
               "tp_size": sizes.get(TP_DIM, 1), "ep_size": _expert_parallel_size(model)}
     defaults = FSDP2Config()
-    changed = [f"`{name}`={getattr(config, name)!r}" for name in _SHARDING_FIELDS
+    changed = [f"`{name}`={getattr(config, name)!r}" for name in SHARDING_FIELDS  # config.py's: they decide sharding
                if getattr(config, name) != getattr(defaults, name)]
     if config.layer_cls_names:  # fine when transformers made a group of each such layer too
         ungrouped = sorted({type(m).__name__ for m in model.modules() if type(m).__name__.removeprefix("FSDP")

@@ -20,12 +20,16 @@ training forward is one graph per layer class (tests/test_layout.py counts zero 
 from __future__ import annotations
 
 import inspect
+import weakref
 from typing import Any
 
 import torch.nn as nn
 
 from .model_parts import ModelParts
-from .record import ShardedModel
+
+# The transformers models whose training forwards run without a cache (`disable_cache_in_training` ran): weakly
+# held, so a model garbage-collected leaves.
+_WITHOUT_CACHE: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 
 
 def is_compiled(module: nn.Module) -> bool:
@@ -41,17 +45,17 @@ def compile_layers(layers: list[nn.Module], **compile_kwargs: Any) -> None:
             layer.compile(**kwargs)
 
 
-def disable_cache_in_training(parts: ModelParts, record: ShardedModel) -> None:
+def disable_cache_in_training(parts: ModelParts) -> None:
     """Training forwards of `model` run with `use_cache=False`, as transformers' gradient checkpointing
     does: a cache filled in forward is filled again by a checkpointed layer's recomputation, and it
     would specialise a compiled layer's graph per layer. Evaluation and `generate` keep the cache, and
     the config is untouched, so a saved config.json is what stock writes. A model whose forward takes
-    no `use_cache` argument gets `config.use_cache = False` instead (text config too). Idempotent: `record` (the
-    model's) says whether it ran."""
-    if record.no_cache_in_training:
-        return
-    record.no_cache_in_training = True
+    no `use_cache` argument gets `config.use_cache = False` instead (text config too). Idempotent: the
+    transformers model is remembered (a PeftModel and its base are one model here)."""
     base = parts.base
+    if base in _WITHOUT_CACHE:
+        return
+    _WITHOUT_CACHE.add(base)
     if "use_cache" not in inspect.signature(base.forward).parameters:
         config = getattr(base, "config", None)
         for cfg in (config, getattr(config, "get_text_config", lambda: None)()):

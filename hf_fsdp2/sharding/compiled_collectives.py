@@ -22,7 +22,8 @@ attribute is the stored shard, as under FSDP2.
 
 Training forwards (grad enabled, `model.training`) run the compiled graph; evaluation and `generate` run
 the same forward eagerly, each use gathering its parameter, except that inside `generate()` each parameter
-is gathered once per call and kept when the model fits (`gathered_once`, from sharding/generation.py). `reshard_after_forward` and
+is gathered once per call and kept when the model fits (`_Use.gathered_once`, the record's `gather`, from
+sharding/generation.py). `reshard_after_forward` and
 activation checkpointing are recompute tags on the joint graph (`_JointPasses`).
 """
 
@@ -84,6 +85,21 @@ class _Use:
 
     def gathered_bytes(self, model: nn.Module) -> int:
         return _gathered_bytes((p for p in model.parameters() if isinstance(p, DTensor)), self.param_dtype)
+
+    @contextlib.contextmanager
+    def gathered_once(self, model: nn.Module, budget: int) -> Iterator[bool]:
+        """Inside the block (generation), each parameter is gathered at its first use without gradient and
+        kept, when the model's gathered weights fit `budget` bytes (the same on every rank); yields whether
+        they do. Otherwise every use gathers again, as in training. Not re-entrant by design: an inner block
+        keeps the outer one's weights."""
+        if self.kept is not None or self.gathered_bytes(model) > budget:
+            yield self.kept is not None
+            return
+        self.kept = {}
+        try:
+            yield True
+        finally:
+            self.kept = None
 
 
 def _gathering_property(name: str, use: _Use) -> property:
@@ -328,23 +344,6 @@ def is_traced(record: ShardedModel | None) -> bool:
     return record is not None and record.gather is not None
 
 
-@contextlib.contextmanager
-def gathered_once(model: nn.Module, record: ShardedModel, budget: int) -> Iterator[bool]:
-    """Inside the block (generation), each parameter is gathered at its first use without gradient and
-    kept, when the model's gathered weights fit `budget` bytes (the same on every rank); yields whether
-    they do. Otherwise every use gathers again, as in training. Not re-entrant by design: an inner block
-    keeps the outer one's weights."""
-    use: _Use | None = record.gather
-    if use is None or use.kept is not None or use.gathered_bytes(model) > budget:
-        yield use is not None and use.kept is not None
-        return
-    use.kept = {}
-    try:
-        yield True
-    finally:
-        use.kept = None
-
-
 def _set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
     """FSDPModule's switch, which Accelerate's `no_sync` (gradient accumulation) and hf_fsdp2.no_sync call:
     here gradients are reduce-scattered in every backward regardless (`say_no_sync_reduces`)."""
@@ -363,7 +362,7 @@ def say_no_sync_reduces() -> None:
             "gradient a parameter holds is its shard); the result is the same, the communication is not saved.")
 
 
-__all__ = ["apply", "gathered_once", "is_traced", "unsupported"]
+__all__ = ["apply", "is_traced", "unsupported"]
 
 
 def _is_fsdp_all_gather(gather: torch.fx.Node) -> bool:

@@ -315,7 +315,7 @@ def shard_planned(
         compile_layers(plan.layers)
     if config.compile == "model" or any(is_compiled(layer) or isinstance(layer, CheckpointWrapper)
                                          for layer in plan.layers):
-        disable_cache_in_training(parts, record)  # ours or Accelerate's checkpointing / regional compilation
+        disable_cache_in_training(parts)  # ours or Accelerate's checkpointing / regional compilation
     replicated = _replicate_or_shard(model, plan, config, mesh, record)
     if config.fp8 and mesh.device_type == "cpu":
         fp8.gather_float8_as_bytes(model)

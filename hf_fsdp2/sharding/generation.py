@@ -32,7 +32,7 @@ import torch.nn as nn
 
 from ..runtime import collectives, fsdp_state, upstream
 from ..runtime.distributed import reshard
-from . import compiled_collectives, compute_cast
+from . import compute_cast
 from .record import ShardedModel
 
 FREE_MEMORY_FRACTION = 0.5  # of the memory free at generate(): the rest is the KV cache's and activations'
@@ -86,13 +86,14 @@ def _synced_for_experts(synced_gpus: bool | None, ep_size: int) -> bool:
 
 @contextlib.contextmanager
 def _traced_kept(model: nn.Module, record: ShardedModel) -> Iterator[bool | None]:
-    """compile="model" (compiled_collectives.py): every parameter gathered once per generate() call when the
-    whole model fits FREE_MEMORY_FRACTION of the free memory (smallest over ranks); yields whether it does
-    (None for other models). Collective for those models: every rank calls generate()."""
-    if not compiled_collectives.is_traced(record):
+    """A model whose parameters are gathered where they are used (the record holds their `gather`: sharding/
+    compiled_collectives.py): every parameter gathered once per generate() call when the whole model fits
+    FREE_MEMORY_FRACTION of the free memory (smallest over ranks); yields whether it does (None for other
+    models). Collective for those models: every rank calls generate()."""
+    if record.gather is None:
         yield None
         return
-    with compiled_collectives.gathered_once(model, record, _generation_budget(model)) as kept:
+    with record.gather.gathered_once(model, _generation_budget(model)) as kept:
         yield kept
 
 

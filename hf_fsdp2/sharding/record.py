@@ -9,6 +9,7 @@ sharding: the auto layout is chosen before the mesh exists, the mesh and config 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -54,9 +55,12 @@ class ComputeCast(Protocol):
 
 
 class ParameterGather(Protocol):
-    """sharding/compiled_collectives.py's gather of the stored parameters (compile="model")."""
+    """sharding/compiled_collectives.py's gather of the stored parameters (compile="model"), which generation
+    asks to keep what it gathers."""
 
     kept: dict[int, torch.Tensor] | None  # inside generation: gathered weights by id
+
+    def gathered_once(self, model: nn.Module, budget: int) -> contextlib.AbstractContextManager[bool]: ...
 
     def gathered_bytes(self, model: nn.Module) -> int: ...
 
@@ -72,7 +76,6 @@ class ShardedModel:
     sharded_object: int | None = None
     layout: LayoutChoice | None = None  # when shard_size="auto" chose the layout (hf_fsdp2/shard.py keeps it)
     fp8: Fp8Conversion | None = None  # when config.fp8: what was converted and why not
-    no_cache_in_training: bool = False  # compile.disable_cache_in_training ran
     generating: bool = False  # inside generation.gathered_for_generation
     compute_cast: ComputeCast | None = None  # when DDP's reducer trains with a param_dtype cast
     gather: ParameterGather | None = None  # compile="model": the parameters' gather (its generation cache)

@@ -55,10 +55,8 @@ def refuse_unsupported(parts: ModelParts, config, on_meta: bool) -> None:
         pass  # named below
     elif quantized.has_quantized_layers(model):
         reason = "4-bit (bitsandbytes) layers"
-    elif config.fp8:
-        reason = "`fp8`"
-    elif config.compile:
-        reason = "`compile` (regional compilation)"
+    elif config.not_done_with("tp_size"):
+        reason = config.not_done_with("tp_size")
     elif on_meta:
         reason = ("a model on the meta device to initialise (hf_fsdp2.from_pretrained loads one onto its split; or "
                   "load it split with transformers' from_pretrained(..., tp_plan='auto', device_mesh=mesh))")
