@@ -50,6 +50,7 @@ def _reference(use_lora: bool) -> list[float]:
 
 
 def _sft_dataset_and_model():
+    """The bundled tiny Llama (its tokenizer) and texts of different lengths (right padding in each batch)."""
     import transformers
     from datasets import Dataset
 
@@ -57,7 +58,9 @@ def _sft_dataset_and_model():
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(tiny)).float()
     tokenizer = transformers.AutoTokenizer.from_pretrained(tiny)
-    return Dataset.from_list([{"text": "the capital of france is paris ."}] * 8), model, tokenizer
+    texts = ["the capital of france is paris .", "the sky is blue .", "a cat sat on the mat and slept .",
+             "rain ."] * 2
+    return Dataset.from_list([{"text": t} for t in texts]), model, tokenizer
 
 
 def _accelerate_loops(rank, world):
@@ -91,9 +94,10 @@ def _accelerate_loops(rank, world):
         mesh = record_of(model).mesh
         report[use_lora] = {"losses": losses, "rows": rows_seen, "lengths": sorted(lengths),
                             "mesh": dict(zip(mesh.mesh_dim_names, mesh.shape))}
-        if not use_lora:  # TRL's fused LM head computes its loss outside the model's: refused at the forward
-            with pytest.raises(ValueError, match="fused_lm_head.*TRL's SFT under hf_fsdp2's Ulysses is not done"):
-                model(**batch, fused_lm_head=True)
+        if not use_lora:  # packed rows (TRL's padding_free / packing: positions restart, no mask): refused by name
+            packed = torch.cat([torch.arange(SEQ // 2)] * 2).expand(ROWS, -1)
+            with pytest.raises(ValueError, match="packs several sequences per row"):
+                model(input_ids=batch["input_ids"], position_ids=packed, labels=batch["labels"])
             model.eval()  # evaluation runs whole sequences on every rank
             with torch.no_grad():
                 model(**batch)
@@ -102,32 +106,34 @@ def _accelerate_loops(rank, world):
     return report
 
 
-def _sft_refused(rank, world, tmp):
-    """TRL's SFTTrainer with sp_size 2: refused by name at its first training forward. On plain gloo: TRL's dataset
-    preparation waits on the default group with CPU tensors, which the NCCL-like group refuses (TRL's, not ours)."""
+def _sft(rank, world, tmp, sp):
+    """TRL's SFTTrainer (its loss from the per-token log-probabilities of its fused LM head, which the model's
+    training forward gathers along the sequence under Ulysses) for 2 steps; rank 0's logged metrics."""
     import hf_fsdp2
     from trl import SFTConfig, SFTTrainer
 
     from hf_fsdp2.sharding import record_of
 
-    hf_fsdp2.register(sp_size=2)
+    hf_fsdp2.register(sp_size=sp)
     dataset, model, tokenizer = _sft_dataset_and_model()
-    args = SFTConfig(output_dir=str(tmp / f"sft-{rank}"), max_steps=1, per_device_train_batch_size=2,
+    args = SFTConfig(output_dir=str(tmp / f"sft-{sp}-{rank}"), max_steps=2, per_device_train_batch_size=2,
                      max_length=16, pad_to_multiple_of=2, report_to="none", save_strategy="no", fsdp="full_shard",
-                     fsdp_config={"fsdp_version": 2}, bf16=False, disable_tqdm=True)
+                     fsdp_config={"fsdp_version": 2}, bf16=False, disable_tqdm=True, logging_steps=1,
+                     learning_rate=1e-2, lr_scheduler_type="constant")
     trainer = SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer)
-    with pytest.raises(ValueError, match="fused_lm_head.*TRL's SFT under hf_fsdp2's Ulysses is not done"):
-        trainer.train()
-    mesh = record_of(trainer.model).mesh  # sharded by hf_fsdp2 with Ulysses before the refusal
-    return dict(zip(mesh.mesh_dim_names, mesh.shape))
+    trainer.train()
+    mesh = record_of(trainer.model).mesh
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    return dict(zip(mesh.mesh_dim_names, mesh.shape)), logs
 
 
-def test_accelerate_prepare_with_sp_size_2_equals_one_process_and_trl_sft_is_refused(tmp_path):
+def test_accelerate_prepare_and_trl_sft_with_sp_size_2_equal_one_process(tmp_path):
     """register(sp_size=2) on 2 ranks: both ranks load the same rows (one data-parallel rank), each trains on its
     half of every left-padded sequence (its embedding sees 8 of the 16 tokens), the loss summed over the sp ranks'
-    valid tokens: losses equal one process's, full and LoRA. TRL's SFTTrainer (its loss from a fused LM head,
-    outside the model's loss Ulysses sums) is refused by name at its first training forward. The loops run with
-    GPU process-group semantics (NCCL_LIKE: nothing of SP's goes through the default group on CPU tensors)."""
+    valid tokens: losses equal one process's, full and LoRA; the loops run with GPU process-group semantics
+    (NCCL_LIKE: nothing of SP's goes through the default group on CPU tensors). TRL's SFTTrainer, which computes
+    its loss itself from its fused LM head's per-token log-probabilities (gathered along the sequence by the
+    model's forward): loss, gradient norm, entropy and token accuracy equal one process's over 2 steps."""
     got = run_ranks(_accelerate_loops, 2, timeout=300, backend=NCCL_LIKE)  # the default group refuses CPU tensors
     for lora_case in (False, True):
         want = _reference(lora_case)
@@ -137,7 +143,14 @@ def test_accelerate_prepare_with_sp_size_2_equals_one_process_and_trl_sft_is_ref
             assert out["lengths"] == [SEQ // 2]  # each rank embeds its half of every sequence
             assert out["losses"] == pytest.approx(want, rel=1e-4), lora_case
         assert got[0][lora_case]["rows"] == got[1][lora_case]["rows"]  # an sp group's ranks load the same rows
-    assert run_ranks(_sft_refused, 2, tmp_path, timeout=300) == [{"dp_shard": 1, "sp": 2}] * 2
+    # TRL's SFT: on plain gloo (TRL's dataset preparation waits on the default group with CPU tensors, which the
+    # NCCL-like group refuses: TRL's, not ours)
+    (mesh, logs), _ = run_ranks(_sft, 2, tmp_path, 2, timeout=300)
+    [(_, want)] = run_ranks(_sft, 1, tmp_path, 1, timeout=300)
+    assert mesh == {"dp_shard": 1, "sp": 2} and len(logs) == len(want) == 2
+    for got_step, want_step in zip(logs, want):
+        for key in ("loss", "grad_norm", "entropy", "mean_token_accuracy"):
+            assert got_step[key] == pytest.approx(want_step[key], rel=1e-4), key
 
 
 def test_trainer_with_hf_fsdp2_sp_size_2_equals_one_process(tmp_path):

@@ -391,7 +391,7 @@ PRIVATE: tuple[Private, ...] = (
     Private("transformers.trainer", "Trainer._get_output_dir", _TR),
     # differentiable collectives of Ulysses and of the even EP dispatch (torch.distributed.nn.functional's are deprecated)
     *[Private("torch.distributed._functional_collectives", name, "sharding/sequence_parallel.py")
-      for name in ("all_reduce", "all_to_all_single_autograd")],
+      for name in ("all_reduce", "all_to_all_single_autograd", "all_gather_tensor_autograd")],
     Private("torch.distributed._functional_collectives", "all_to_all_single_autograd", "sharding/expert_dispatch.py"),
     # the implementation a model's attention looks up (Ulysses wraps it: sharding/sequence_parallel.py)
     Private("transformers.configuration_utils", "PreTrainedConfig._attn_implementation",

@@ -16,6 +16,9 @@ Nothing of transformers' is replaced:
   so each rank's loss is its valid tokens' sum / the global count; their sum over the sp ranks (a differentiable
   all-reduce) is the loss. Its backward all-reduces too, giving each rank sp x its shard's gradient, which
   FSDP2's average over dp_shard x sp (runtime/distributed.data_parallel_mesh) turns into the one-process gradient.
+  Per-token outputs a trainer computes its own loss from (TRL's fused LM head: log_probs, entropy, label_mask, of
+  the shard's [rows, tokens]) are gathered along the sequence, differentiably: every rank's loss then covers the
+  whole sequences and the gather's backward sums each token's gradient over the sp ranks, as the all-reduce does.
 - `split_batch` cuts a batch along the sequence for a rank, position ids following their tokens. A plain loop calls
   it (hf_fsdp2.local_batch); under Accelerate (and so the Trainer) `split_in_forward` has the model's training
   forward call it on the whole sequences it is given (the data loader hands every rank of an sp group the same
@@ -51,9 +54,6 @@ _CORES = ("sdpa", "eager")
 _PER_HEAD_ARGUMENTS = ("position_bias", "s_aux", "sinks")  # would need splitting by head too: not done
 _SPLIT_KEYS = ("input_ids", "labels", "shift_labels", "position_ids", "attention_mask", "inputs_embeds",
                "token_type_ids")
-# A keyword of TRL's SFTTrainer (its fused LM head: the loss computed from per-token log-probabilities outside the
-# model's own loss, which is what Ulysses sums over the sp ranks)
-_OUTSIDE_LOSSES = ("fused_lm_head",)
 _names = itertools.count()
 
 
@@ -67,6 +67,7 @@ class _Ulysses:
     core: str
     active: bool = False
     splits_inputs: bool = False
+    tokens: tuple[int, int] | None = None  # this training forward's (rows, tokens per row) on this rank
 
 
 _STATES: "weakref.WeakKeyDictionary[nn.Module, _Ulysses]" = weakref.WeakKeyDictionary()  # ModelParts.model -> its SP
@@ -164,17 +165,13 @@ def _before_forward(state: _Ulysses, module: nn.Module, args: tuple, kwargs: dic
     state.active = module.training
     if not state.active:
         return None
-    outside = [name for name in _OUTSIDE_LOSSES if kwargs.get(name)]
-    if outside:
-        raise ValueError(f"sp_size={state.size}: the forward is asked for `{outside[0]}=True` (TRL's SFTTrainer: its "
-                         "loss is computed from per-token log-probabilities outside the model's loss, so it would "
-                         "be each rank's shard alone, not summed over the sp ranks); TRL's SFT under hf_fsdp2's "
-                         "Ulysses is not done.")
     if state.splits_inputs:
         names = list(inspect.signature(module.forward).parameters)
         whole = {**dict(zip(names, args)), **kwargs}
         args, kwargs = (), split_batch(whole, state.rank, state.size)
     get = lambda name: _argument(module, name, args, kwargs)  # noqa: E731
+    reference = get("input_ids") if get("input_ids") is not None else get("inputs_embeds")
+    state.tokens = tuple(reference.shape[:2]) if reference is not None else None
     if get("position_ids") is None:
         raise ValueError(f"sp_size={state.size}: this training forward has no `position_ids`, so each rank would "
                          "number its sequence shard from 0. Split the batch with hf_fsdp2.local_batch (it "
@@ -208,8 +205,21 @@ def _after_forward(state: _Ulysses, output: Any) -> Any:
         # Each rank's loss is its shard's sum / the global count: their sum is the loss; the backward all-reduce
         # gives each rank sp x its shard's gradient, FSDP2's average over the sp ranks their sum.
         output["loss"] = funcol.all_reduce(loss, "sum", state.group)  # torch registers its backward: all_reduce
+    if state.active and isinstance(output, Mapping):
+        # Per-token outputs ([rows, tokens], e.g. TRL's fused LM head: log_probs, entropy, label_mask), from which a
+        # trainer computes its own loss, cover the whole sequences: gathered along them, the log-probabilities
+        # differentiably (the backward sums each token's gradient from every rank, as the loss's all-reduce does).
+        for key, value in list(output.items()):
+            if isinstance(value, torch.Tensor) and tuple(value.shape) == state.tokens:
+                output[key] = _gather_per_token(value, state)
     state.active = False
     return output
+
+
+def _gather_per_token(local: torch.Tensor, state: _Ulysses) -> torch.Tensor:
+    if not local.is_floating_point():
+        return _gather_sequence(local, state)
+    return funcol.all_gather_tensor_autograd(local.contiguous(), 1, state.group)  # backward: reduce-scatter (sum)
 
 
 def _gather_sequence(local: torch.Tensor, state: _Ulysses) -> torch.Tensor:
