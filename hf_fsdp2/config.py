@@ -174,9 +174,11 @@ SHARDING_FIELDS = ("wrap_policy", "min_num_params", "ignored_modules", "param_dt
                    "checkpoint_every", "activation_offload", "cpu_offload", "frozen_dtype", "fp8", "compile",
                    "memory_budget")
 
-# What a parallelism is not done with yet, refused by name where it is applied (`FSDP2Config.not_done_with`, from
-# sharding/tensor_parallel.py and expert_parallel.py): its size field -> (setting, how the refusal names it).
+# What a technique is not done with yet, refused by name where it is applied (`FSDP2Config.not_done_with`, from
+# sharding/tensor_parallel.py, expert_parallel.py; replication.py keeps FSDP2 for them instead of DDP's reducer): its
+# field -> (setting, how the refusal names it).
 _NOT_DONE_WITH = {
+    "replication": (("fp8", "`fp8` (FP8 all-gather is FSDP2's)"), ("cpu_offload", "`cpu_offload` (FSDP2's CPU offload)")),
     "tp_size": (("fp8", "`fp8`"), ("compile", "`compile` (regional compilation)")),
     "ep_size": (("fp8", "`fp8`"), ("compile", "`compile`"), ("cpu_offload", "`cpu_offload`"),
                 ("activation_offload", "`activation_offload`")),
@@ -459,10 +461,10 @@ class FSDP2Config:
     def is_auto_layout(self) -> bool:
         return self.shard_size == "auto"
 
-    def not_done_with(self, size_field: str) -> str | None:
-        """The first setting of this config the parallelism of `size_field` ("tp_size", "ep_size") is not done
-        with yet, as its refusal names it; None when there is none."""
-        return next((words for name, words in _NOT_DONE_WITH[size_field] if getattr(self, name)), None)
+    def not_done_with(self, field: str) -> list[str]:
+        """The settings of this config the technique of `field` ("tp_size", "ep_size", "replication") is not
+        done with yet, each as a refusal names it, in the table's order (empty when none)."""
+        return [words for name, words in _NOT_DONE_WITH[field] if getattr(self, name)]
 
     def mesh_shape(self, world_size: int) -> tuple[int, int]:
         """(replicate, shard) for `world_size` ranks (the data-parallel ones: world_size / tp_size);

@@ -340,11 +340,11 @@ KNOWN_TECHNIQUE_SPREAD = {
         "integrations/presharded.py", "planner/layout.py", "planner/memory_report.py", "sharding/adopt.py",
         "sharding/expert_dispatch.py", "sharding/expert_lora.py", "sharding/generation.py", "sharding/groups.py",
         "sharding/parallel_plans.py"},
-    # adopt.py, expert_parallel.py, tensor_parallel.py no more: config.py holds the fields that decide sharding
-    # (SHARDING_FIELDS) and what TP and EP are not done with (FSDP2Config.not_done_with)
+    # adopt.py, expert_parallel.py, tensor_parallel.py, replication.py no more: config.py holds the fields that
+    # decide sharding (SHARDING_FIELDS) and what TP, EP and DDP's reducer are not done with (not_done_with)
     "fp8": {
         "checkpoint/weights_io.py", "integrations/accelerate.py", "integrations/accelerate_settings.py",
-        "sharding/groups.py", "sharding/record.py", "sharding/replication.py"},
+        "sharding/groups.py", "sharding/record.py"},
     "4-bit": set(),  # the report names a quantized base as its format does (MetaQuantization.name, .storage)
     # none since: the layout tries the activation choices its planner cost lists (memory.activation_choices);
     # adopt.py and expert_parallel.py ask config.py (SHARDING_FIELDS, FSDP2Config.not_done_with)

@@ -101,7 +101,7 @@ def refuse_unsupported(model: nn.Module, config, mesh: DeviceMesh) -> None:
     elif quantized.has_quantized_layers(model):
         reason = "4-bit (bitsandbytes) layers"
     else:
-        reason = config.not_done_with("ep_size")
+        reason = next(iter(config.not_done_with("ep_size")), None)
     if reason:
         raise ValueError(f"`ep_size`={config.ep_size} (expert parallelism) is not done in hf_fsdp2 with {reason}.")
     check_shard_group(config, mesh.size())

@@ -51,11 +51,7 @@ def mesh_trains_on_reducer(mesh: DeviceMesh, config: FSDP2Config) -> bool:
 
 def fsdp_only_reasons(model: nn.Module, config: FSDP2Config) -> list[str]:
     """What in `config` needs FSDP2 even with one-rank shard groups (empty: DDP's reducer can train it)."""
-    reasons = []
-    if config.fp8:
-        reasons.append("`fp8` (FP8 all-gather is FSDP2's)")
-    if config.cpu_offload:
-        reasons.append("`cpu_offload` (FSDP2's CPU offload)")
+    reasons = config.not_done_with("replication")  # config.py's table: what only FSDP2 applies
     trainable = {p.dtype for p in model.parameters() if p.requires_grad}
     if config.reduce_dtype is not None and trainable - {config.reduce_dtype}:
         reasons.append(f"`reduce_dtype`={config.reduce_dtype} (gradients are {sorted(map(str, trainable))})")

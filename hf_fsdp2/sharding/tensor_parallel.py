@@ -56,7 +56,7 @@ def refuse_unsupported(parts: ModelParts, config, on_meta: bool) -> None:
     elif quantized.has_quantized_layers(model):
         reason = "4-bit (bitsandbytes) layers"
     elif config.not_done_with("tp_size"):
-        reason = config.not_done_with("tp_size")
+        reason = config.not_done_with("tp_size")[0]
     elif on_meta:
         reason = ("a model on the meta device to initialise (hf_fsdp2.from_pretrained loads one onto its split; or "
                   "load it split with transformers' from_pretrained(..., tp_plan='auto', device_mesh=mesh))")
