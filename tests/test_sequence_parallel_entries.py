@@ -18,12 +18,14 @@ ROOT = Path(__file__).resolve().parents[1]
 ROWS, SEQ = 4, 16
 
 
-def _rows() -> list[dict]:
-    """8 left-padded rows of different lengths (the valid token counts differ between batches and sp shards)."""
+def _rows(groups: int) -> list[dict]:
+    """2 steps of ROWS left-padded rows per data-parallel group, of different lengths (the valid token counts differ
+    between rows, groups and sp shards)."""
+    n = 2 * groups * ROWS
     g = torch.Generator().manual_seed(3)
-    ids = torch.randint(0, 128, (2 * ROWS, SEQ), generator=g)
+    ids = torch.randint(0, 128, (n, SEQ), generator=g)
     mask = torch.ones_like(ids)
-    for row in range(2 * ROWS):
+    for row in range(n):
         mask[row, :(row * 3) % 7] = 0
     labels = ids.masked_fill(mask == 0, -100)
     return [{"input_ids": i, "attention_mask": m, "labels": x} for i, m, x in zip(ids, mask, labels)]
@@ -33,19 +35,20 @@ def _model(use_lora: bool):
     return lora(build_model(0)) if use_lora else build_model(0)
 
 
-def _reference(use_lora: bool) -> list[float]:
-    """The same loop on one process."""
+def _reference(use_lora: bool, groups: int) -> list[list[float]]:
+    """The same loop on one process: each step's loss of each data-parallel group's rows (Accelerate's loader deals
+    ROWS-row batches to the groups in turn), the gradient of their mean (FSDP2's average)."""
     from torch.utils.data import DataLoader
 
     model = _model(use_lora)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     losses = []
-    for batch in DataLoader(_rows(), batch_size=ROWS):
-        loss = model(**batch).loss
-        loss.backward()
+    for batch in DataLoader(_rows(groups), batch_size=groups * ROWS):
+        step = [model(**{k: v[d * ROWS:(d + 1) * ROWS] for k, v in batch.items()}).loss for d in range(groups)]
+        (sum(step) / groups).backward()
         opt.step()
         opt.zero_grad()
-        losses.append(loss.item())
+        losses.append([x.item() for x in step])
     return losses
 
 
@@ -63,8 +66,8 @@ def _sft_dataset_and_model():
     return Dataset.from_list([{"text": t} for t in texts]), model, tokenizer
 
 
-def _accelerate_loops(rank, world):
-    """On each rank: the Accelerate loop, full then LoRA."""
+def _accelerate_loops(rank, world, cases):
+    """On each rank: the Accelerate loop for each case (LoRA or not), sp 2 x world / 2 data-parallel groups."""
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
     from accelerate.utils import FullyShardedDataParallelPlugin
@@ -75,11 +78,11 @@ def _accelerate_loops(rank, world):
 
     hf_fsdp2.register(sp_size=2)
     report = {}
-    for use_lora in (False, True):
+    for use_lora in cases:
         accelerator = Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2))
         model = _model(use_lora)
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-        model, opt, data = accelerator.prepare(model, opt, DataLoader(_rows(), batch_size=ROWS))
+        model, opt, data = accelerator.prepare(model, opt, DataLoader(_rows(world // 2), batch_size=ROWS))
         lengths = set()
         model.get_input_embeddings().register_forward_hook(lambda m, args, out: lengths.add(args[0].shape[-1]))
         losses, rows_seen = [], []
@@ -131,18 +134,27 @@ def test_accelerate_prepare_and_trl_sft_with_sp_size_2_equal_one_process(tmp_pat
     """register(sp_size=2) on 2 ranks: both ranks load the same rows (one data-parallel rank), each trains on its
     half of every left-padded sequence (its embedding sees 8 of the 16 tokens), the loss summed over the sp ranks'
     valid tokens: losses equal one process's, full and LoRA; the loops run with GPU process-group semantics
-    (NCCL_LIKE: nothing of SP's goes through the default group on CPU tensors). TRL's SFTTrainer, which computes
+    (NCCL_LIKE: nothing of SP's goes through the default group on CPU tensors). On 4 ranks (dp 2 x sp 2) each sp
+    pair loads its data-parallel group's rows and trains as one process on them. TRL's SFTTrainer, which computes
     its loss itself from its fused LM head's per-token log-probabilities (gathered along the sequence by the
     model's forward): loss, gradient norm, entropy and token accuracy equal one process's over 2 steps."""
-    got = run_ranks(_accelerate_loops, 2, timeout=300, backend=NCCL_LIKE)  # the default group refuses CPU tensors
+    got = run_ranks(_accelerate_loops, 2, (False, True), timeout=300, backend=NCCL_LIKE)
     for lora_case in (False, True):
-        want = _reference(lora_case)
+        want = [step[0] for step in _reference(lora_case, 1)]
         for rank_report in got:
             out = rank_report[lora_case]
             assert out["mesh"] == {"dp_shard": 1, "sp": 2}
             assert out["lengths"] == [SEQ // 2]  # each rank embeds its half of every sequence
             assert out["losses"] == pytest.approx(want, rel=1e-4), lora_case
         assert got[0][lora_case]["rows"] == got[1][lora_case]["rows"]  # an sp group's ranks load the same rows
+    # 4 ranks, dp 2 x sp 2: ranks 2d and 2d + 1 load data-parallel group d's rows
+    got = run_ranks(_accelerate_loops, 4, (False,), timeout=300)
+    want = _reference(False, 2)
+    for rank, rank_report in enumerate(got):
+        out = rank_report[False]
+        assert out["mesh"] == {"dp_shard": 2, "sp": 2}
+        assert out["losses"] == pytest.approx([step[rank // 2] for step in want], rel=1e-4), rank
+    assert got[0][False]["rows"] == got[1][False]["rows"] != got[2][False]["rows"] == got[3][False]["rows"]
     # TRL's SFT: on plain gloo (TRL's dataset preparation waits on the default group with CPU tensors, which the
     # NCCL-like group refuses: TRL's, not ours)
     (mesh, logs), _ = run_ranks(_sft, 2, tmp_path, 2, timeout=300)
