@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from .common import build_model, lora
+from .common import build_model, lora, saved_tensors
 from .dist_harness import NCCL_LIKE, run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,7 +35,7 @@ def _model(use_lora: bool):
     return lora(build_model(0)) if use_lora else build_model(0)
 
 
-def _reference(use_lora: bool, groups: int) -> list[list[float]]:
+def _reference(use_lora: bool, groups: int) -> tuple[list[list[float]], dict[str, torch.Tensor]]:
     """The same loop on one process: each step's loss of each data-parallel group's rows (Accelerate's loader deals
     ROWS-row batches to the groups in turn), the gradient of their mean (FSDP2's average)."""
     from torch.utils.data import DataLoader
@@ -49,7 +49,7 @@ def _reference(use_lora: bool, groups: int) -> list[list[float]]:
         opt.step()
         opt.zero_grad()
         losses.append([x.item() for x in step])
-    return losses
+    return losses, {name: t.detach().clone() for name, t in model.state_dict().items()}
 
 
 def _sft_dataset_and_model():
@@ -66,7 +66,7 @@ def _sft_dataset_and_model():
     return Dataset.from_list([{"text": t} for t in texts]), model, tokenizer
 
 
-def _accelerate_loops(rank, world, cases):
+def _accelerate_loops(rank, world, cases, saved=None):
     """On each rank: the Accelerate loop for each case (LoRA or not), sp 2 x world / 2 data-parallel groups."""
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
@@ -97,6 +97,8 @@ def _accelerate_loops(rank, world, cases):
         mesh = record_of(model).mesh
         report[use_lora] = {"losses": losses, "rows": rows_seen, "lengths": sorted(lengths),
                             "mesh": dict(zip(mesh.mesh_dim_names, mesh.shape))}
+        if saved is not None and not use_lora:  # gather-free, on the dp_shard x sp mesh
+            accelerator.save_model(model, saved)
         if not use_lora:  # packed rows (TRL's padding_free / packing: positions restart, no mask): refused by name
             packed = torch.cat([torch.arange(SEQ // 2)] * 2).expand(ROWS, -1)
             with pytest.raises(ValueError, match="packs several sequences per row"):
@@ -138,9 +140,16 @@ def test_accelerate_prepare_and_trl_sft_with_sp_size_2_equal_one_process(tmp_pat
     pair loads its data-parallel group's rows and trains as one process on them. TRL's SFTTrainer, which computes
     its loss itself from its fused LM head's per-token log-probabilities (gathered along the sequence by the
     model's forward): loss, gradient norm, entropy and token accuracy equal one process's over 2 steps."""
-    got = run_ranks(_accelerate_loops, 2, (False, True), timeout=300, backend=NCCL_LIKE)
+    got = run_ranks(_accelerate_loops, 2, (False, True), tmp_path / "saved", timeout=300, backend=NCCL_LIKE)
     for lora_case in (False, True):
-        want = [step[0] for step in _reference(lora_case, 1)]
+        want_steps, want_weights = _reference(lora_case, 1)
+        want = [step[0] for step in want_steps]
+        if not lora_case:  # the saved model: one process's trained weights, under the same names (atol: AdamW's
+            saved = saved_tensors(tmp_path / "saved")  # step on a near-zero gradient magnifies float noise)
+            assert saved.keys() == want_weights.keys()
+            for name, tensor in saved.items():
+                torch.testing.assert_close(tensor, want_weights[name], rtol=1e-4, atol=1e-4,
+                                           msg=lambda m, name=name: f"{name}: {m}")
         for rank_report in got:
             out = rank_report[lora_case]
             assert out["mesh"] == {"dp_shard": 1, "sp": 2}
@@ -149,7 +158,7 @@ def test_accelerate_prepare_and_trl_sft_with_sp_size_2_equal_one_process(tmp_pat
         assert got[0][lora_case]["rows"] == got[1][lora_case]["rows"]  # an sp group's ranks load the same rows
     # 4 ranks, dp 2 x sp 2: ranks 2d and 2d + 1 load data-parallel group d's rows
     got = run_ranks(_accelerate_loops, 4, (False,), timeout=300)
-    want = _reference(False, 2)
+    want, _ = _reference(False, 2)
     for rank, rank_report in enumerate(got):
         out = rank_report[False]
         assert out["mesh"] == {"dp_shard": 2, "sp": 2}
@@ -177,15 +186,28 @@ def test_trainer_with_hf_fsdp2_sp_size_2_equals_one_process(tmp_path):
     assert out["losses"] == pytest.approx(single_trainer_losses(tmp_path, 3), rel=1e-4)
 
 
-def test_sp_size_refusals_by_name(monkeypatch):
-    """Accelerate's parallelism_config sp_size (DeepSpeed's) names hf_fsdp2's setting; hf_fsdp2's sp_size without
-    FSDP2 (the model not ours to split) and with Accelerate's batch dispatching are refused by name."""
+def test_sp_size_settings_checked_and_refused_by_name(monkeypatch):
+    """Accelerate's parallelism_config sp_size (DeepSpeed's) names hf_fsdp2's setting, at prepare and in
+    check-config; check-config takes HF_FSDP2_SP_SIZE as the launch does (sp dividing the shard ranks, not with the
+    auto layout); hf_fsdp2's sp_size without FSDP2 (the model not ours to split) is refused by name."""
     from types import SimpleNamespace
 
     from hf_fsdp2.integrations import accelerate as backend
+    from hf_fsdp2.tools.check_config import check_accelerate_config_dict, load_config_file
 
     with pytest.raises(ValueError, match="sp_size=2.*DeepSpeed.*HF_FSDP2_SP_SIZE"):
         backend._refuse_model_parallelism(SimpleNamespace(sp_size=2, cp_size=1))
+    cfg = load_config_file(ROOT / "accelerate_configs" / "fsdp2.yaml")  # num_processes: 2
+
+    def errors(config, **environ):
+        return [str(f) for f in check_accelerate_config_dict(config, environ) if f.level == "error"]
+
+    assert errors(cfg, HF_FSDP2_SP_SIZE="2") == []
+    assert "`sp_size`=3 must divide the shard size 2" in " ".join(errors(cfg, HF_FSDP2_SP_SIZE="3"))
+    assert "`sp_size`=2 with `shard_size`='auto'" in " ".join(errors(cfg, HF_FSDP2_SP_SIZE="2",
+                                                                     HF_FSDP2_SHARD_SIZE="auto"))
+    deepspeed_sp = dict(cfg, parallelism_config={"parallelism_config_dp_shard_size": 1, "parallelism_config_sp_size": 2})
+    assert any("parallelism_config_sp_size: 2" in e and "HF_FSDP2_SP_SIZE" in e for e in errors(deepspeed_sp))
     monkeypatch.setenv("HF_FSDP2_SP_SIZE", "2")
     with pytest.raises(ValueError, match="sp_size=2 .*needs FSDP2"):
         backend._sequence_parallel_size(SimpleNamespace(is_fsdp2=False))
