@@ -190,9 +190,9 @@ def _changed_before_prepare(rank, world, base, other):
     out = {}
     for what, change in changes.items():
         model = change(deferred_load.load_on_meta(AutoModelForCausalLM, base, (), {}))
-        deferred_load.keep_changes(model)  # as prepare calls it (integrations/accelerate.py)
-        fill = loading.Deferred(base)
+        fill = loading.Deferred(base, deferred_load.keep_changes(model))  # as prepare calls it (integrations/accelerate.py)
         loading.shard_and_fill(model, loading.plan_for(model, FSDP2Config(), fill), fill)
+        deferred_load.filled(model)
         out[what] = {n: (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
                      for n, t in model.state_dict().items()}
     return out
@@ -234,7 +234,6 @@ def test_an_in_place_change_on_meta_is_refused_at_prepare_and_a_load_is_not(tmp_
     from transformers import AutoModelForCausalLM
 
     from hf_fsdp2.integrations import deferred_load
-    from hf_fsdp2.sharding import record_of
 
     build_model().save_pretrained(tmp_path)
     for change in (lambda m: m.lm_head.weight.zero_(), lambda m: torch.nn.init.ones_(m.model.norm.weight),
@@ -248,8 +247,7 @@ def test_an_in_place_change_on_meta_is_refused_at_prepare_and_a_load_is_not(tmp_
             deferred_load.keep_changes(model)
     model = deferred_load.load_on_meta(AutoModelForCausalLM, tmp_path, (), {})
     model.load_state_dict(build_model(seed=1).state_dict())  # torch's copy counts as a change: kept, not refused
-    deferred_load.keep_changes(model)
-    assert torch.equal(record_of(model).deferred_values["lm_head.weight"], build_model(seed=1).lm_head.weight)
+    assert torch.equal(deferred_load.keep_changes(model)["lm_head.weight"], build_model(seed=1).lm_head.weight)
 
 
 def test_a_deferred_model_used_before_prepare_fails_naming_the_deferral(tmp_path):
@@ -277,9 +275,7 @@ def test_a_deferred_model_used_before_prepare_fails_naming_the_deferral(tmp_path
     with pytest.raises(RuntimeError, match=r"save_pretrained: its weights are not loaded yet.*without weights"):
         model.save_pretrained(tmp_path / "saved")
     assert not (tmp_path / "saved").exists()
-    from hf_fsdp2.sharding import record_of
-
-    record_of(model).deferred_checkpoint = None  # as prepare leaves it
+    deferred_load.filled(model)  # as prepare leaves it
     model.to_empty(device="cpu")
     assert model.resize_token_embeddings(300).weight.shape[0] == 300
 
@@ -422,6 +418,8 @@ def test_a_presharded_model_on_a_mesh_without_accelerates_cp_is_refused_by_name(
     with pytest.raises(ValueError, match=r"context parallelism over 2 ranks.*mesh=accelerator.torch_device_mesh"):
         presharded.keep_presharded(model, FSDP2Config(cp_size=2))
     assert presharded.keep_presharded(model, FSDP2Config()) is model
+    # a setting that does not change the sharding is taken from Accelerate's (the engine writes the record's config)
+    assert presharded.keep_presharded(model, FSDP2Config(async_save=True)) is model and record.config.async_save
 
 
 def test_a_presharded_model_refuses_settings_it_cannot_take_by_name():

@@ -225,13 +225,14 @@ def test_final_norm_is_the_one_before_the_output_head():
     never a norm applied to embeddings."""
     from hf_fsdp2 import FSDP2Config
     from hf_fsdp2.sharding import plan_groups
+    from hf_fsdp2.sharding.model_parts import model_parts
 
     llava = _build("llava")
-    plan = plan_groups(llava, FSDP2Config())
+    plan = plan_groups(model_parts(llava), FSDP2Config())
     assert any(m is llava.model.language_model.norm for m in plan.head)
     assert len(plan.layers) == 4  # 2 CLIP encoder layers + 2 Llama decoder layers
     bart = _build("bart")
-    plan = plan_groups(bart, FSDP2Config())
+    plan = plan_groups(model_parts(bart), FSDP2Config())
     assert not any(m is bart.model.decoder.layernorm_embedding or m is bart.model.encoder.layernorm_embedding
                    for m in plan.head)
 

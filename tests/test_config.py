@@ -5,6 +5,7 @@ import torch
 
 from hf_fsdp2 import FSDP2Config
 from hf_fsdp2.sharding import find_layers, plan_groups, resolve_layer_class_names
+from hf_fsdp2.sharding.model_parts import model_parts
 
 from .common import build_model, lora
 
@@ -53,13 +54,13 @@ def test_from_dict_rejects_unknown_keys_with_suggestion():
 def test_unknown_class_name_lists_what_the_model_contains():
     model = build_model()
     with pytest.raises(ValueError, match="matches no module of LlamaForCausalLM.*LlamaDecoderLayer"):
-        resolve_layer_class_names(model, FSDP2Config(layer_cls_names="GPT2Block"))
+        resolve_layer_class_names(model_parts(model), FSDP2Config(layer_cls_names="GPT2Block"))
 
 
 def test_default_layer_classes_come_from_no_split_modules_through_peft():
     model = lora(build_model())
-    assert resolve_layer_class_names(model, FSDP2Config()) == ("LlamaDecoderLayer",)
-    plan = plan_groups(model, FSDP2Config())
+    assert resolve_layer_class_names(model_parts(model), FSDP2Config()) == ("LlamaDecoderLayer",)
+    plan = plan_groups(model_parts(model), FSDP2Config())
     assert len(plan.layers) == 3
     base = model.base_model.model
     # The final norm is found under the PeftModel too (Accelerate's lookup misses it there).
@@ -77,6 +78,6 @@ def test_layers_found_through_checkpoint_wrappers():
 
 def test_tied_weights_planned_into_one_group():
     model = build_model(tie_word_embeddings=True)
-    plan = plan_groups(model, FSDP2Config())
+    plan = plan_groups(model_parts(model), FSDP2Config())
     assert plan.tied and plan.embedding is None
     assert plan.head == [model.model.embed_tokens, model.model.norm, model.lm_head]

@@ -17,6 +17,7 @@ from hf_fsdp2.planner.activation_trace import trace_activations
 from hf_fsdp2.planner.memory import estimate_memory, shard_rows
 from hf_fsdp2.planner.meta_model import build_meta_model
 from hf_fsdp2.sharding import find_layers, plan_groups, record_of
+from hf_fsdp2.sharding.model_parts import model_parts
 from hf_fsdp2.sharding.engine import apply_activation_checkpointing
 
 from .common import batches, build_model, local_rows, lora, optimizer, tiny_config
@@ -388,7 +389,7 @@ def test_activation_trace_matches_a_real_forward(dtype):
     ids = batches(steps=1, batch=batch, vocab=MODEL["vocab_size"])[0][:, :seq]
     real = build_model(**MODEL).to(dtype).train()
     meta = build_meta_model(build_model(**MODEL))
-    layers = plan_groups(meta, FSDP2Config()).layers
+    layers = plan_groups(model_parts(meta), FSDP2Config()).layers
     est = trace_activations(meta, layers, batch, seq, compute_dtype=dtype)
     assert est.saved_bytes == _saved_bytes_of_a_real_forward(real, ids)
     assert est.peak_bytes == est.saved_bytes
@@ -398,7 +399,7 @@ def test_activation_trace_matches_a_real_forward(dtype):
     apply_activation_checkpointing(real, find_layers(real, ("LlamaDecoderLayer",)))
     kept = _saved_bytes_of_a_real_forward(real, ids)
     meta = build_meta_model(build_model(**MODEL))
-    est_ac = trace_activations(meta, plan_groups(meta, FSDP2Config()).layers, batch, seq, compute_dtype=dtype,
+    est_ac = trace_activations(meta, plan_groups(model_parts(meta), FSDP2Config()).layers, batch, seq, compute_dtype=dtype,
                                checkpointing=True)
     steady = est_ac.peak_bytes - est_ac.largest_layer_bytes
     assert kept <= steady <= 1.1 * kept

@@ -314,6 +314,73 @@ def state_lookups(root: Path = SOURCE) -> collections.Counter:
     return found
 
 
+# Every field of the record has one writing module (issue 62). A write: an assignment (plain, augmented, in a tuple,
+# or to an item of the field) to `<record>.<field>`, or setattr(<record>, "<field>", ...), where <record> is a call
+# of record_of(...) or ShardedModel(...), or a name a function binds to one, or annotates as ShardedModel.
+RECORD_CLASS = "ShardedModel"
+
+
+def _record_fields(root: Path) -> set[str]:
+    tree = ast.parse((root / "hf_fsdp2" / "sharding" / "record.py").read_text())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == RECORD_CLASS)
+    return {n.target.id for n in cls.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
+
+
+def _makes_record(node: ast.AST) -> bool:
+    if not isinstance(node, ast.Call):
+        return False
+    func = node.func
+    return (func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else None) in (
+        "record_of", RECORD_CLASS)
+
+
+def _record_names(function: ast.AST) -> set[str]:
+    """Names a function binds to a record: parameters or variables annotated as one, or assigned one."""
+    names = set()
+    for node in ast.walk(function):
+        if isinstance(node, ast.arg) and node.annotation is not None and RECORD_CLASS in ast.unparse(node.annotation):
+            names.add(node.arg)
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and (
+                RECORD_CLASS in ast.unparse(node.annotation) or (node.value is not None and _makes_record(node.value))):
+            names.add(node.target.id)
+        elif isinstance(node, ast.Assign) and _makes_record(node.value):
+            names |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+    return names
+
+
+def record_writers(root: Path = SOURCE) -> dict[str, set[str]]:
+    """field of the record (sharding/record.py's ShardedModel) -> the files of hf_fsdp2/ that write it."""
+    fields = _record_fields(root)
+    out: dict[str, set[str]] = {name: set() for name in fields}
+    for path in sorted((root / "hf_fsdp2").rglob("*.py")):
+        rel = path.relative_to(root / "hf_fsdp2").as_posix()
+        tree = ast.parse(path.read_text())
+        for function in [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]:
+            names = _record_names(function)
+
+            def is_record(node: ast.AST, names=names) -> bool:
+                return _makes_record(node) or (isinstance(node, ast.Name) and node.id in names)
+
+            for node in ast.walk(function):
+                targets = (node.targets if isinstance(node, ast.Assign) else
+                           [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else [])
+                for target in [e for t in targets for e in (t.elts if isinstance(t, ast.Tuple) else [t])]:
+                    while isinstance(target, ast.Subscript):  # an item of the field: the field changes
+                        target = target.value
+                    if isinstance(target, ast.Attribute) and target.attr in fields and is_record(target.value):
+                        out[target.attr].add(rel)
+                if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr"
+                        and len(node.args) > 1 and is_record(node.args[0]) and isinstance(node.args[1], ast.Constant)
+                        and node.args[1].value in fields):
+                    out[node.args[1].value].add(rel)
+    return out
+
+
+def shared_record_fields(root: Path = SOURCE) -> dict[str, str]:
+    """Fields of the record written by more than one module: field -> the modules."""
+    return {field: ", ".join(sorted(files)) for field, files in record_writers(root).items() if len(files) > 1}
+
+
 # ---------------------------------------------------------------------------------------------
 # Known violations: each one a fix owed (issue 62), listed so that a new one fails and a fixed one must go.
 
@@ -361,13 +428,14 @@ KNOWN_TECHNIQUE_SPREAD = {
     "sequence tiling": set(),  # written in this shape (issue 63): its module, config.py, planner/memory.py, the engine
 }
 
-# record_of / model_parts called outside the entry modules, by file: 18 at 37ccd24, 3 since (the engine looks the
+# record_of / model_parts called outside the entry modules, by file: 18 at 37ccd24, 1 since (the engine looks the
 # record up once and hands it to compiled_collectives, replication's compute cast, generation; context
 # parallelism gets the parts; shard.py keeps the planner's plan; checkpoint's export and weights plan get the parts,
-# full_weights the parts and mesh from TRL's entry). Left: the planner's meta model is made here (memory.py; and
-# a693beb's sequence tiling of the trace's copy), and groups.py takes a bare model from the planner's callers,
-# tools/config_writer.py and tests.
-KNOWN_STATE_LOOKUPS = collections.Counter({"planner/memory.py": 2, "sharding/groups.py": 2})
+# full_weights the parts and mesh from TRL's entry; groups.py takes the parts from its callers, the engine, the
+# planner and tools/config_writer.py, which builds a model from a config: no PEFT; the trace's copy gets the parts
+# memory.py knows). Left: the planner's meta model comes in at memory.py (estimate_memory / prepare_meta_model
+# take a bare model or a PeftModel: the planner's entry).
+KNOWN_STATE_LOOKUPS = collections.Counter({"planner/memory.py": 1})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -412,6 +480,16 @@ def test_the_state_is_handed_along():
     """A model's record and parts are looked up where the model comes in (shard.py, the engine, checkpoint's
     pretrained/loading/state, integrations/) and handed to what those call; elsewhere a ratchet of known sites."""
     assert state_lookups() == KNOWN_STATE_LOOKUPS
+
+
+def test_every_field_of_the_record_has_one_writing_module():
+    """sharding/record.py's ShardedModel: each field written by one module (the engine: config, mesh, the sharded
+    object; integrations/deferred_load.py: the deferred checkpoint and what was loaded before prepare; ...);
+    others hand the writer what it writes (presharded.py: engine.keep_async_save; loading.py: the fill's values)."""
+    writers = record_writers()
+    assert shared_record_fields() == {}
+    assert writers["config"] == writers["mesh"] == {"sharding/engine.py"}  # the scan sees a write
+    assert writers["deferred_checkpoint"] == {"integrations/deferred_load.py"}
 
 
 def test_the_planner_knows_no_quantization_backend():
@@ -460,6 +538,14 @@ def _violated(tmp_path: Path, file: str, line: str) -> Path:
     ("planner/meta_model.py", "from ..quantization import bnb_4bit", planner_backends, "planner/meta_model.py"),
     ("planner/memory.py", "def f(transformers):\n    return transformers.BitsAndBytesConfig()", planner_backends,
      "planner/memory.py"),
+    # a second module writing a field of the record: on a lookup, a name bound to one, an annotated parameter
+    ("sharding/grad_clip.py", "def f(model):\n    record_of(model).mesh = None", shared_record_fields, "mesh"),
+    ("checkpoint/loading.py", "def f(model):\n    record = record_of(model)\n    record.deferred_checkpoint = None",
+     shared_record_fields, "deferred_checkpoint"),
+    ("integrations/presharded.py", "def f(record: ShardedModel, config):\n    record.layout, record.config = None, config",
+     shared_record_fields, "config"),
+    ("sharding/generation.py", "def f(model):\n    setattr(record_of(model), 'gather', None)", shared_record_fields,
+     "gather"),
 ])
 def test_a_rule_reports_a_new_violation(tmp_path, file, line, rule, offender):
     assert offender not in rule()

@@ -6,7 +6,7 @@ one object), then `shard_and_fill` with one of the ways a sharded model gets its
   (Accelerate's `fsdp_cpu_ram_efficient_loading`; the other ranks hold the model on meta);
 - `FromDirectory(path)`: each rank reads its own rows of a Hugging Face directory (`hf_fsdp2.from_pretrained`,
   `load_pretrained`);
-- `Deferred(path)`: a model transformers' `from_pretrained` built on meta (integrations/deferred_load.py):
+- `Deferred(path, values)`: a model transformers' `from_pretrained` built on meta (integrations/deferred_load.py):
   adapters PEFT added initialised, the directory's rows, then the values given to it before prepare.
 
 Every loader of hf_fsdp2 goes through here: `hf_fsdp2.from_pretrained` (checkpoint/pretrained.py) and
@@ -28,7 +28,7 @@ from ..quantization import quantized
 from ..runtime import collectives, upstream
 from ..runtime.distributed import local_tensor
 from ..shard import Layout, plan
-from ..sharding import canonical_name, engine, record_of
+from ..sharding import canonical_name, engine
 from ..sharding.model_parts import ModelParts, model_parts
 from . import async_save
 from .tensor_export import block_range, model_tensors, row_range
@@ -51,6 +51,9 @@ class FromDirectory:
 @dataclasses.dataclass(frozen=True)
 class Deferred:
     path: Path
+    # the values given to the model before prepare, by name (integrations/deferred_load.py keep_changes), written
+    # over the directory's rows
+    values: dict = dataclasses.field(default_factory=dict)
 
 
 Fill = str | FromRank0 | FromDirectory | Deferred
@@ -78,8 +81,7 @@ def shard_and_fill(model: nn.Module, layout: Layout, fill: Fill) -> nn.Module:
         engine.shard_planned(parts, layout.config, mesh=layout.mesh, init_weights=False)
         read_directory(model, fill.path)
         _fill_peft_originals(parts)
-        _restore_deferred_values(parts)
-        record_of(model).deferred_checkpoint = None
+        _restore_deferred_values(parts, fill.values)
         return model
     if isinstance(fill, FromDirectory):
         engine.shard_planned(model, layout.config, mesh=layout.mesh, init_weights=False)
@@ -152,12 +154,11 @@ def _fill_peft_originals(parts: ModelParts) -> None:
             local_tensor(original).copy_(local_tensor(source))
 
 
-def _restore_deferred_values(parts: ModelParts) -> None:
-    """The values given to the deferred model before prepare (deferred_load: loaded with `load_state_dict`, or
-    assigned real tensors), written over what the directory and the adapters' init gave: each rank its own block
-    of every tensor. Every rank was given the same values, as init's broadcast or the directory would give."""
-    record = record_of(parts)
-    kept = record.deferred_values
+def _restore_deferred_values(parts: ModelParts, kept: dict) -> None:
+    """The values given to the deferred model before prepare (`kept`, by name: deferred_load, loaded with
+    `load_state_dict`, or assigned real tensors), written over what the directory and the adapters' init gave:
+    each rank its own block of every tensor. Every rank was given the same values, as init's broadcast or the
+    directory would give."""
     if not kept:
         return
     tensors = {canonical_name(n): t for n, t in [*parts.base.named_parameters(remove_duplicate=False),
@@ -175,7 +176,6 @@ def _restore_deferred_values(parts: ModelParts) -> None:
             start, stop, cols = block_range(target)
             block = value[start:stop] if value.dim() else value
             local_tensor(target).copy_(block if cols is None else block[:, cols[0]:cols[1]])
-    record.deferred_values = {}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -507,8 +507,9 @@ def _fsdp2_prepare_model(accelerator, model: nn.Module) -> nn.Module:
         config = config.replace(ignored_modules=_module_names_pattern(model, ignored))
     if sharded_by_transformers(model):  # from_pretrained(distributed_config=...) sharded it at load:
         return shard_model(model, config)  # kept as it is, on its own mesh (sharding/adopt.py)
+    given_values = None
     if deferred_load.deferred_checkpoint(model) is not None:  # built on meta by transformers' from_pretrained:
-        deferred_load.keep_changes(model)  # what was changed since, kept for the fill or refused by name
+        given_values = deferred_load.keep_changes(model)  # what was changed since, kept for the fill or refused
     if accelerator.mixed_precision != "no":
         # Mixed precision keeps fp32 master weights for what trains (as Accelerate does);
         # frozen weights stay as they are, or in `frozen_dtype`.
@@ -526,14 +527,17 @@ def _fsdp2_prepare_model(accelerator, model: nn.Module) -> nn.Module:
     given = accelerator.torch_device_mesh if config.tp_size > 1 or cp_size > 1 else None
     directory = deferred_load.deferred_checkpoint(model)
     if directory is not None:  # built on meta everywhere: each rank reads its rows
-        fill = loading.Deferred(directory)
+        fill = loading.Deferred(directory, given_values)
     else:  # fsdp_cpu_ram_efficient_loading: rank 0's weights; else the model's own
         fill = loading.FromRank0() if from_rank0 else loading.INITIALISE
     layout = loading.plan_for(model, config, fill, mesh=given)
     if cp_size > 1 and getattr(accelerator, "_cp_context", None) is not None:
         upstream.wrap_instance_method(accelerator, "_cp_context", "accelerate.accelerator.Accelerator._prepare_cp",
                                       lambda original: _checked_cp_context(original, cp_size))
-    return loading.shard_and_fill(model, layout, fill)
+    model = loading.shard_and_fill(model, layout, fill)
+    if directory is not None:
+        deferred_load.filled(model)  # loads and forwards from now on are torch's own
+    return model
 
 
 def _checked_cp_context(original, cp_size: int):

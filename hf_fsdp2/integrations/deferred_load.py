@@ -171,10 +171,11 @@ def _note_loaded_versions(loaded: list, module: nn.Module, incompatible_keys) ->
 _PEFT_WRAPPING = re.compile(r"(\.(base_layer|original_module|modules_to_save\.[^.]+))+\.")
 
 
-def keep_changes(model: nn.Module) -> None:
+def keep_changes(model: nn.Module) -> dict[str, torch.Tensor]:
     """At prepare, before the sharding (Accelerate's prepare, and TRL's reference models through it): what was
-    changed since the load survives it or is refused by name. The values given to it, by the names its tensors
-    have now (`record.deferred_values`, which the fill writes over the directory's rows): a parameter given real
+    changed since the load survives it or is refused by name. Returns the values given to it, by the names its
+    tensors have now (for the fill, checkpoint/loading.py's `Deferred.values`, written over the directory's rows):
+    a parameter given real
     values (`load_state_dict(..., assign=True)`, a new `nn.Parameter`) as it is; a tensor loaded into on meta, the
     values kept at the load; a `modules_to_save` copy PEFT made of a layer after weights were loaded into it, those
     (PEFT deep-copies the layer: one process's copy holds the loaded values). A tensor still on meta whose version
@@ -203,7 +204,14 @@ def keep_changes(model: nn.Module) -> None:
     for name in _state_tensors(model_parts(model).base):
         if name not in values and ".modules_to_save." in name and _PEFT_WRAPPING.sub(".", name) in copied_from:
             values[name] = copied_from[_PEFT_WRAPPING.sub(".", name)]
-    record.deferred_loaded, record.deferred_versions, record.deferred_values = {}, {}, values
+    record.deferred_loaded, record.deferred_versions = {}, {}
+    return values
+
+
+def filled(model: nn.Module) -> None:
+    """The deferred checkpoint was read into the prepared model (checkpoint/loading.py's `Deferred` fill): loads and
+    forwards from now on are torch's own."""
+    record_of(model).deferred_checkpoint = None
 
 
 def _try_meta(model_class, path, args: tuple, kwargs: dict) -> tuple[nn.Module | None, str]:
@@ -272,5 +280,5 @@ def repoint_optimizers(result: tuple, names: list[list[list[str]]]) -> None:
             group["params"] = [prepared[n] for n in canonical]
 
 
-__all__ = ["SEAM", "deferred_checkpoint", "keep_changes", "load_on_meta", "optimizer_parameter_names",
+__all__ = ["SEAM", "deferred_checkpoint", "filled", "keep_changes", "load_on_meta", "optimizer_parameter_names",
            "ram_efficient_fsdp2", "repoint_optimizers"]

@@ -18,7 +18,7 @@ import torch.nn as nn
 
 from ..config import FSDP2Config
 from ..runtime import collectives
-from ..sharding import record_of, replication
+from ..sharding import engine, record_of, replication
 
 # Inputs of the layout planner (shard_size="auto"), spent once the layout is chosen.
 _PLANNING = ("memory_budget", "plan_batch_size", "plan_seq_len")
@@ -92,7 +92,7 @@ def keep_presharded(model: nn.Module, wanted: FSDP2Config) -> nn.Module:
             + f". Load it with hf_fsdp2.from_pretrained(..., hf_fsdp2.FSDP2Config({given})), or change the "
             "Accelerate settings to match.")
     if wanted.async_save != have.async_save:
-        record.config = have.replace(async_save=wanted.async_save)
+        engine.keep_async_save(record, wanted.async_save)
         if collectives.rank() == 0:
             logging.getLogger("hf_fsdp2").info("prepare: async_save=%s from the Accelerate settings.", wanted.async_save)
     return model

@@ -251,7 +251,7 @@ class MetaTrainingModel:
                 by_name = {n: self.tp_shapes(tp_size).get(id(p)) for n, p in self.model.named_parameters()}
                 narrow_for_trace(copy_, {id(p): by_name[n] for n, p in copy_.named_parameters() if by_name.get(n)})
             if tiles != (None, None):
-                sequence_tiling.apply_sequence_tiling(model_parts(copy_), layers, tiling)
+                sequence_tiling.apply_sequence_tiling(ModelParts(copy_, base), layers, tiling)  # the copy's parts
             try:
                 self._activations[key] = (trace_activations(copy_, layers, batch_size, seq_len // cp_size,
                                                             compute_dtype=compute_dtype, head=head,

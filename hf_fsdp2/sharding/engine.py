@@ -360,6 +360,12 @@ def _replicate_or_shard(model: nn.Module, plan: ShardPlan, config: FSDP2Config, 
     return False
 
 
+def keep_async_save(record: ShardedModel, async_save: bool) -> None:
+    """A setting that does not change how the model is sharded, given once it was (Accelerate's settings at
+    prepare: integrations/presharded.py): the record's config, which the engine writes, says it from now on."""
+    record.config = record.config.replace(async_save=async_save)
+
+
 def _adopt(model: nn.Module, config: FSDP2Config, mesh: DeviceMesh | None) -> nn.Module:
     """Take a model transformers sharded at load as it is (sharding/adopt.py)."""
     config, model_mesh = adopt.adopted_config(model, config)

@@ -16,7 +16,7 @@ import torch.nn as nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
 from ..config import FSDP2Config
-from .model_parts import ModelParts, model_parts
+from .model_parts import ModelParts
 
 # Prefix torch's CheckpointWrapper inserts into parameter names (checkpoint_wrapper.py: _CHECKPOINT_PREFIX).
 _CHECKPOINT_PREFIX = "_checkpoint_wrapped_module."
@@ -46,13 +46,13 @@ class ShardPlan:
     experts_mesh: object = None
 
 
-def resolve_layer_class_names(model: nn.Module | ModelParts, config: FSDP2Config) -> tuple[str, ...]:
+def resolve_layer_class_names(parts: ModelParts, config: FSDP2Config) -> tuple[str, ...]:
     """The configured class names, or the model's `_no_split_modules`; checked against the model.
 
     `_no_split_modules` also lists blocks that must merely stay whole (`BertEmbeddings`,
     `ViTEmbeddings`, a vision tower's patch embedding): only classes repeated in a stack (inside an
-    `nn.ModuleList`) become layer groups; the rest stay in the group that holds them."""
-    parts = model_parts(model)
+    `nn.ModuleList`) become layer groups; the rest stay in the group that holds them. `parts`: the model
+    unwrapped where it came in (sharding/model_parts.py)."""
     model = parts.model
     names = config.layer_cls_names
     from_model = names is None
@@ -184,8 +184,9 @@ def size_based_groups(model: nn.Module, min_num_params: int, ignored: set) -> li
     return groups
 
 
-def plan_groups(model: nn.Module | ModelParts, config: FSDP2Config) -> ShardPlan:
-    parts = model_parts(model)
+def plan_groups(parts: ModelParts, config: FSDP2Config) -> ShardPlan:
+    """The groups `shard_planned` makes of the model (`parts`: unwrapped where it came in: the engine, the
+    planner's meta model)."""
     model = parts.model
     ignored = ignored_parameters(model, config.ignored_modules)
     if config.wrap_policy == "none":

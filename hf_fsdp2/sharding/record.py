@@ -82,11 +82,10 @@ class ShardedModel:
     deferred_checkpoint: Path | None = None  # integrations/deferred_load.py: the directory prepare() reads rows from
     # integrations/deferred_load.py, for a model on meta until prepare: values loaded into it (id -> (tensor,
     # value, name)); each meta tensor's version counter when its values were last known (id -> (name, tensor,
-    # version)): an in-place change after that is lost on meta; and at prepare, every value given to it (loaded or
-    # assigned) by the name it has then (name -> value), written over the directory's rows (checkpoint/loading.py)
+    # version)): an in-place change after that is lost on meta. (What prepare writes over the directory's rows is
+    # handed to the fill: checkpoint/loading.py's `Deferred.values`.)
     deferred_loaded: dict[int, tuple[torch.Tensor, torch.Tensor, str]] = dataclasses.field(default_factory=dict)
     deferred_versions: dict[int, tuple[str, torch.Tensor, int]] = dataclasses.field(default_factory=dict)
-    deferred_values: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
     # the transformers model's parameter names once sharded: one added later is in no group (note_parameters)
     parameter_names: frozenset[str] | None = None
 

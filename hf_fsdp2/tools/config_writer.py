@@ -32,8 +32,10 @@ def decoder_layer_classes(model_path: str | Path) -> tuple[str, ...]:
     built on the meta device."""
     from ..planner.meta_model import build_meta_model
     from ..sharding.groups import resolve_layer_class_names
+    from ..sharding.model_parts import ModelParts
 
-    return tuple(resolve_layer_class_names(build_meta_model(str(model_path)), FSDP2Config()))
+    model = build_meta_model(str(model_path))  # a transformers model built from its config: no PEFT around it
+    return tuple(resolve_layer_class_names(ModelParts(model, model), FSDP2Config()))
 
 
 def write_config(model_path: str | Path, *, template: str = "fsdp2", num_processes: int | None = None,
