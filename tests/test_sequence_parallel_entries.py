@@ -139,7 +139,8 @@ def test_accelerate_prepare_and_trl_sft_with_sp_size_2_equal_one_process(tmp_pat
     (NCCL_LIKE: nothing of SP's goes through the default group on CPU tensors). On 4 ranks (dp 2 x sp 2) each sp
     pair loads its data-parallel group's rows and trains as one process on them. TRL's SFTTrainer, which computes
     its loss itself from its fused LM head's per-token log-probabilities (gathered along the sequence by the
-    model's forward): loss, gradient norm, entropy and token accuracy equal one process's over 2 steps."""
+    model's forward): loss, gradient norm, entropy, token accuracy and token count equal one process's over 2 steps
+    (its metrics gathered once per sp group)."""
     got = run_ranks(_accelerate_loops, 2, (False, True), tmp_path / "saved", timeout=300, backend=NCCL_LIKE)
     for lora_case in (False, True):
         want_steps, want_weights = _reference(lora_case, 1)
@@ -170,20 +171,26 @@ def test_accelerate_prepare_and_trl_sft_with_sp_size_2_equal_one_process(tmp_pat
     [(_, want)] = run_ranks(_sft, 1, tmp_path, 1, timeout=300)
     assert mesh == {"dp_shard": 1, "sp": 2} and len(logs) == len(want) == 2
     for got_step, want_step in zip(logs, want):
-        for key in ("loss", "grad_norm", "entropy", "mean_token_accuracy"):
+        for key in ("loss", "grad_norm", "entropy", "mean_token_accuracy", "num_tokens"):
             assert got_step[key] == pytest.approx(want_step[key], rel=1e-4), key
 
 
 def test_trainer_with_hf_fsdp2_sp_size_2_equals_one_process(tmp_path):
     """The Trainer under `--fsdp` with HF_FSDP2_SP_SIZE=2 on 2 ranks (one data-parallel rank of 8 rows): its
-    token count over whole sequences, its loss scaling and gradient clipping as on one process; losses equal."""
-    from .launched_runs import forked_torchrun, run_script, single_trainer_losses
+    token count over whole sequences, its loss scaling and gradient clipping as on one process; losses equal, and
+    so does the evaluation loss (8 rows in batches of 3: gathered once per sp group, the last batch's remainder cut
+    from its rows)."""
+    from .launched_runs import forked_torchrun, run_script
 
+    args = ("--fsdp", "full_shard", "--fsdp_config", str(ROOT / "accelerate_configs" / "fsdp2.json"),
+            "--save_strategy", "no", "--eval", "true", "--eval_strategy", "steps", "--eval_steps", "3",
+            "--per_device_eval_batch_size", "3")
     out = run_script(forked_torchrun(2, {"HF_FSDP2_SP_SIZE": "2"}), tmp_path / "sp.json", tmp_path / "sp", 1, 3,
-                     "--fsdp", "full_shard", "--fsdp_config", str(ROOT / "accelerate_configs" / "fsdp2.json"),
-                     "--save_strategy", "no")
+                     *args)
+    want = run_script(forked_torchrun(1), tmp_path / "one.json", tmp_path / "one", 1, 3, *args)
     assert out["world"] == 2 and out["mesh"] == {"dp_shard": 1, "sp": 2} and out["embedded_lengths"] == [8]
-    assert out["losses"] == pytest.approx(single_trainer_losses(tmp_path, 3), rel=1e-4)
+    assert out["losses"] == pytest.approx(want["losses"], rel=1e-4)
+    assert out["eval_losses"].keys() == {"3"} and out["eval_losses"] == pytest.approx(want["eval_losses"], rel=1e-4)
 
 
 def test_sp_size_settings_checked_and_refused_by_name(monkeypatch):

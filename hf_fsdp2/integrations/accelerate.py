@@ -76,7 +76,8 @@ def register(**overrides: Any) -> None:
                           ("save_model", accelerator_checkpoint.save_model), ("prepare_model", _prepare_model),
                           ("save_state", accelerator_checkpoint.save_state),
                           ("load_state", accelerator_checkpoint.load_state), ("_prepare_tp", _prepare_tp),
-                          ("prepare_data_loader", _prepare_data_loader)):
+                          ("prepare_data_loader", _prepare_data_loader),
+                          ("gather_for_metrics", _gather_for_metrics)):
         upstream.replace(f"accelerate.accelerator.Accelerator.{name}",
                          functools.wraps(getattr(Accelerator, name))(wrapper), GROUP)
     upstream.replace(deferred_load.SEAM, classmethod(_from_pretrained), GROUP)
@@ -447,10 +448,47 @@ def _prepare_data_loader(self, data_loader, device_placement=None, slice_fn_for_
     return prepared
 
 
+def _gather_for_metrics(self, input_data, use_gather_object=False):
+    """Accelerator.gather_for_metrics. Under Ulysses the ranks of an sp group hold the same rows (their loader's, and
+    evaluation runs whole sequences on each), so a gather over every rank would count each row sp times and cut the
+    last batch's remainder from the wrong ones: the gathered data keep one rank of each sp group (the group's first;
+    its ranks are neighbours), what the data-parallel ranks hold. Accelerate's own gather (the Trainer's token
+    count, its logged loss) is left as it is."""
+    original = _original("Accelerator", "gather_for_metrics")
+    sp = _registered_sp_size() if getattr(self, "is_fsdp2", False) else 1
+    if sp == 1:
+        return original(self, input_data, use_gather_object)
+    from accelerate.utils import recursively_apply
+
+    world = self.num_processes
+
+    def one_per_group(tensor: torch.Tensor) -> torch.Tensor:  # each rank's equal block, in rank order
+        return tensor.reshape(world, -1, *tensor.shape[1:])[::sp].reshape(-1, *tensor.shape[1:])
+
+    def gather(original_gather):
+        return lambda accelerator, data: recursively_apply(one_per_group, original_gather(accelerator, data))
+
+    def gather_object(original_gather_object):
+        def gathered(obj):  # as Accelerate's _gpu_gather_object: a list per rank, flattened
+            per_rank = [None] * world
+            torch.distributed.all_gather_object(per_rank, obj)
+            return [x for rank, items in enumerate(per_rank) if rank % sp == 0 for x in items]
+        return gathered
+
+    with upstream.scoped("accelerate.accelerator.Accelerator.gather", gather), \
+            upstream.scoped("accelerate.accelerator.gather_object", gather_object):
+        return original(self, input_data, use_gather_object)
+
+
+def _registered_sp_size() -> int:
+    """sp_size as register() and HF_FSDP2_SP_SIZE set it."""
+    return FSDP2Config.from_dict(_user_settings(), source="register() and HF_FSDP2_* variables").sp_size
+
+
 def _sequence_parallel_size(accelerator) -> int:
     """hf_fsdp2's sp_size for this accelerator (register() / HF_FSDP2_SP_SIZE), refused by name where Accelerate
     does not hand the model to hf_fsdp2 (its training forward would not split the rows the ranks share)."""
-    sp = FSDP2Config.from_dict(_user_settings(), source="register() and HF_FSDP2_* variables").sp_size
+    sp = _registered_sp_size()
     if sp > 1 and not getattr(accelerator, "is_fsdp2", False):
         raise ValueError(f"sp_size={sp} (hf_fsdp2.register() / HF_FSDP2_SP_SIZE) needs FSDP2 (an FSDP config with "
                          "fsdp_version: 2): hf_fsdp2's Ulysses runs in the models it shards.")

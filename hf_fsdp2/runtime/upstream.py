@@ -112,6 +112,13 @@ SEAMS: tuple[Seam, ...] = (
     Seam("accelerate.accelerator.prepare_data_loader", SCOPED, _ACC,
          "inside Accelerator.prepare_data_loader under sp_size: num_processes / process_index of the data-parallel "
          "ranks (world / sp, rank // sp) and no mesh (Accelerate's mesh-based split knows tp and cp, not sp)"),
+    Seam("accelerate.accelerator.Accelerator.gather_for_metrics", PATCHED, _ACC,
+         "under hf_fsdp2's Ulysses the ranks of an sp group hold the same rows: the gathered metrics keep one rank "
+         "of each sp group (else each row counts sp times and the last batch's remainder is cut wrong)"),
+    Seam("accelerate.accelerator.Accelerator.gather", SCOPED, _ACC,
+         "inside gather_for_metrics under sp_size: the gathered tensors keep the first rank of each sp group"),
+    Seam("accelerate.accelerator.gather_object", SCOPED, _ACC,
+         "inside gather_for_metrics under sp_size: the gathered objects of the first rank of each sp group"),
     Seam("accelerate.parallelism_config.ParallelismConfig._validate_accelerator", SCOPED, _ACC,
          "it rejects the MULTI_CPU state that Accelerator.__init__ passes through before we make it FSDP"),
     Seam("transformers.modeling_utils.PreTrainedModel.from_pretrained", PATCHED, "integrations/deferred_load.py",
@@ -389,10 +396,17 @@ PRIVATE: tuple[Private, ...] = (
     Private("transformers.modeling_utils", "PreTrainedModel._weight_conversions", "checkpoint/key_conversion.py",
             optional=True),
     Private("transformers.trainer", "Trainer._get_output_dir", _TR),
-    # differentiable collectives of Ulysses and of the even EP dispatch (torch.distributed.nn.functional's are deprecated)
+    # differentiable collectives of Ulysses and of the EP dispatch (torch.distributed.nn.functional's are deprecated)
     *[Private("torch.distributed._functional_collectives", name, "sharding/sequence_parallel.py")
       for name in ("all_reduce", "all_to_all_single_autograd", "all_gather_tensor_autograd")],
-    Private("torch.distributed._functional_collectives", "all_to_all_single_autograd", "sharding/expert_dispatch.py"),
+    *[Private("torch.distributed._functional_collectives", name, "sharding/expert_dispatch.py")
+      for name in ("all_gather_single", "reduce_scatter_single")],
+    # the EP dispatch's experts on rows it sorted itself: transformers' grouped matmul dispatcher and the experts'
+    # gate (use_experts_implementation gives classes without their own gate integrations/moe.py's default)
+    Private("transformers.integrations.moe", "_grouped_mm", "sharding/expert_dispatch.py"),
+    *[Private(module, f"{cls}._apply_gate", "sharding/expert_dispatch.py")
+      for module, cls in (("transformers.models.qwen3_moe.modeling_qwen3_moe", "Qwen3MoeExperts"),
+                          ("transformers.models.gpt_oss.modeling_gpt_oss", "GptOssExperts"))],
     # the implementation a model's attention looks up (Ulysses wraps it: sharding/sequence_parallel.py)
     Private("transformers.configuration_utils", "PreTrainedConfig._attn_implementation",
             "sharding/sequence_parallel.py"),
