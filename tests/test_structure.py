@@ -409,9 +409,9 @@ KNOWN_TECHNIQUE_SPREAD = {
         "sharding/parallel_plans.py"},
     # adopt.py, expert_parallel.py, tensor_parallel.py, replication.py no more: config.py holds the fields that
     # decide sharding (SHARDING_FIELDS) and what TP, EP and DDP's reducer are not done with (not_done_with)
-    "fp8": {
-        "checkpoint/weights_io.py", "integrations/accelerate.py", "integrations/accelerate_settings.py",
-        "sharding/groups.py", "sharding/record.py"},
+    # checkpoint/weights_io.py no more: it asks the engine to recompute what the techniques derive from the weights
+    "fp8": {"integrations/accelerate.py", "integrations/accelerate_settings.py", "sharding/groups.py",
+            "sharding/record.py"},
     "4-bit": set(),  # the report names a quantized base as its format does (MetaQuantization.name, .storage)
     # none since: the layout tries the activation choices its planner cost lists (memory.activation_choices);
     # adopt.py and expert_parallel.py ask config.py (SHARDING_FIELDS, FSDP2Config.not_done_with)

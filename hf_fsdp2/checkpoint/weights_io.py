@@ -22,8 +22,9 @@ from ..runtime.distributed import local_tensor
 from .safetensors_io import (
     INDEX_SUFFIX, SINGLE_FILE, CheckpointError, CheckpointFiles, FileWriter, plan_checkpoint, write_json,
 )
-from ..quantization import fp8, quantized
+from ..quantization import quantized
 from .lora_merge import base_model_name
+from ..sharding import engine
 from ..sharding.model_parts import ModelParts
 from .tensor_export import (
     ExportTensor, adapter_tensors, block_range, model_tensors, row_range, tied_aliases,
@@ -292,9 +293,7 @@ class WeightsPlan:
                 for name, weight in self.quantized.items():  # the same order on every rank (collective)
                     start, stop = row_range(weight.packed)
                     weight.load_rows(self.files.read_rows(self.source_of[name], start, stop))
-            # FP8 weights' all-gather scales belong to the weights just read, not the ones they replaced:
-            # a resumed run's first step must gather as the saving run's next one would have.
-            fp8.precompute_scales(self.model)
+            engine.weights_replaced(self.model)  # what the techniques derive from the weights (collective)
         finally:
             self.close()
 

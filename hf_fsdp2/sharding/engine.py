@@ -39,6 +39,14 @@ from . import (activation_offload, adopt, compiled_collectives, context_parallel
 # Techniques, applied in order
 
 
+def weights_replaced(model: nn.Module) -> None:
+    """What the techniques derive from the weights, computed again once a checkpoint's rows were read into the
+    sharded model (checkpoint/weights_io.py): FP8's all-gather scales belong to the weights just read, not the ones
+    they replaced, so a resumed run's first step gathers as the saving run's next one would have. Collective: call
+    on every rank."""
+    fp8.precompute_scales(model)
+
+
 def apply_fp8(model: nn.Module, plan: ShardPlan) -> fp8.Fp8Conversion:
     """The decoder layers' linears to torchao Float8Linear with FP8 all-gather; what was kept and why
     is logged on rank 0 and kept in the model's record (`record_of(model).fp8`)."""
