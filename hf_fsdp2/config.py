@@ -273,8 +273,10 @@ class FSDP2Config:
     shards and back; the loss is summed over the valid tokens of all sp ranks and divided by their count. FSDP2
     shards over dp_shard x sp. Must divide the shard size and the model's attention heads; its key/value heads
     must be a multiple of sp_size or divide it (fewer are replicated, as DeepSpeed's ALST does). The batch is split
-    along the sequence by `hf_fsdp2.local_batch`. Not with cp_size, tp_size, ep_size, compile or shard_size="auto"
-    (refused by name); `hf-fsdp2 estimate-memory` counts it."""
+    along the sequence by `hf_fsdp2.local_batch` in a plain loop; under Accelerate and the Trainer
+    (`HF_FSDP2_SP_SIZE`; Accelerate's own parallelism_config sp_size is DeepSpeed's, refused) the prepared data
+    loader gives an sp group's ranks the same rows and the model's training forward splits them. Not with cp_size,
+    tp_size, ep_size, compile or shard_size="auto" (refused by name); `hf-fsdp2 estimate-memory` counts it."""
     loss_tile_size: int | None = None
     """Sequence tiling of the loss (sharding/sequence_tiling.py): in a training forward with labels the lm_head and
     cross-entropy run over this many tokens at a time, their gradients computed as each tile goes, so the logits
