@@ -178,7 +178,8 @@ SHARDING_FIELDS = ("wrap_policy", "min_num_params", "ignored_modules", "param_dt
 # sharding/tensor_parallel.py, expert_parallel.py; replication.py keeps FSDP2 for them instead of DDP's reducer): its
 # field -> (setting, how the refusal names it).
 _NOT_DONE_WITH = {
-    "replication": (("fp8", "`fp8` (FP8 all-gather is FSDP2's)"), ("cpu_offload", "`cpu_offload` (FSDP2's CPU offload)")),
+    "replication": (("fp8", "`fp8` (FP8 all-gather is FSDP2's)"),
+                    ("cpu_offload", "`cpu_offload` (FSDP2's CPU offload)")),
     "tp_size": (("fp8", "`fp8`"), ("compile", "`compile` (regional compilation)")),
     "ep_size": (("fp8", "`fp8`"), ("compile", "`compile`"), ("cpu_offload", "`cpu_offload`"),
                 ("activation_offload", "`activation_offload`")),

@@ -190,7 +190,8 @@ def _changed_before_prepare(rank, world, base, other):
     out = {}
     for what, change in changes.items():
         model = change(deferred_load.load_on_meta(AutoModelForCausalLM, base, (), {}))
-        fill = loading.Deferred(base, deferred_load.keep_changes(model))  # as prepare calls it (integrations/accelerate.py)
+        # as prepare calls them (integrations/accelerate.py)
+        fill = loading.Deferred(base, deferred_load.keep_changes(model))
         loading.shard_and_fill(model, loading.plan_for(model, FSDP2Config(), fill), fill)
         deferred_load.filled(model)
         out[what] = {n: (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()

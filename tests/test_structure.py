@@ -410,8 +410,8 @@ KNOWN_TECHNIQUE_SPREAD = {
     # adopt.py, expert_parallel.py, tensor_parallel.py, replication.py no more: config.py holds the fields that
     # decide sharding (SHARDING_FIELDS) and what TP, EP and DDP's reducer are not done with (not_done_with)
     # checkpoint/weights_io.py no more: it asks the engine to recompute what the techniques derive from the weights
-    "fp8": {"integrations/accelerate.py", "integrations/accelerate_settings.py", "sharding/groups.py",
-            "sharding/record.py"},
+    # groups.py no more: the engine and the estimate leave FP8's frozen weights in FSDP2's groups themselves
+    "fp8": {"integrations/accelerate.py", "integrations/accelerate_settings.py", "sharding/record.py"},
     "4-bit": set(),  # the report names a quantized base as its format does (MetaQuantization.name, .storage)
     # none since: the layout tries the activation choices its planner cost lists (memory.activation_choices);
     # adopt.py and expert_parallel.py ask config.py (SHARDING_FIELDS, FSDP2Config.not_done_with)
@@ -542,7 +542,8 @@ def _violated(tmp_path: Path, file: str, line: str) -> Path:
     ("sharding/grad_clip.py", "def f(model):\n    record_of(model).mesh = None", shared_record_fields, "mesh"),
     ("checkpoint/loading.py", "def f(model):\n    record = record_of(model)\n    record.deferred_checkpoint = None",
      shared_record_fields, "deferred_checkpoint"),
-    ("integrations/presharded.py", "def f(record: ShardedModel, config):\n    record.layout, record.config = None, config",
+    ("integrations/presharded.py",
+     "def f(record: ShardedModel, config):\n    record.layout, record.config = None, config",
      shared_record_fields, "config"),
     ("sharding/generation.py", "def f(model):\n    setattr(record_of(model), 'gather', None)", shared_record_fields,
      "gather"),

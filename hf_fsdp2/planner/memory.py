@@ -351,8 +351,8 @@ def _estimate(prepared: MetaTrainingModel, world_size: int, config: FSDP2Config,
     buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
 
     # Frozen weights of a one-rank shard group stay out of FSDP (groups.replicated_frozen_parameters):
-    # stored as above, never all-gathered.
-    outside = replicated_frozen_parameters(model, config, shard)
+    # stored as above, never all-gathered; not under FP8, whose weights FSDP2 gathers in float8 (as the engine).
+    outside = set() if config.fp8 else replicated_frozen_parameters(model, config, shard)
     # EP: an expert tensor's rank holds rows / ep of it, FSDP-sharded over shard / ep ranks: the same bytes per
     # rank at rest (rows / shard), but its group gathers only the rank's experts (sharding/expert_parallel.py).
     if config.ep_size > 1 and (config.tp_size > 1 or cp_size > 1):  # as sharding/expert_parallel.py refuses it

@@ -108,7 +108,9 @@ def _fsdp_kwargs(config: FSDP2Config, mesh: DeviceMesh) -> dict:
 def apply_fsdp(model: nn.Module, plan: ShardPlan, config: FSDP2Config, mesh: DeviceMesh) -> None:
     """`fully_shard` bottom-up: each layer, the embedding, [norm, head], then the root."""
     kwargs = _fsdp_kwargs(config, mesh)
-    ignored = plan.ignored_params | replicated_frozen_parameters(model, config, mesh.size(-1))
+    # FP8's weights are gathered by FSDP2 in float8: none stays out of its groups
+    frozen_outside = set() if config.fp8 else replicated_frozen_parameters(model, config, mesh.size(-1))
+    ignored = plan.ignored_params | frozen_outside
     if ignored:
         kwargs["ignored_params"] = ignored
     reshard = config.reshard_after_forward

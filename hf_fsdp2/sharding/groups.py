@@ -157,8 +157,9 @@ def replicated_frozen_parameters(model: nn.Module, config: FSDP2Config, shard_si
     parameter is a full copy on every rank either way, has no gradient to reduce, and under FSDP2 would
     only be copied into an "all-gathered" buffer every step. Kept out of FSDP (as `ignored_params`)
     they are used in place, as DDP uses them. Only floating weights already in the compute dtype (else
-    FSDP2's cast would be lost) and not under FP8 (whose weights FSDP2 gathers in float8)."""
-    if shard_size != 1 or config.fp8:
+    FSDP2's cast would be lost). Callers leave it out where a technique needs FSDP2 to gather every weight (the
+    engine and the estimate: FP8, whose weights FSDP2 gathers in float8)."""
+    if shard_size != 1:
         return set()
     return {p for p in model.parameters() if not p.requires_grad and p.is_floating_point()
             and (config.param_dtype is None or p.dtype == config.param_dtype)}
