@@ -218,3 +218,21 @@ def test_sp_size_settings_checked_and_refused_by_name(monkeypatch):
     monkeypatch.setenv("HF_FSDP2_SP_SIZE", "2")
     with pytest.raises(ValueError, match="sp_size=2 .*needs FSDP2"):
         backend._sequence_parallel_size(SimpleNamespace(is_fsdp2=False))
+
+
+def test_hf_fsdp2_config_writes_the_sp_size_the_launch_needs(tmp_path, capsys):
+    """`hf-fsdp2 config MODEL --sp-size 2`: HF_FSDP2_SP_SIZE=2 written for the launch (Accelerate's yaml cannot carry
+    it), the file passing check-config with it; heads sp does not divide, and sp with a CP template, refused."""
+    from hf_fsdp2.cli import main
+    from hf_fsdp2.tools.check_config import check_accelerate_config
+    from hf_fsdp2.tools.config_writer import write_config
+
+    tiny = ROOT / "examples" / "tiny-llama"  # 4 attention heads
+    assert main(["config", str(tiny), "--sp-size", "2", "-o", str(tmp_path / "sp.yaml")]) == 0
+    text = (tmp_path / "sp.yaml").read_text()
+    assert text.startswith("# Sequence parallelism: launch with HF_FSDP2_SP_SIZE=2 in the environment")
+    assert check_accelerate_config(tmp_path / "sp.yaml", {"HF_FSDP2_SP_SIZE": "2"}) == []
+    with pytest.raises(ValueError, match="`sp_size`=8 must divide the model's 4 attention heads"):
+        write_config(tiny, sp_size=8, num_processes=8)
+    with pytest.raises(ValueError, match="`sp_size`=2 with `cp_size`=2 is not done"):
+        write_config(tiny, sp_size=2, template="fsdp2_cp")

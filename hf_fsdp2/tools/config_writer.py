@@ -7,9 +7,10 @@ the line out, so the model's own `_no_split_modules` name them at run time), the
 (and the data-parallel size of a TP / CP config, so the mesh still covers them) and the mixed precision; every
 comment and other line stays. So the shipped files are exactly what it writes for the model they name
 (Llama), which tests/test_config_writer.py keeps true. What Accelerate's yaml cannot carry (its launcher drops
-keys it does not know): expert parallelism and a memory budget for the auto layout, is written as the HF_FSDP2_*
-variables the launch needs (HF_FSDP2_EP_SIZE; HF_FSDP2_SHARD_SIZE=auto with HF_FSDP2_MEMORY_BUDGET), in a comment
-at the top; EP is refused for a model without experts. The result is checked by check-config, with those
+keys it does not know): expert parallelism, Ulysses sequence parallelism and a memory budget for the auto layout,
+is written as the HF_FSDP2_* variables the launch needs (HF_FSDP2_EP_SIZE; HF_FSDP2_SP_SIZE; HF_FSDP2_SHARD_SIZE=auto
+with HF_FSDP2_MEMORY_BUDGET), in a comment at the top; EP is refused for a model without experts, SP for one whose
+attention heads it cannot split. The result is checked by check-config, with those
 variables, before it is written: a config hf_fsdp2 would refuse is never written.
 """
 
@@ -39,9 +40,11 @@ def decoder_layer_classes(model_path: str | Path) -> tuple[str, ...]:
 
 
 def write_config(model_path: str | Path, *, template: str = "fsdp2", num_processes: int | None = None,
-                 mixed_precision: str | None = None, ep_size: int = 1, memory_budget: str | int | None = None) -> str:
+                 mixed_precision: str | None = None, ep_size: int = 1, memory_budget: str | int | None = None,
+                 sp_size: int = 1) -> str:
     """The text of `template` (a shipped config's name without .yaml) for the model at `model_path`.
-    `memory_budget` (bytes or "20GiB"): the auto layout's per-rank budget (`shard_size="auto"`)."""
+    `memory_budget` (bytes or "20GiB"): the auto layout's per-rank budget (`shard_size="auto"`). `sp_size`:
+    hf_fsdp2's Ulysses sequence parallelism (Accelerate's own parallelism_config sp_size is DeepSpeed's)."""
     if template not in TEMPLATES:
         raise ValueError(f"`template`={template!r}: choose one of {', '.join(TEMPLATES)}.")
     text = (CONFIGS / f"{template}.yaml").read_text()
@@ -54,9 +57,9 @@ def write_config(model_path: str | Path, *, template: str = "fsdp2", num_process
         text = _set(text, "mixed_precision", f"'{mixed_precision}'")
     if num_processes is not None:
         text = _set_processes(text, num_processes)
-    environ = launch_environment(ep_size, memory_budget)
+    environ = launch_environment(ep_size, memory_budget, sp_size)
     if environ:
-        what = " and ".join(w for w, on in (("Expert parallelism", ep_size > 1),
+        what = " and ".join(w for w, on in (("Expert parallelism", ep_size > 1), ("Sequence parallelism", sp_size > 1),
                                             ("the auto layout's memory budget", memory_budget is not None)) if on)
         variables = " ".join(f"{k}={v}" for k, v in environ.items())
         text = (f"# {what}: launch with {variables} in the environment\n"
@@ -68,6 +71,11 @@ def write_config(model_path: str | Path, *, template: str = "fsdp2", num_process
 
         expert_parallel.require_available(ep_size)
         expert_parallel.resolved_plan(build_meta_model(str(model_path)), _int(text, "num_processes"), ep_size)
+    if sp_size > 1:  # the model's attention heads split over the sp ranks (sharding/sequence_parallel.py)
+        from ..planner.meta_model import build_meta_model
+        from ..sharding import model_parts, sequence_parallel
+
+        sequence_parallel.refuse_unsupported(model_parts(build_meta_model(str(model_path))), sp_size)
     return text
 
 
@@ -125,12 +133,15 @@ def _set_processes(text: str, processes: int) -> str:
     return text
 
 
-def launch_environment(ep_size: int = 1, memory_budget: str | int | None = None) -> dict[str, str]:
+def launch_environment(ep_size: int = 1, memory_budget: str | int | None = None,
+                       sp_size: int = 1) -> dict[str, str]:
     """The HF_FSDP2_* variables a launch with this config needs (what Accelerate's yaml cannot carry); checked
     with the text by `_check` (check-config reads them as the launch's environment)."""
     environ = {}
     if ep_size > 1:
         environ["HF_FSDP2_EP_SIZE"] = str(ep_size)
+    if sp_size > 1:
+        environ["HF_FSDP2_SP_SIZE"] = str(sp_size)
     if memory_budget is not None:
         environ["HF_FSDP2_SHARD_SIZE"] = "auto"
         environ["HF_FSDP2_MEMORY_BUDGET"] = str(memory_budget)
