@@ -73,9 +73,11 @@ def write_config(model_path: str | Path, *, template: str = "fsdp2", num_process
         expert_parallel.resolved_plan(build_meta_model(str(model_path)), _int(text, "num_processes"), ep_size)
     if sp_size > 1:  # the model's attention heads split over the sp ranks (sharding/sequence_parallel.py)
         from ..planner.meta_model import build_meta_model
-        from ..sharding import model_parts, sequence_parallel
+        from ..sharding import sequence_parallel
+        from ..sharding.model_parts import ModelParts
 
-        sequence_parallel.refuse_unsupported(model_parts(build_meta_model(str(model_path))), sp_size)
+        model = build_meta_model(str(model_path))  # built from a config: no PEFT
+        sequence_parallel.refuse_unsupported(ModelParts(model, model), sp_size)
     return text
 
 
