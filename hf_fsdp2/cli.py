@@ -599,7 +599,8 @@ def _run_plan(args: argparse.Namespace) -> int:
                     "reshard_after_forward": c.reshard_after_forward,
                     "activation_checkpointing": c.activation_checkpointing, "checkpoint_every": c.checkpoint_every,
                     "checkpoint_save_matmuls": c.checkpoint_save_matmuls,
-                    "activation_offload": c.activation_offload, "cpu_offload": c.cpu_offload,
+                    "activation_offload": c.activation_offload, "loss_tile_size": c.loss_tile_size,
+                    "mlp_tile_size": c.mlp_tile_size, "cpu_offload": c.cpu_offload,
                     "needed_bytes": c.needed_bytes, "host_bytes": c.host_bytes, "fits": c.fits,
                     "heap_kept_bytes": c.estimate.heap_kept_bytes, "returns_freed_memory": c.returns_freed_memory}
         print(json.dumps({"budget_bytes": budget, "world_size": args.world_size, "device": args.device,

@@ -281,11 +281,13 @@ class FSDP2Config:
     loss_tile_size: int | None = None
     """Sequence tiling of the loss (sharding/sequence_tiling.py): in a training forward with labels the lm_head and
     cross-entropy run over this many tokens at a time, their gradients computed as each tile goes, so the logits
-    of the whole sequence never exist (the forward's `logits` are the last position's only). None: off. Usable
-    with or without sp_size."""
+    of the whole sequence never exist (the forward's `logits` are the last position's only). None: off, unless
+    shard_size="auto" turns it on as what fits (docs/planner.md; a size you set is kept). Usable with or without
+    sp_size."""
     mlp_tile_size: int | None = None
     """Sequence tiling of each decoder layer's MLP (sharding/sequence_tiling.py): this many tokens at a time, each
-    tile recomputed in backward, so one tile's intermediate activations live at once. None: off."""
+    tile recomputed in backward, so one tile's intermediate activations live at once. None: off, unless
+    shard_size="auto" turns it on as what fits (docs/planner.md; a size you set is kept)."""
     ep_size: int = 1
     """Expert parallelism for mixture-of-experts models (sharding/expert_parallel.py): the model's own EP plan
     (transformers' `base_model_ep_plan`), each layer's experts split over `ep_size` ranks of the shard group

@@ -140,8 +140,106 @@ def test_activation_offload_moves_the_layers_activations_to_the_host():
         FSDP2Config(activation_offload=True, activation_checkpointing=True)
 
 
+# A long sequence whose logits (fp32, 4096 x 32000 per sequence) are most of a step: no checkpointing touches them,
+# sequence tiling does (sharding/sequence_tiling.py; its losses and gradients: tests/test_sequence_parallel.py).
+LONG = dict(vocab_size=32000, hidden_size=64, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=8192)
+LONG_SEQ = 4096
+
+
+def _long_plan(budget: int, device: str = "cuda", seq_len: int = LONG_SEQ, **config):
+    prepared = prepare_meta_model(tiny_config(**LONG), FSDP2Config(**config))
+    return prepared, plan_layout(prepared, 2, FSDP2Config(**config), budget_bytes=budget, device_type=device,
+                                 batch_size=1, seq_len=seq_len)
+
+
+def _tiles(candidate) -> tuple:
+    return candidate.loss_tile_size, candidate.mlp_tile_size
+
+
+def test_auto_layout_tiles_the_sequence_when_that_is_what_fits():
+    """shard_size='auto' tries the tiled loss after each activation choice (it recomputes nothing), and the tiled MLP
+    with it on the leanest checkpointing: chosen when no untiled layout fits, the tiles in the config it returns, whose
+    estimate (estimate_memory, the plan's own route aside) is within the budget."""
+    from hf_fsdp2.planner.memory import AUTO_TILE_SIZE, estimate_memory
+
+    _, free = _long_plan(1 << 40)
+    untiled = [c for c in free.candidates if _tiles(c) == (None, None)]
+    loss_only = [c for c in free.candidates if _tiles(c) == (AUTO_TILE_SIZE, None)]
+    both = [c for c in free.candidates if _tiles(c) == (AUTO_TILE_SIZE, AUTO_TILE_SIZE)]
+    assert len(untiled) + len(loss_only) + len(both) == len(free.candidates) and loss_only and both
+    assert all(c.activation_checkpointing and c.checkpoint_every == 1 and not c.checkpoint_save_matmuls for c in both)
+    # each tiled-loss choice right after its untiled twin (same recomputation), before the next choice
+    order = [(c.activations.label, _tiles(c)) for c in free.candidates if not c.cpu_offload]
+    labels = list(dict.fromkeys(order))
+    assert labels == [("False", (None, None)), ("False", (1024, None)), ("ops", (None, None)), ("ops", (1024, None)),
+                      ("1/2", (None, None)), ("1/2", (1024, None)), ("True", (None, None)), ("True", (1024, None)),
+                      ("True", (1024, 1024)), ("host", (None, None))]
+    leanest_untiled = min(c.needed_bytes for c in untiled)
+    assert max(c.needed_bytes for c in loss_only) < leanest_untiled / 3  # the logits were most of it
+    base = FSDP2Config(shard_size="auto", memory_budget=1)
+    for budget, want in ((leanest_untiled - 1, (AUTO_TILE_SIZE, None)),
+                         (min(c.needed_bytes for c in loss_only) - 1, (AUTO_TILE_SIZE, AUTO_TILE_SIZE))):
+        _, plan = _long_plan(budget)
+        assert not any(c.fits for c in plan.candidates if _tiles(c) == (None, None))
+        assert _tiles(plan.chosen) == want, plan.format_table()
+        config = plan.config(base)
+        assert (config.loss_tile_size, config.mlp_tile_size) == want
+        assert estimate_memory(tiny_config(**LONG), 2, config, batch_size=1, seq_len=LONG_SEQ).device_bytes <= budget
+        assert f"loss_tile_size={AUTO_TILE_SIZE}" in plan.chosen.describe() and "loss_tile_size" in plan.summary()
+        assert ("mlp_tile_size=1024" in plan.chosen.describe()) == (want[1] is not None)
+    assert config.activation_checkpointing  # the MLP's tiles come with checkpointing of every layer
+
+
+def test_auto_layout_does_not_tile_what_fits_untiled_and_keeps_given_tiles():
+    from hf_fsdp2.planner.memory import estimate_memory
+
+    _, free = _long_plan(1 << 40)
+    assert _tiles(free.chosen) == (None, None) and not free.chosen.activation_checkpointing
+    config = free.config(FSDP2Config(shard_size="auto", memory_budget=1))
+    assert (config.loss_tile_size, config.mlp_tile_size) == (None, None)
+    # a rank holding one tile or less: nothing to tile, nothing offered (the short plans above count on it)
+    assert all(_tiles(c) == (None, None) for c in _long_plan(1 << 40, seq_len=1024)[1].candidates)
+    assert all(_tiles(c) == (None, None) for c in _plan(budget=1 << 40).candidates)
+    # tiles you set are kept on every candidate, in the config returned, even where others would fit better
+    _, given = _long_plan(1 << 40, loss_tile_size=512)
+    assert {_tiles(c) for c in given.candidates} == {(512, None)}
+    assert given.config(FSDP2Config(shard_size="auto", memory_budget=1, loss_tile_size=512)).loss_tile_size == 512
+    tight = min(c.needed_bytes for c in given.candidates)
+    _, given = _long_plan(tight, loss_tile_size=512)
+    config = given.config(FSDP2Config(shard_size="auto", memory_budget=1, loss_tile_size=512))
+    assert (config.loss_tile_size, config.mlp_tile_size) == (512, None)  # not the planner's own, nor an MLP tile
+    assert estimate_memory(tiny_config(**LONG), 2, config, batch_size=1, seq_len=LONG_SEQ).device_bytes <= tight
+    # not offered where the tiled loss would not compute the model's loss (a LoRA adapter on the lm_head)
+    prepared = prepare_meta_model(tiny_config(**LONG), FSDP2Config(), lora_r=4, lora_targets=["q_proj", "lm_head"])
+    plan = plan_layout(prepared, 2, FSDP2Config(), budget_bytes=1 << 40, device_type="cpu", batch_size=1,
+                       seq_len=LONG_SEQ)
+    assert {_tiles(c) for c in plan.candidates} == {(None, None), (None, 1024)}
+
+
+def test_plan_command_and_simulate_name_the_tiles(tmp_path, capsys):
+    """`hf-fsdp2 plan` shows each candidate's tiles and the chosen ones; simulate's note says what auto chose, and
+    the simulated rank (shard_model with that config: the tiles applied) stays within the budget."""
+    from hf_fsdp2.tools.simulate import simulate_rank
+
+    model_dir = tmp_path / "long"
+    tiny_config(**LONG).save_pretrained(model_dir)
+    assert cli_main(["plan", "--model", str(model_dir), "--world-size", "2", "--memory", "1GiB", "--seq-len",
+                     str(LONG_SEQ), "--tp-sizes", "1", "--cp-sizes", "1"]) == 0
+    table = capsys.readouterr().out
+    assert "loss 1024 mlp 1024" in table and "chosen: shard_size=1 x 2 replicas" in table
+    assert "loss_tile_size=1024" in table.splitlines()[-1] and "<- chosen" in next(
+        line for line in table.splitlines() if "loss 1024" in line and "yes" in line)
+    budget = 600 * 2**20
+    report = simulate_rank(model_dir, 2, FSDP2Config(shard_size="auto", memory_budget=budget, plan_seq_len=2048,
+                                                    replication="fsdp2"), rank=1, seq_len=2048, steps=1)
+    note = next(n for n in report.notes if "shard_size='auto' chose" in n)
+    assert "loss_tile_size=1024" in note, report.notes
+    assert report.rss_peak <= budget, report
+
+
 def test_tp_and_cp_divide_what_they_split_and_are_proposed_when_fsdp_alone_does_not_fit():
-    """Tensor and context parallelism in the estimate and the planner (planner/parallel_shapes.py; the
+    """Tensor and context parallelism in the estimate and the planner (sharding/tensor_parallel.py's TP blocks on paper; the
     per-rank parameter bytes of TP x FSDP are checked on real ranks in tests/test_memory.py)."""
     from hf_fsdp2.planner.activation_trace import trace_activations
     from hf_fsdp2.planner.layout import parallel_sizes
@@ -322,7 +420,11 @@ def test_plan_command(tmp_path, capsys):
     assert {(c["tp_size"], c["cp_size"]) for c in out["candidates"]} == {(1, 1), (1, 2), (1, 4), (2, 1), (2, 2)}
     assert cli_main(["plan", "--model", str(config_json), "--world-size", "4", "--memory", "1KB", "--json",
                      "--tp-sizes", "1", "--cp-sizes", "1"]) == 1
-    assert len(json.loads(capsys.readouterr().out)["candidates"]) == 60  # FSDP alone
+    candidates = json.loads(capsys.readouterr().out)["candidates"]  # FSDP alone: 60 untiled layouts, and at
+    # 2048 tokens (> one tile of 1024) the loss tiled after each of the 4 kept-on-device choices, the MLP too on
+    # the leanest: 60 more (x reshard x S x cpu_offload)
+    assert sum(c["loss_tile_size"] is None and c["mlp_tile_size"] is None for c in candidates) == 60
+    assert len(candidates) == 120
     for flag in ("--cp-sizes", "--tp-sizes"):  # a size that does not divide the world is refused, not dropped
         capsys.readouterr()
         assert cli_main(["plan", "--model", str(config_json), "--world-size", "4", "--memory", "80GB", flag, "1,3"]) == 1

@@ -9,7 +9,12 @@ all-reduced, no weight is all-gathered over the network). Each knob buys memory 
 planner escalates the cheapest first: a wider shard group costs only all-gather bandwidth,
 resharding after forward a second all-gather in backward, activation checkpointing about a third
 more compute, offload host-device copies and an optimizer step on the CPU. So candidates are tried
-in the order (offload, parallelism, checkpointing, reshard, S) and the first that fits wins. Every candidate is
+in the order (offload, parallelism, checkpointing, reshard, S) and the first that fits wins. What happens to
+activations comes from their planner cost (memory.activation_choices), in its cost order: kept, checkpointed
+(op-level, every other layer, every layer), each followed by itself with the loss computed in tiles along the
+sequence when a rank holds more than one tile (no recomputation: the same cost, so after the untiled one), the
+leanest checkpointing with the MLPs tiled too (their forward recomputed), then offload; the chosen tiles are set
+in the config the plan returns, and a table's `tiles` column and a layout's description name them. Every candidate is
 costed by the same estimator `hf-fsdp2 estimate-memory` uses (memory.py, checked byte for byte
 against real ranks), on a meta copy of the model built once.
 
@@ -160,13 +165,13 @@ class LayoutPlan:
         chosen = self.chosen
         lines = [f"budget {format_bytes(self.budget_bytes)} per rank ({self.budget_source}); {self.world_size} "
                  f"ranks on {self.device_type}; micro-batch {self.batch_size} x {self.seq_len} per rank",
-                 f"{'#':>3}  {'shard x repl':>12}  {'tp x cp':>7}  {'reshard':>7}  {'AC':>5}  {'offload':>7}  "
-                 f"{'peak/rank':>12}  {'host/rank':>10}  fits" + (f"  {'freed':>5}" if self.device_type == "cpu" else "")]
+                 f"{'#':>3}  {'shard x repl':>12}  {'tp x cp':>7}  {'reshard':>7}  {'AC':>5}  {'tiles':>18}  "
+                 f"{'offload':>7}  {'peak/rank':>12}  {'host/rank':>10}  fits" + (f"  {'freed':>5}" if self.device_type == "cpu" else "")]
         for i, c in enumerate(self.candidates, 1):
             mark = "  <- chosen" if c is chosen else ""
             lines.append(f"{i:>3}  {f'{c.shard_size} x {c.replicate_size}':>12}  {f'{c.tp_size} x {c.cp_size}':>7}  "
                          f"{str(c.reshard_after_forward):>7}  "
-                         f"{c.activations.label:>5}  {str(c.cpu_offload):>7}  "
+                         f"{c.activations.label:>5}  {c.activations.tiles:>18}  {str(c.cpu_offload):>7}  "
                          f"{format_bytes(c.needed_bytes):>12}  {format_bytes(c.host_bytes) if c.host_bytes else '-':>10}  "
                          f"{'yes' if c.fits else 'no':>4}"
                          + (f"  {'to OS' if c.returns_freed_memory else 'heap':>5}" if self.device_type == "cpu" else "")
@@ -240,7 +245,8 @@ def expert_parallel_options(prepared: MetaTrainingModel, plan: "LayoutPlan", bas
         if ep > 1 and experts % ep == 0:
             try:
                 layout = plan.config(base).replace(ep_size=ep)
-                if chosen.activations not in activation_choices(layout, plan.device_type):
+                if chosen.activations not in activation_choices(layout, plan.device_type, prepared=prepared,
+                                                                 seq_len=seq_len):
                     return []  # what EP does not do with activations (memory.activation_choices)
                 out.append((ep, prepared.estimate(plan.world_size, layout, batch_size=batch_size, seq_len=seq_len)))
             except ValueError:  # transformers without its EP machinery, a model without an EP plan
@@ -263,15 +269,19 @@ def plan_layout(prepared: MetaTrainingModel, world_size: int, config: FSDP2Confi
     `cpu_offload` are kept (as is checkpointing when the layers are already wrapped:
     `checkpointing_fixed`). On CPU, offload moves nothing off the device, so it is not a candidate.
     `tp_sizes` / `cp_sizes`: the tensor / context parallel sizes to cost (`parallel_sizes` lists the
-    workable ones); `mesh_shape`: (replicate, shard) when a given mesh fixes them."""
+    workable ones); `mesh_shape`: (replicate, shard) when a given mesh fixes them. Tiles along the sequence are
+    tried as memory.activation_choices lists them for `seq_len` (tiles `config` sets are kept)."""
     offloads = [True] if config.cpu_offload else ([False] if device_type == "cpu" else [False, True])
-    activations = activation_choices(config, device_type, fixed=checkpointing_fixed)  # their planner cost's list
+    # their planner cost's list, per (tp, cp): what may be tiled along the sequence depends on both
+    activations = {(tp, cp): activation_choices(config, device_type, fixed=checkpointing_fixed, prepared=prepared,
+                                                seq_len=seq_len, tp_size=tp, cp_size=cp)
+                   for tp, cp in _parallel_options(world_size, tp_sizes, cp_sizes)}
     ep = config.ep_size
     if ep > 1:  # expert parallelism: one shard group over every rank, no offload (sharding/expert_parallel.py)
         offloads = [False]
     layouts = [(offload, tp, cp, choice, reshard, shard)
                for offload in offloads for tp, cp in _parallel_options(world_size, tp_sizes, cp_sizes)
-               for choice in activations for reshard in (False, True)
+               for choice in activations[tp, cp] for reshard in (False, True)
                for shard in _shard_sizes(world_size // tp, cp, mesh_shape)
                if ep == 1 or (shard == world_size // tp and shard % ep == 0)]
     candidates = []

@@ -686,35 +686,89 @@ def _gathered_peak(groups: list[GroupMemory], plan: ShardPlan, config: FSDP2Conf
 @dataclass(frozen=True)
 class ActivationChoice:
     """One thing the layout planner may do with activations: the config settings it sets (planner/layout.py
-    applies them as they are), its mark in the plan's table and its words in a layout's description."""
+    applies them as they are), its marks in the plan's table (`label`; `tiles`: the sequence tiles, "-" for none)
+    and its words in a layout's description."""
 
     settings: tuple[tuple[str, Any], ...]
     label: str
     description: str
+    tiles: str = "-"
 
     def setting(self, name: str) -> Any:
         return dict(self.settings)[name]
 
 
-def _activation_choice(checkpointing: bool, every: int, save_matmuls: bool, offload: bool) -> ActivationChoice:
+# The tile the auto layout tiles the loss and the MLPs with, in tokens (sharding/sequence_tiling.py): fixed, as a
+# GEMM of 1024 rows ([tile, hidden] x [hidden, vocab or intermediate]) already runs at full speed, so a smaller tile
+# would add loop steps and smaller kernels for memory that no longer grows with the sequence (the loss's tile is
+# 2 x 1024 x vocab x 4 bytes of fp32 logits and their gradient: 1 GiB at a 128k vocabulary), and a larger one would
+# only cost memory. Offered where a rank holds more tokens than one tile; with fewer, a tile is the whole sequence.
+AUTO_TILE_SIZE = 1024
+
+
+def _activation_choice(checkpointing: bool, every: int, save_matmuls: bool, offload: bool,
+                       tiles: tuple[int | None, int | None] = (None, None)) -> ActivationChoice:
+    loss, mlp = tiles
     settings = (("activation_checkpointing", checkpointing), ("checkpoint_every", every),
-                ("checkpoint_save_matmuls", save_matmuls), ("activation_offload", offload))
+                ("checkpoint_save_matmuls", save_matmuls), ("activation_offload", offload),
+                ("loss_tile_size", loss), ("mlp_tile_size", mlp))
     label = ("host" if offload else "False" if not checkpointing else "ops" if save_matmuls
              else "True" if every == 1 else f"1/{every}")
     description = (f"activation_checkpointing={checkpointing}"
                    + (f" (checkpoint_every={every})" if every > 1 else "")
                    + (" (checkpoint_save_matmuls=True)" if save_matmuls else "")
-                   + (", activation_offload=True" if offload else ""))
-    return ActivationChoice(settings, label, description)
+                   + (", activation_offload=True" if offload else "")
+                   + (f", loss_tile_size={loss}" if loss is not None else "")
+                   + (f", mlp_tile_size={mlp}" if mlp is not None else ""))
+    marks = [f"loss {loss}" if loss is not None else "", f"mlp {mlp}" if mlp is not None else ""]
+    return ActivationChoice(settings, label, description, " ".join(m for m in marks if m) or "-")
 
 
-def activation_choices(config: FSDP2Config, device_type: str, fixed: bool = False) -> list[ActivationChoice]:
+def _auto_tiles(config: FSDP2Config, prepared: MetaTrainingModel | None, seq_len: int | None, tp_size: int,
+                cp_size: int) -> tuple[int | None, int | None]:
+    """(loss tile, MLP tile) the auto layout may turn on for `prepared` at `seq_len` (None: not offered): where a
+    rank holds more than AUTO_TILE_SIZE tokens and sequence tiling computes what the model computes
+    (sequence_tiling.refuse_loss_tiling; a dense `mlp` per decoder layer). Not with TP or CP (the tiled loss is
+    written for a whole lm_head over the rank's tokens; those combinations are not tested), nor for a model that
+    adds a router's auxiliary loss to its loss (the tiled loss replaces the model's)."""
+    if prepared is None or seq_len is None or tp_size > 1 or cp_size > 1:
+        return None, None
+    if seq_len // (cp_size * config.sp_size) <= AUTO_TILE_SIZE:
+        return None, None
+    text = getattr(prepared.base, "config", None)
+    text = text.get_text_config() if hasattr(text, "get_text_config") else text
+    if getattr(text, "output_router_logits", False):
+        return None, None
+    try:
+        sequence_tiling.refuse_loss_tiling(ModelParts(prepared.model, prepared.base))
+        loss = AUTO_TILE_SIZE
+    except ValueError:
+        loss = None
+    dense = config.wrap_policy == "transformer" and bool(prepared.plan.layers) and all(
+        isinstance(getattr(layer, "mlp", None), nn.Module) and not hasattr(layer.mlp, "experts")
+        for layer in prepared.plan.layers)
+    return loss, AUTO_TILE_SIZE if dense else None
+
+
+def activation_choices(config: FSDP2Config, device_type: str, fixed: bool = False, *,
+                       prepared: MetaTrainingModel | None = None, seq_len: int | None = None, tp_size: int = 1,
+                       cp_size: int = 1) -> list[ActivationChoice]:
     """What the layout planner tries for activations, cheapest first: keep them; checkpoint every layer but
     keep its matmul and attention outputs (op-level selective checkpointing: only the cheap ops are
     recomputed); checkpoint every other layer (half the recomputation of every layer); every layer; or, on an
     accelerator, move them to the host (activation offload: on a CPU host and device are one memory; not with
     expert parallelism, sharding/expert_parallel.py). Checkpointing or offload `config` sets (or layers
-    already wrapped, `fixed`: every one) is kept as it is."""
+    already wrapped, `fixed`: every one) is kept as it is.
+
+    Sequence tiling (sharding/sequence_tiling.py), given the meta model and the planned `seq_len` (per rank: / cp):
+    the tiled loss recomputes nothing (each tile's gradients are made in forward; the same FLOPs, in tiles of
+    AUTO_TILE_SIZE rows), so each choice above is followed by itself with the loss tiled, before the next choice
+    that recomputes more: at equal compute the untiled one comes first, as its forward keeps whole `logits` (the
+    tiled forward returns the last position's). The tiled MLP recomputes each MLP's forward in backward (a
+    non-reentrant checkpoint per tile; inside a checkpointed layer, a second time), about two thirds of a Llama
+    layer's forward at short sequences: more than any checkpointing choice but the whole layer's, so it comes once,
+    with the loss tiled, on the leanest checkpointing choice (what ALST runs: checkpointing, tiled loss and MLP),
+    before offload. Tiles `config` sets are kept as given, on every choice."""
     if fixed:
         options = [(True, 1, False, False)]
     elif config.activation_checkpointing:
@@ -727,10 +781,23 @@ def activation_choices(config: FSDP2Config, device_type: str, fixed: bool = Fals
             options.append((False, 1, False, True))
     if config.ep_size > 1:
         options = [o for o in options if not o[3]]
-    return [_activation_choice(*o) for o in options]
+    given = (config.loss_tile_size, config.mlp_tile_size)
+    if given != (None, None):  # a user's tiles, kept as given
+        return [_activation_choice(*o, given) for o in options]
+    loss, mlp = _auto_tiles(config, prepared, seq_len, tp_size, cp_size)
+    mlp = None if fixed else mlp  # layers already wrapped for checkpointing: their MLPs are not tiled (not tested)
+    kept = [o for o in options if not o[3]]  # offload moves what is saved to the host: tiles are not tried with it
+    choices = []
+    for o in options:
+        choices.append(_activation_choice(*o))
+        if loss is not None and not o[3]:
+            choices.append(_activation_choice(*o, (loss, None)))
+        if mlp is not None and kept and o == kept[-1]:
+            choices.append(_activation_choice(*o, (loss, mlp)))
+    return choices
 
 
 __all__ = [
-    "ActivationChoice", "ActivationMemory", "GroupMemory", "MemoryEstimate", "MetaTrainingModel", "activation_choices",
-    "estimate_memory", "prepare_meta_model", "shard_rows",
+    "AUTO_TILE_SIZE", "ActivationChoice", "ActivationMemory", "GroupMemory", "MemoryEstimate", "MetaTrainingModel",
+    "activation_choices", "estimate_memory", "prepare_meta_model", "shard_rows",
 ]

@@ -204,7 +204,10 @@ def simulate_rank(
         c = layout.config
         notes.append(f"shard_size='auto' chose: {c.replicate_size} replicas x {c.shard_size} shards, reshard_after_"
                      f"forward={c.reshard_after_forward}, activation_checkpointing={c.activation_checkpointing}, "
-                     f"cpu_offload={c.cpu_offload} (budget {config.memory_budget} bytes)")
+                     f"cpu_offload={c.cpu_offload}"
+                     + "".join(f", {name}={getattr(c, name)}" for name in ("loss_tile_size", "mlp_tile_size")
+                               if getattr(c, name) is not None)  # the tiles the planner turned on, if any
+                     + f" (budget {config.memory_budget} bytes)")
     if steps == 1:
         notes.append("one step: its compute time includes the first step's one-off work (optimizer states, kernels)")
     elif steps == 2:
