@@ -532,9 +532,11 @@ def _add_plan(commands: argparse._SubParsersAction) -> None:
         "plan",
         help="The layout shard_size='auto' picks: the cheapest that fits a memory budget per rank.",
         description="Cost every layout (shard size S dividing the world size, reshard_after_forward, activation "
-                    "checkpointing, context and tensor parallelism, CPU offload) with the estimate-memory accounting "
+                    "checkpointing, sequence tiling of the loss and MLPs when a rank holds more than 1024 tokens, "
+                    "context and tensor parallelism, CPU offload) with the estimate-memory accounting "
                     "and pick the first that fits --memory per rank, in cost order: wider sharding first, then "
-                    "resharding, then checkpointing, then context parallelism, then tensor parallelism, then "
+                    "resharding, then checkpointing (each choice followed by itself with the loss tiled: no "
+                    "recomputation), then context parallelism, then tensor parallelism, then "
                     "offload. The same decision FSDP2Config(shard_size='auto', memory_budget=...) makes with the "
                     "run's own tp/cp sizes (hf_fsdp2/planner/layout.py). Exits with 1 when nothing fits, naming "
                     "the smallest budget that would.",
