@@ -14,6 +14,16 @@ from typing import Any, Literal, Mapping
 import torch
 
 SP_DIM = "sp"  # the mesh dimension of Ulysses sequence parallelism (Accelerate's name)
+CP_DIM = "cp"  # the mesh dimension of context parallelism: Accelerate's parallelism_config builds it, hf_fsdp2 never
+
+
+def no_cp_mesh(cp_size: int, mesh: Any = None) -> str:
+    """The refusal of a `cp_size` no mesh carries: hf_fsdp2 builds no "cp" dimension of its own (build_mesh asks
+    `FSDP2Config.refuse_unbuilt_dims`, the engine checks a given mesh)."""
+    where = f"the mesh {dict(zip(mesh.mesh_dim_names or (), mesh.shape))} has none" if mesh is not None else \
+        "hf_fsdp2.build_mesh builds no cp dimension (not done)"
+    return (f"`cp_size`={cp_size} needs a device mesh with a 'cp' dimension and {where}: let Accelerate's "
+            f"parallelism_config (cp_size) build it, as accelerate_configs/fsdp2_cp.yaml does.")
 
 _DTYPE_ALIASES: dict[str, torch.dtype] = {
     "fp32": torch.float32,
@@ -428,6 +438,11 @@ class FSDP2Config:
             raise ValueError(f"`compile`='model' (collectives in the compiled graph) cannot honour "
                              f"{', '.join(conflicts)}: those need FSDP2's groups (the auto layout costs "
                              "them). Use compile=True (regional) with them, or drop them.")
+        # a mesh's model-parallel dimensions (the engine sets these sizes from the mesh before applying anything)
+        split = [f"`{field}`={getattr(self, field)}" for field in ("tp_size", "cp_size") if getattr(self, field) > 1]
+        if split:
+            raise ValueError(f"`compile`='model' (collectives in the compiled graph) cannot honour {', '.join(split)}: "
+                             "its collectives are data-parallel only. Use compile=True (regional) or drop the setting.")
 
     def _check_sequence(self) -> None:
         """Sequence parallelism and tiling: what they are not done with, refused by name."""
@@ -511,6 +526,11 @@ class FSDP2Config:
                     f"`reshard_after_forward`={self.reshard_after_forward} must divide the shard size {shard}."
                 )
         return self.replicate_size, shard
+
+    def refuse_unbuilt_dims(self) -> None:
+        """Refuses by name the mesh dimensions this config asks for that hf_fsdp2.build_mesh does not build."""
+        if self.cp_size > 1:
+            raise ValueError(no_cp_mesh(self.cp_size))
 
     def sequence_split_dims(self) -> tuple[tuple[str, int], ...]:
         """Mesh dimensions the shard ranks split into after "dp_shard", ranks that hold slices of the same sequences

@@ -194,3 +194,14 @@ def test_compile_model_refuses_what_needs_fsdp2_groups(setting):
     field = next(iter(setting))
     with pytest.raises(ValueError, match=field):
         FSDP2Config(compile="model", **setting)
+
+
+@pytest.mark.parametrize("setting", [dict(tp_size=2), dict(cp_size=2)])
+def test_compile_model_refuses_a_model_parallel_mesh_by_name(setting):
+    """The engine sets tp_size / cp_size from the mesh's dimensions before applying anything (issue 62: the refusal
+    is config.py's, compiled_collectives.py knows neither technique); the replace it does is refused by name."""
+    field = next(iter(setting))
+    with pytest.raises(ValueError, match=f"`compile`='model'.*`{field}`=2.*data-parallel only"):
+        FSDP2Config(compile="model", **setting)
+    with pytest.raises(ValueError, match=f"`{field}`=2"):
+        FSDP2Config(compile="model").replace(**setting)

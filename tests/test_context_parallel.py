@@ -135,10 +135,10 @@ def test_a_padded_batch_whose_mask_is_passed_positionally_is_refused_too(monkeyp
 def test_a_sequence_length_cp_size_does_not_divide_is_refused_by_name():
     """torch would split it unevenly and its ring attention would fail inside; the accelerator's CP
     context (wrapped at prepare) refuses it first, naming the setting and the fix."""
-    from hf_fsdp2.integrations.accelerate import _checked_cp_context
+    from hf_fsdp2.sharding.context_parallel import checked_context
 
     entered = []
-    context = _checked_cp_context(lambda **kwargs: entered.append(kwargs), cp_size=2)
+    context = checked_context(lambda **kwargs: entered.append(kwargs), cp_size=2)
     context(buffers=[torch.zeros(2, 16)], buffer_seq_dims=[1])
     assert len(entered) == 1
     with pytest.raises(ValueError, match=r"lengths \[15\].*cp_size=2.*pad_to_multiple_of=4"):

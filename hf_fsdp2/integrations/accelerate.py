@@ -32,7 +32,7 @@ from . import trl as trl_backend
 from .accelerate_settings import ENV_PREFIX, AccelerateSettings, env_overrides, fsdp2_values, layer_names  # noqa: F401 (ENV_PREFIX: re-exported)
 from ..quantization import bnb_optimizers, fp8
 from ..shard import shard_model
-from ..sharding import is_sharded, sequence_parallel
+from ..sharding import context_parallel, is_sharded, sequence_parallel
 from ..sharding.record import refuse_parameters_added_after
 from ..sharding.model_parts import model_parts
 from ..sharding.adopt import sharded_by_transformers
@@ -178,7 +178,8 @@ def _refuse_fsdp1_only(plugin) -> None:
 def _refuse_model_parallelism(pc) -> None:
     """hf_fsdp2 shards over (dp_replicate, dp_shard[, cp]) and applies TP on "tp": Accelerate's sequence-parallel
     size above 1 (DeepSpeed's Ulysses) would otherwise become a silent data-parallel run over those ranks, so it is
-    refused here, where the model is prepared, naming hf_fsdp2's own; so is a CP backend other than torch's."""
+    refused here, where the model is prepared, naming hf_fsdp2's own; so is a CP backend other than torch's
+    (sharding/context_parallel.py)."""
     if pc is None:
         return
     if (getattr(pc, "sp_size", 1) or 1) > 1:
@@ -192,9 +193,7 @@ def _refuse_model_parallelism(pc) -> None:
                          "hf_fsdp2.register(sp_size=...)): the prepared data loader gives the ranks of an sp group "
                          "the same rows and the prepared model's training forward keeps each rank's slice of every "
                          "sequence (docs/parallelism.md).")
-    if (getattr(pc, "cp_size", 1) or 1) > 1 and getattr(pc, "cp_backend", "torch") != "torch":
-        raise ValueError(f"parallelism_config cp_backend={pc.cp_backend!r}: hf_fsdp2 runs context parallelism "
-                         "with torch's ring attention only; set parallelism_config_cp_backend: torch.")
+    context_parallel.refuse_other_backend(pc)
 
 
 def config_from_accelerator(accelerator) -> FSDP2Config:
@@ -571,25 +570,10 @@ def _fsdp2_prepare_model(accelerator, model: nn.Module) -> nn.Module:
     layout = loading.plan_for(model, config, fill, mesh=given)
     if cp_size > 1 and getattr(accelerator, "_cp_context", None) is not None:
         upstream.wrap_instance_method(accelerator, "_cp_context", "accelerate.accelerator.Accelerator._prepare_cp",
-                                      lambda original: _checked_cp_context(original, cp_size))
+                                      lambda original: context_parallel.checked_context(original, cp_size))
     model = loading.shard_and_fill(model, layout, fill)
     if directory is not None:
         deferred_load.filled(model)  # loads and forwards from now on are torch's own
     return model
-
-
-def _checked_cp_context(original, cp_size: int):
-    """`maybe_context_parallel`'s context (torch's `context_parallel`), refusing by name the buffers it
-    cannot split evenly over the cp ranks."""
-    def context(buffers=None, buffer_seq_dims=None, no_restore_buffers=None, **kwargs):
-        lengths = {int(b.shape[d]) for b, d in zip(buffers or [], buffer_seq_dims or [])}
-        if len(lengths) > 1 or any(length % cp_size for length in lengths):
-            raise ValueError(f"maybe_context_parallel: sequence lengths {sorted(lengths)} along buffer_seq_dims must be "
-                             f"one length that parallelism_config cp_size={cp_size} divides (2 x cp_size = "
-                             f"{2 * cp_size} for load-balanced causal attention); pad the batch (e.g. "
-                             f"pad_to_multiple_of={2 * cp_size}).")
-        return original(buffers=buffers, buffer_seq_dims=buffer_seq_dims, no_restore_buffers=no_restore_buffers,
-                        **kwargs)
-    return context
 
 

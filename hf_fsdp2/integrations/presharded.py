@@ -69,19 +69,11 @@ def prepared_as_it_is(model: nn.Module, wanted: FSDP2Config, plugin) -> Iterator
 
 
 def keep_presharded(model: nn.Module, wanted: FSDP2Config) -> nn.Module:
-    """`model` as it is, once Accelerate's settings agree with its own (else a ValueError naming each),
-    context parallelism included: the wanted `cp_size` must be the model mesh's "cp" dimension."""
-    cp_size = wanted.cp_size
+    """`model` as it is, once Accelerate's settings agree with its own (else a ValueError naming each), its
+    mesh first (the engine checks the dimensions Accelerate's settings ask of it)."""
     record = record_of(model)
     have = record.config
-    names = record.mesh.mesh_dim_names or () if record.mesh is not None else ()
-    model_cp = record.mesh["cp"].size() if "cp" in names else 1
-    if model_cp != cp_size:
-        raise ValueError(
-            f"prepare: the Accelerate settings ask for context parallelism over {cp_size} ranks (parallelism_config "
-            f"cp_size) but the model was sharded before prepare on a mesh with {model_cp}; load it on Accelerate's "
-            "mesh: hf_fsdp2.from_pretrained(..., hf_fsdp2.accelerator_config(accelerator), "
-            "mesh=accelerator.torch_device_mesh).")
+    engine.refuse_another_mesh(record, wanted)
     differing = differing_settings(have, wanted, on_reducer=replication.is_replicated(model))
     if differing:
         given = ", ".join(f"{k}={v[1]!r}" for k, v in differing.items())

@@ -93,9 +93,9 @@ from .activation_trace import trace_activations
 from ..sharding import replication, selective_checkpoint, sequence_parallel, sequence_tiling
 from ..sharding.groups import ShardPlan, apply_frozen_dtype, plan_groups, replicated_frozen_parameters
 from ..sharding.model_parts import ModelParts, model_parts
+from ..sharding.tensor_parallel import narrow_for_trace, tp_local_shapes
 from .memory_report import ActivationMemory, GroupMemory, MemoryEstimate
 from .meta_model import DEFAULT_LORA_TARGETS, add_lora, build_meta_model, meta_copy
-from .parallel_shapes import narrow_for_trace, tp_local_shapes
 
 ADAM_STATES = ("exp_avg", "exp_avg_sq")
 STEP_BYTES = 4  # AdamW's `step`: a 0-dim fp32 tensor per trainable parameter
@@ -155,7 +155,7 @@ def estimate_memory(
     BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_use_double_quant=...))` shards them, quantized from
     `dtype`; needs `lora_r` and bitsandbytes. `fsdp_config.tp_size` > 1: tensor parallelism with the
     model's own TP plan, `cp_size` > 1 (None: the config's): context parallelism over `cp_size` of the shard ranks
-    (planner/parallel_shapes.py). `gradient_accumulation_steps` > 1 keeps the sharded gradients alive
+    (sharding/tensor_parallel.py, on paper). `gradient_accumulation_steps` > 1 keeps the sharded gradients alive
     through the next micro-batch's forward; None (unknown, as the layout planner costs) counts them so.
     See the module docstring for the accounting.
     """
@@ -225,7 +225,7 @@ class MetaTrainingModel:
         return {id(named[name]): ep_size for name in plan if name in named}
 
     def tp_shapes(self, tp_size: int) -> dict[int, tuple[torch.Size, bool]]:
-        """id(param) -> its TP rank-0 block's shape (parallel_shapes.tp_local_shapes), once per size."""
+        """id(param) -> its TP rank-0 block's shape (tensor_parallel.tp_local_shapes), once per size."""
         if tp_size not in self._tp_shapes:
             self._tp_shapes[tp_size] = tp_local_shapes(self.base, tp_size)
         return self._tp_shapes[tp_size]

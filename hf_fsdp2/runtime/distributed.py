@@ -35,7 +35,6 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
 SHARD_DIM = "dp_shard"
 REPLICATE_DIM = "dp_replicate"
 TP_DIM = "tp"
-CP_DIM = "cp"
 # A rank that dies inside a collective leaves the others waiting; this bounds the wait.
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
 _INIT_SCHEMES = ("env://", "tcp://", "file://")
@@ -151,8 +150,7 @@ def build_mesh(config: FSDP2Config | None = None) -> DeviceMesh:
         raise RuntimeError("No process group: call `hf_fsdp2.init_distributed()` (or launch with "
                            "torchrun / accelerate launch) before sharding.")
     config = config or FSDP2Config()
-    if config.cp_size > 1:
-        raise ValueError(no_cp_mesh(config.cp_size))
+    config.refuse_unbuilt_dims()  # Accelerate's parallelism_config builds a "cp" dimension, hf_fsdp2 none
     replicate, shard = config.mesh_shape(dist.get_world_size())
     device = device_type()
     shape, names = ((shard,), (SHARD_DIM,)) if replicate == 1 else ((replicate, shard), (REPLICATE_DIM, SHARD_DIM))
@@ -166,14 +164,6 @@ def build_mesh(config: FSDP2Config | None = None) -> DeviceMesh:
         # on the CPU): the mesh gets gloo groups of its own instead of reusing it.
         override = {dim: "gloo" for dim in range(len(shape))}
     return init_device_mesh(device, shape, mesh_dim_names=names, backend_override=override)
-
-
-def no_cp_mesh(cp_size: int, mesh: DeviceMesh | None = None) -> str:
-    """The refusal of a `cp_size` no mesh carries: hf_fsdp2 builds no "cp" dimension of its own."""
-    where = f"the mesh {dict(zip(mesh.mesh_dim_names or (), mesh.shape))} has none" if mesh is not None else \
-        "hf_fsdp2.build_mesh builds no cp dimension (not done)"
-    return (f"`cp_size`={cp_size} needs a device mesh with a 'cp' dimension and {where}: let Accelerate's "
-            f"parallelism_config (cp_size) build it, as accelerate_configs/fsdp2_cp.yaml does.")
 
 
 def init_distributed(

@@ -43,7 +43,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from ..config import FSDP2Config
 from ..quantization import quantized
 from ..runtime import collectives, upstream
-from ..runtime.distributed import CP_DIM, TP_DIM, data_parallel_mesh
+from ..runtime.distributed import data_parallel_mesh
 from .record import ShardedModel
 
 _inside = 0  # > 0 while a traced model's forward runs: properties gather
@@ -122,12 +122,10 @@ def _swap_class(module: nn.Module, members: dict[str, Any]) -> None:
     upstream.set_class(module, swapped, _SEAM)
 
 
-def unsupported(model: nn.Module, mesh: DeviceMesh) -> list[str]:
-    """What `compile="model"` cannot honour on this model and mesh (the config's own conflicts are refused
-    by FSDP2Config)."""
-    names = mesh.mesh_dim_names or ()
-    reasons = [f"a {dim!r} mesh dimension of {mesh[dim].size()}" for dim in (TP_DIM, CP_DIM)
-               if dim in names and mesh[dim].size() > 1]
+def unsupported(model: nn.Module) -> list[str]:
+    """What `compile="model"` cannot honour on this model (the config's own conflicts, the model-parallel sizes a
+    mesh gives included, are refused by FSDP2Config: the engine sets them from the mesh before this runs)."""
+    reasons = []
     if quantized.has_quantized_layers(model):
         reasons.append("4-bit base weights (their packed rows and quantization state are FSDP2's)")
     return reasons
@@ -140,7 +138,7 @@ def apply(model: nn.Module, config: FSDP2Config, mesh: DeviceMesh, ignored: set,
     (buckets of `bucket_cap_mb`, by default the largest of the decoder `layers` gathered), recomputing the
     `checkpointed` layers in backward but the outputs of `kept_ops` (the engine's: selective checkpointing's). The
     gather is kept in the model's `record` (generation reads it)."""
-    reasons = unsupported(model, mesh)
+    reasons = unsupported(model)
     if reasons:
         raise ValueError("compile='model' (collectives in the compiled graph) cannot honour "
                          + "; ".join(reasons) + ". Use compile=True (regional) or drop the setting.")

@@ -23,6 +23,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
+from ..config import CP_DIM
 from ..runtime import collectives, upstream
 from .model_parts import ModelParts
 
@@ -158,3 +159,39 @@ def refuse_padding(mask, cp_size: int) -> None:
             "[batch, seq] mask), and context parallelism attends without a mask (torch's ring attention; Accelerate "
             "drops the mask), so padding would be trained as tokens. Pack sequences without padding (e.g. "
             "DataCollatorWithFlattening, or padding with labels -100 and no attention_mask), or set cp_size to 1.")
+
+
+def refuse_other_backend(parallelism_config) -> None:
+    """Accelerate's parallelism_config asking for a CP backend other than torch's, refused by name at prepare."""
+    pc = parallelism_config
+    if (getattr(pc, "cp_size", 1) or 1) > 1 and getattr(pc, "cp_backend", "torch") != "torch":
+        raise ValueError(f"parallelism_config cp_backend={pc.cp_backend!r}: hf_fsdp2 runs context parallelism "
+                         "with torch's ring attention only; set parallelism_config_cp_backend: torch.")
+
+
+def refuse_another_mesh(mesh, cp_size: int) -> None:
+    """A model sharded before `prepare` keeps its mesh (integrations/presharded.py, through the engine): the
+    context parallelism Accelerate's settings ask for (parallelism_config cp_size) must be its "cp" dimension."""
+    names = mesh.mesh_dim_names or () if mesh is not None else ()
+    model_cp = mesh[CP_DIM].size() if CP_DIM in names else 1
+    if model_cp != cp_size:
+        raise ValueError(
+            f"prepare: the Accelerate settings ask for context parallelism over {cp_size} ranks (parallelism_config "
+            f"cp_size) but the model was sharded before prepare on a mesh with {model_cp}; load it on Accelerate's "
+            "mesh: hf_fsdp2.from_pretrained(..., hf_fsdp2.accelerator_config(accelerator), "
+            "mesh=accelerator.torch_device_mesh).")
+
+
+def checked_context(original, cp_size: int):
+    """Accelerate's `maybe_context_parallel` context (torch's `context_parallel`, `original`), refusing by name
+    the buffers it cannot split evenly over the cp ranks (integrations/accelerate.py wraps the accelerator's)."""
+    def context(buffers=None, buffer_seq_dims=None, no_restore_buffers=None, **kwargs):
+        lengths = {int(b.shape[d]) for b, d in zip(buffers or [], buffer_seq_dims or [])}
+        if len(lengths) > 1 or any(length % cp_size for length in lengths):
+            raise ValueError(f"maybe_context_parallel: sequence lengths {sorted(lengths)} along buffer_seq_dims must be "
+                             f"one length that parallelism_config cp_size={cp_size} divides (2 x cp_size = "
+                             f"{2 * cp_size} for load-balanced causal attention); pad the batch (e.g. "
+                             f"pad_to_multiple_of={2 * cp_size}).")
+        return original(buffers=buffers, buffer_seq_dims=buffer_seq_dims, no_restore_buffers=no_restore_buffers,
+                        **kwargs)
+    return context

@@ -21,11 +21,11 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from ..config import SP_DIM, FSDP2Config
+from ..config import CP_DIM, SP_DIM, FSDP2Config, no_cp_mesh
 from ..quantization import fp8, quantized
 from ..runtime import collectives, host_allocator, upstream
-from ..runtime.distributed import (CP_DIM, TP_DIM, build_mesh, data_parallel_mesh, default_device, local_tensor,
-                                   no_cp_mesh, refuse_accelerator_model_on_host_backend)
+from ..runtime.distributed import (TP_DIM, build_mesh, data_parallel_mesh, default_device, local_tensor,
+                                   refuse_accelerator_model_on_host_backend)
 from .compile import compile_layers, disable_cache_in_training, is_compiled
 from .groups import ShardPlan, apply_frozen_dtype, plan_groups, replicated_frozen_parameters
 from .model_parts import ModelParts, model_parts
@@ -374,6 +374,12 @@ def keep_async_save(record: ShardedModel, async_save: bool) -> None:
     """A setting that does not change how the model is sharded, given once it was (Accelerate's settings at
     prepare: integrations/presharded.py): the record's config, which the engine writes, says it from now on."""
     record.config = record.config.replace(async_save=async_save)
+
+
+def refuse_another_mesh(record: ShardedModel, wanted: FSDP2Config) -> None:
+    """The mesh a model was sharded on cannot change once it was: the dimensions `wanted` (Accelerate's settings at
+    prepare: integrations/presharded.py) asks of it must be the record's, else a ValueError naming them."""
+    context_parallel.refuse_another_mesh(record.mesh, wanted.cp_size)
 
 
 def _adopt(model: nn.Module, config: FSDP2Config, mesh: DeviceMesh | None) -> nn.Module:

@@ -85,8 +85,9 @@ def require_available(ep_size: int) -> None:
 
 
 def check_shard_group(config, shard_size: int) -> None:
-    """ep divides the shard group, within one replica (FSDP2Config.mesh_shape's rule for this shard size)."""
-    config.replace(shard_size=shard_size, replicate_size=1).mesh_shape(shard_size * config.tp_size)
+    """ep divides the shard group, within one replica (FSDP2Config.mesh_shape's rule for this shard size; an
+    ep_size config has no other model-parallel dimension: FSDP2Config refuses ep with tp or cp)."""
+    config.replace(shard_size=shard_size, replicate_size=1).mesh_shape(shard_size)
 
 
 def refuse_unsupported(model: nn.Module, config, mesh: DeviceMesh) -> None:
