@@ -6,14 +6,15 @@
 Contestants, side by side in one run, each loading the same hub-format checkpoint:
   fsdp2            hf_fsdp2.from_pretrained, FSDP2Config()            every expert all-gathered by every rank
   ep2, ep4         hf_fsdp2.from_pretrained, FSDP2Config(ep_size=E)   E/ep experts per rank, tokens by hf_fsdp2's
-                   even all-to-all (sharding/expert_dispatch.py: no host read per layer, padded blocks)
+                   dispatch (sharding/expert_dispatch.py: fixed-size gathers and reduce-scatters, no host read per
+                   layer)
   ep2_all_to_all,  the same with transformers' AllToAllEP as the dispatch (expert_dispatch.set_dispatch): what
   ep4_all_to_all   hf_fsdp2 ran before issue 64 (split sizes read to the host each layer, no padding)
   transformers,    from_pretrained(distributed_config=DistributedConfig(fsdp_size=4, ep_size=2 or 4)), adopted by
   transformers_ep4 hf_fsdp2.shard_model: transformers' own EP x FSDP2
 
-Per contestant: all-gathered and all-to-all bytes of one training step (torch.profiler's c10d events: the
-output buffers' numel x 4 bytes, fp32), host reads per MoE layer in the next step's forwards (tests/host_reads.py:
+Per contestant: FSDP2's all-gathered bytes and the EP token dispatch's bytes of one training step (torch.profiler's
+c10d events, `_collective_bytes`), host reads per MoE layer in the next step's forwards (tests/host_reads.py:
 item/tolist/bool/nonzero/... of a tensor; the even dispatch's one read of its CPU token-count tensor counted apart,
 `host_int_reads_per_layer`), tokens/s over the timed steps (the median of `--repeat` round-robin runs), each
 rank's own CPU seconds per timed step (max over ranks: what other load on the machine moves least), peak RSS per
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import shutil
 import statistics
 import time
@@ -46,13 +48,25 @@ def _config(tiny: bool):
     return Qwen3MoeConfig(**(TINY if tiny else SHAPE))
 
 
-def _collective_bytes(prof) -> dict[str, int]:
-    """Bytes into the output buffers of the step's all-gathers and all-to-alls (fp32: 4 bytes a value)."""
-    out = {"all_gather": 0, "all_to_all": 0}
+def _collective_bytes(prof, ep: int) -> dict[str, int]:
+    """Bytes of the step's collectives (values x 4 bytes, fp32): FSDP2's all-gathers' output buffers, and the EP token
+    dispatch's ep x tokens buffers: the all-to-alls' outputs (AllToAllEP's, transformers' EP), hf_fsdp2's all-gathers
+    (torch's functional ones: outputs ep x their input) and reduce-scatters (inputs), forward and backward."""
+    out = {"all_gather": 0, "all_to_all": 0, "dispatch": 0}
     for event in prof.events():
-        kind = {"c10d::_allgather_base_": "all_gather", "c10d::alltoall_base_": "all_to_all"}.get(event.name)
-        if kind and event.input_shapes and event.input_shapes[0]:
-            out[kind] += 4 * math.prod(event.input_shapes[0])
+        shape = event.input_shapes[0] if event.input_shapes and event.input_shapes[0] else None
+        if shape is None:
+            continue
+        values = math.prod(shape)
+        if event.name == "c10d::_allgather_base_":
+            out["all_gather"] += 4 * values
+        elif event.name == "c10d::alltoall_base_":
+            out["all_to_all"] += 4 * values
+            out["dispatch"] += 4 * values
+        elif event.name == "_c10d_functional::all_gather_into_tensor":
+            out["dispatch"] += 4 * values * ep
+        elif event.name == "_c10d_functional::reduce_scatter_tensor":
+            out["dispatch"] += 4 * values
     return out
 
 
@@ -96,7 +110,7 @@ def run_rank(rank: int, world: int, job: dict) -> dict:
     losses = [step(ids) for ids in data[:job["warmup"]]]
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         losses.append(step(data[job["warmup"]]))
-    collective = _collective_bytes(prof)
+    collective = _collective_bytes(prof, job["ep"])
     moe_blocks = [layer.mlp for layer in model.model.layers]
     reads = HostReads(expert_dispatch.host_buffers())  # a step of its own: the modes would show in the profile
     with reads.counting(), reads.windows(moe_blocks):
@@ -130,7 +144,7 @@ def main(argv=None) -> int:
     p.add_argument("--seq", type=int, default=256)
     args = p.parse_args(argv)
     world = 4
-    root = harness.TMP_ROOT / "moe_bench"
+    root = harness.TMP_ROOT / f"moe_bench-{os.getpid()}"  # its own: a --tiny run (the suite) may run beside it
     shutil.rmtree(root, ignore_errors=True)
     import torch
     from transformers import Qwen3MoeForCausalLM
@@ -146,8 +160,9 @@ def main(argv=None) -> int:
     results = {}
     for _ in range(args.repeat):
         for name in args.contestants:
+            ep = int(name[2]) if name.startswith("ep") else 4 if name.endswith("ep4") else 2 if name == "transformers" else 1
             job = {"contestant": name, "src": str(root / "src"), "batch": args.batch, "seq": seq, "warmup": 1,
-                   "steps": steps}
+                   "steps": steps, "ep": ep}
             ranks = harness.run_ranks(run_rank, world, job, timeout=3600, threads=1,
                                       preload=harness.TINY_PRELOAD if args.tiny else ())
             speed = world * ranks[0]["tokens"] / max(r["seconds"] for r in ranks)
@@ -159,7 +174,8 @@ def main(argv=None) -> int:
             results[name] = {
                 "losses": ranks[0]["losses"], "rank_losses": [r["losses"] for r in ranks],
                 "all_gather_bytes": max(r["all_gather"] for r in ranks),
-                "all_to_all_bytes": max(r["all_to_all"] for r in ranks), "peak_rss": max(r["peak_rss"] for r in ranks),
+                "all_to_all_bytes": max(r["all_to_all"] for r in ranks),
+                "dispatch_bytes": max(r["dispatch"] for r in ranks), "peak_rss": max(r["peak_rss"] for r in ranks),
                 "tokens_per_s_runs": [speed], "cpu_s_per_step_runs": [cpu],
                 "host_reads_per_layer": max(r["host_reads_per_layer"] for r in ranks),
                 "host_reads": ranks[0]["host_reads"],
@@ -172,13 +188,13 @@ def main(argv=None) -> int:
     base = results.get("fsdp2")
     lines = [f"Qwen3-MoE shape {'(tiny)' if args.tiny else ''} {total_bytes / 2**20:.0f} MiB fp32, experts "
              f"{expert_bytes / total_bytes:.0%} of it; {world} ranks, batch {args.batch} x seq {seq} per rank",
-             f"{'contestant':16s} {'all-gather/step':>16s} {'all-to-all/step':>16s} {'peak RSS':>10s} {'tokens/s':>9s}"
+             f"{'contestant':16s} {'all-gather/step':>16s} {'dispatch/step':>16s} {'peak RSS':>10s} {'tokens/s':>9s}"
              f"         CPU s/step  host reads/MoE layer  loss diff"]
     for name, r in results.items():
         rel = (f" ({r['all_gather_bytes'] / base['all_gather_bytes']:.2f}x)" if base else "")
         speed = (f" ({r['tokens_per_s'] / base['tokens_per_s']:.2f}x)" if base else "")
         diff = max(abs(a - b) for a, b in zip(r["losses"], base["losses"])) if base else float("nan")
-        lines.append(f"{name:16s} {r['all_gather_bytes'] / 2**20:9.1f} MiB{rel:>8s} {r['all_to_all_bytes'] / 2**20:8.1f} MiB "
+        lines.append(f"{name:16s} {r['all_gather_bytes'] / 2**20:9.1f} MiB{rel:>8s} {r['dispatch_bytes'] / 2**20:8.1f} MiB "
                      f"{r['peak_rss'] / 2**30:7.2f} GiB {r['tokens_per_s']:8.0f}{speed:8s} {r['cpu_s_per_step']:6.2f}     "
                      f"{r['host_reads_per_layer']:4.1f} (+{r['host_int_reads_per_layer']:.0f} CPU int)  {diff:.1e}")
     print("\n".join(lines))

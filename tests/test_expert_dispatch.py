@@ -15,7 +15,7 @@ from hf_fsdp2 import FSDP2Config, shard_model
 from .common import batches, local_rows
 from .dist_harness import run_ranks
 from .host_reads import HostReads
-from .test_expert_parallel import build_moe
+from .test_expert_parallel import build_moe, with_lora
 
 WORLD = 4
 
@@ -103,8 +103,9 @@ def build_gpt_oss(seed: int = 0):
     return model
 
 
-def _build(arch: str):
-    return build_gpt_oss() if arch == "gpt_oss" else build_moe(arch=arch)
+def _build(arch: str, use_lora: str | None = None):
+    model = build_gpt_oss() if arch == "gpt_oss" else build_moe(arch=arch)
+    return with_lora(model, arch, use_lora) if use_lora else model
 
 
 def _uneven(rank: int, world: int) -> torch.Tensor:
@@ -119,32 +120,45 @@ def _grads(model):
             for name, p in model.named_parameters() if p.requires_grad}
 
 
+def _aux(result):
+    return None if result.aux_loss is None else result.aux_loss.item()
+
+
 def _uneven_rank(rank, world, cases):
     out = {}
-    for arch, ep_size in cases:
-        model = _build(arch)
+    for arch, ep_size, use_lora in cases:
+        model = _build(arch, use_lora)
         shard_model(model, FSDP2Config(ep_size=ep_size))
         ids = _uneven(rank, world)
         result = model(input_ids=ids, labels=ids)
         result.loss.backward()  # FSDP2 averages the ranks' gradients: the reference's mean of the ranks' losses
-        out[arch] = {"loss": result.loss.item(), "aux": result.aux_loss.item(), "grads": _grads(model)}
+        out[arch, ep_size, use_lora] = {"loss": result.loss.item(), "aux": _aux(result), "grads": _grads(model)}
     return out
 
 
+# (model, ep size, LoRA): full fine-tunes, and PEFT LoRA on the fused experts (`target_parameters`) of gpt-oss
+# (transposed experts with biases) and DeepSeek-V3 (shared expert, grouped routing), which
+# tests/test_expert_parallel.py's equality matrix does not cover
+UNEVEN_CASES = [("qwen3_moe", 4, None), ("gpt_oss", 2, None), ("gpt_oss", 4, "experts"), ("deepseek_v3", 2, "experts")]
+
+
 def test_uneven_token_counts_train_like_one_process():
-    """Ranks holding batches of different lengths (the even blocks are sized by the group's largest), Qwen3-MoE at
-    ep 4 and gpt-oss at ep 2 (one run): each rank's loss and router auxiliary loss, and every gradient, are one
-    process's."""
-    cases = [("qwen3_moe", 4), ("gpt_oss", 2)]
-    ranks = run_ranks(_uneven_rank, WORLD, cases)
-    for arch, _ in cases:
-        model = _build(arch)
+    """Ranks holding batches of different lengths (the gathers are sized by the group's largest): Qwen3-MoE at ep 4,
+    gpt-oss at ep 2, and LoRA on the fused experts of gpt-oss at ep 4 and DeepSeek-V3 at ep 2 (one run): each rank's
+    loss and router auxiliary loss, and every trained gradient, are one process's."""
+    ranks = run_ranks(_uneven_rank, WORLD, UNEVEN_CASES)
+    for case in UNEVEN_CASES:
+        model = _build(case[0], case[2])
         outs = [model(input_ids=_uneven(r, WORLD), labels=_uneven(r, WORLD)) for r in range(WORLD)]
         (sum(o.loss for o in outs) / WORLD).backward()
         ref = _grads(model)
-        for rank, result in enumerate(r[arch] for r in ranks):
-            assert result["loss"] == pytest.approx(outs[rank].loss.item(), rel=1e-5), arch
-            assert result["aux"] == pytest.approx(outs[rank].aux_loss.item(), rel=1e-5), arch
+        assert ref and (case[2] is None or all("lora_" in name for name in ref)), case
+        if case[2]:
+            assert any(".experts." in name for name in ref), case
+        for rank, result in enumerate(r[case] for r in ranks):
+            assert result["loss"] == pytest.approx(outs[rank].loss.item(), rel=1e-5), case
+            aux = _aux(outs[rank])  # None for DeepSeek-V3 (an expert bias, no auxiliary loss)
+            assert result["aux"] == (None if aux is None else pytest.approx(aux, rel=1e-5)), case
             assert result["grads"].keys() == ref.keys()
             for name, expected in ref.items():
-                torch.testing.assert_close(result["grads"][name], expected, rtol=1e-5, atol=1e-7, msg=f"{arch} {name}")
+                torch.testing.assert_close(result["grads"][name], expected, rtol=1e-5, atol=1e-7, msg=f"{case} {name}")

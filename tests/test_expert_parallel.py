@@ -453,7 +453,7 @@ def test_the_auto_layout_plans_with_the_ep_size_given():
 
 def test_moe_bench_tiny_mode_runs_every_contestant():
     """benchmarks/moe_bench.py on tiny shapes, so it cannot rot: every contestant trains the same losses, EP
-    all-gathers less than FSDP2 alone and moves tokens by all-to-all, reading nothing to the host in its MoE layers
+    all-gathers less than FSDP2 alone's parameters and moves tokens, reading nothing to the host in its MoE layers
     where transformers' own EP reads its split sizes (the real shape is run by hand)."""
     from .common import tiny_benchmark_results
 
@@ -464,15 +464,16 @@ def test_moe_bench_tiny_mode_runs_every_contestant():
     for name, r in results.items():
         assert r["losses"] == pytest.approx(base["losses"], rel=1e-5), name
     assert results["ep2"]["all_gather_bytes"] < base["all_gather_bytes"]
-    assert base["all_to_all_bytes"] == 0 < results["ep2"]["all_to_all_bytes"]
+    assert base["dispatch_bytes"] == 0 < results["ep2"]["dispatch_bytes"]
     # issue 64: hf_fsdp2's dispatch reads nothing to the host in the MoE layers, transformers' AllToAllEP its splits
     assert results["ep2"]["host_reads_per_layer"] == 0 < results["transformers"]["host_reads_per_layer"]
 
 
 def test_estimate_counts_each_ranks_experts_and_the_token_exchange(tmp_path, capsys):
     """estimate-memory with ep_size: the same bytes per rank at rest (rows / shard either way), a layer's
-    gather holds only its rank's E / ep experts, and one token exchange (ep blocks of tokens x top-k x hidden,
-    sent and received) joins the backward-start point; ep must divide the shard group (named)."""
+    gather holds only its rank's E / ep experts, and one layer's token dispatch (tokens gathered from the ep ranks and
+    summed back, and their top-k pair rows, x hidden) joins the backward-start point; ep must divide the shard group
+    (named)."""
     from hf_fsdp2.cli import main
     from hf_fsdp2.planner.memory import estimate_memory
 
@@ -485,8 +486,9 @@ def test_estimate_counts_each_ranks_experts_and_the_token_exchange(tmp_path, cap
     layer = next(g for g in plain.groups if g.name.endswith("layers.0"))
     layer_ep = next(g for g in ep2.groups if g.name.endswith("layers.0"))
     assert layer.gathered_bytes - layer_ep.gathered_bytes == expert_bytes // 2
-    # even blocks (sharding/expert_dispatch.py): ep 2 blocks of batch 2 x 16 tokens x top-2 rows, sent and received
-    assert ep2.all_to_all_bytes == 2 * 2 * 2 * 16 * config.num_experts_per_tok * hidden * 4 and plain.all_to_all_bytes == 0
+    # sharding/expert_dispatch.py: ep 2 x batch 2 x 16 tokens gathered and summed back, and as many x top-2 pair rows
+    top_k = config.num_experts_per_tok
+    assert ep2.all_to_all_bytes == 2 * 2 * 16 * (2 + top_k) * hidden * 4 and plain.all_to_all_bytes == 0
     assert ep2.backward_start_bytes - plain.backward_start_bytes == ep2.all_to_all_bytes
     with pytest.raises(ValueError, match="`ep_size`=3 must divide the shard size 4"):
         estimate_memory(config, WORLD, FSDP2Config(ep_size=3), batch_size=2, seq_len=16)
@@ -496,7 +498,7 @@ def test_estimate_counts_each_ranks_experts_and_the_token_exchange(tmp_path, cap
     assert main(["estimate-memory", "--model", str(tmp_path / "config.json"), "--world-size", "4", "--ep-size", "2",
                  "--seq-len", "16"]) == 0
     out = capsys.readouterr().out
-    assert "experts over ep 2 x efsdp 2" in out and "all-to-all: one token exchange" in out
+    assert "experts over ep 2 x efsdp 2" in out and "EP dispatch: one layer's gathered tokens" in out
 
 
 # Issue 65: what EP left to the user on 2 ranks (one run: generation, from_pretrained's keywords, clipping,

@@ -491,9 +491,9 @@ def _loss_backward_bytes(base: nn.Module, batch_size: int, seq_len: int, cp_size
 
 def _all_to_all_bytes(prepared: MetaTrainingModel, batch_size: int, tokens: int, compute: torch.dtype | None,
                       ep_size: int) -> int:
-    """One token exchange of an EP layer (sharding/expert_dispatch.py's even all-to-all): a send and a receive
-    buffer of ep blocks, each block tokens x min(top-k, E/ep) rows of the hidden size in the compute dtype (the
-    dropless bound the blocks are sized by, whatever the routing)."""
+    """One EP layer's token dispatch (sharding/expert_dispatch.py): the tokens gathered from the ep ranks, the rows
+    summed back (each ep x tokens), and the pair rows the experts read (ep x tokens x min(top-k, E/ep): the dropless
+    bound they are sized by, whatever the routing), of the hidden size in the compute dtype."""
     config = getattr(prepared.base, "config", None)
     top_k = getattr(config, "num_experts_per_tok", None) or 1
     experts = next((getattr(config, name) for name in ("num_experts", "num_local_experts", "n_routed_experts")
@@ -501,7 +501,7 @@ def _all_to_all_bytes(prepared: MetaTrainingModel, batch_size: int, tokens: int,
     hidden = getattr(config, "hidden_size", 0)
     itemsize = _itemsize(compute) if compute is not None else next(
         (p.element_size() for p in prepared.model.parameters() if p.is_floating_point()), 4)
-    return 2 * ep_size * batch_size * tokens * min(top_k, experts // ep_size) * hidden * itemsize
+    return ep_size * batch_size * tokens * (2 + min(top_k, experts // ep_size)) * hidden * itemsize
 
 
 def _check_cp(cp_size: int, shard: int, seq_len: int | None) -> None:

@@ -255,7 +255,7 @@ class MemoryEstimate:
             rows.append((f"activations: batch {a.batch_size} x seq {a.seq_len}{split}, {ac}", a.peak_bytes,
                          a.host_bytes))
             if self.all_to_all_bytes:
-                rows.append((f"all-to-all: one token exchange to the experts' ranks (ep {self.ep_size}, even blocks)",
+                rows.append((f"EP dispatch: one layer's gathered tokens, pair rows and summed rows (ep {self.ep_size})",
                              self.all_to_all_bytes, 0))
             if self.loss_backward_bytes:
                 rows.append(("loss backward: the logits' fp32 gradient (tokens x vocab) less the window's copy-out, "

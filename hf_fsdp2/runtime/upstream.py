@@ -396,10 +396,17 @@ PRIVATE: tuple[Private, ...] = (
     Private("transformers.modeling_utils", "PreTrainedModel._weight_conversions", "checkpoint/key_conversion.py",
             optional=True),
     Private("transformers.trainer", "Trainer._get_output_dir", _TR),
-    # differentiable collectives of Ulysses and of the even EP dispatch (torch.distributed.nn.functional's are deprecated)
+    # differentiable collectives of Ulysses and of the EP dispatch (torch.distributed.nn.functional's are deprecated)
     *[Private("torch.distributed._functional_collectives", name, "sharding/sequence_parallel.py")
       for name in ("all_reduce", "all_to_all_single_autograd", "all_gather_tensor_autograd")],
-    Private("torch.distributed._functional_collectives", "all_to_all_single_autograd", "sharding/expert_dispatch.py"),
+    *[Private("torch.distributed._functional_collectives", name, "sharding/expert_dispatch.py")
+      for name in ("all_gather_single", "reduce_scatter_single")],
+    # the EP dispatch's experts on rows it sorted itself: transformers' grouped matmul dispatcher and the experts'
+    # gate (use_experts_implementation gives classes without their own gate integrations/moe.py's default)
+    Private("transformers.integrations.moe", "_grouped_mm", "sharding/expert_dispatch.py"),
+    *[Private(module, f"{cls}._apply_gate", "sharding/expert_dispatch.py")
+      for module, cls in (("transformers.models.qwen3_moe.modeling_qwen3_moe", "Qwen3MoeExperts"),
+                          ("transformers.models.gpt_oss.modeling_gpt_oss", "GptOssExperts"))],
     # the implementation a model's attention looks up (Ulysses wraps it: sharding/sequence_parallel.py)
     Private("transformers.configuration_utils", "PreTrainedConfig._attn_implementation",
             "sharding/sequence_parallel.py"),

@@ -2,27 +2,29 @@
 
 transformers' `AllToAllEP` (transformers/distributed/expert_parallel.py) sends each (token, expert) pair to its
 expert's rank with an uneven all-to-all whose split sizes it reads back to the host every layer (`.tolist()`: on a
-GPU a device sync per MoE layer, no CUDA graph). Here the all-to-alls are even: each rank sends every other rank a
-block of a fixed number of rows, an upper bound known without reading the router's counts, so the routing is
-dropless and stays on the device:
+GPU a device sync per MoE layer, no CUDA graph). Here every collective has a size known on the host without
+reading the router's choices, so the routing is dropless and stays on the device:
 
-- block size C = T_max x min(top_k, local experts): T_max the largest token count of the EP group (its ranks may hold
-  batches of different lengths). A token picks distinct experts, so at most min(top_k, E/ep) of its pairs go to
-  one rank; T_max is exchanged as a host integer over a gloo group (`_HOST`), a CPU tensor that never was on
-  the device: one small host collective per layer call, no device read.
-- the sender sorts its pairs by expert, so the pairs for rank d are contiguous; their positions in d's block are
-  computed on the device (a cumsum of per-rank counts), and the block's unused rows carry the local expert id
-  E/ep, transformers' EP sentinel. A second even all-to-all (int64, one value a row) carries the local expert ids.
-- the receiver runs its experts with transformers' own experts implementation (the model's
-  `experts_implementation`; `grouped_mm` by default: one `torch.nn.functional.grouped_mm` per projection for
-  all local experts, the sentinel rows sorted to the tail and skipped by the kernel, masked to zero after it).
-- the outputs go back by the same even all-to-all; each pair's row is taken at its slot, weighted by the router's
-  weight and summed over the top-k on the sender, as in one process (`grouped_mm_experts_forward` weights then sums).
+- each rank's tokens, expert ids and router weights are all-gathered over the EP group (torch's functional
+  `all_gather_single`, differentiable: its backward reduce-scatters the gradients), in blocks of T_max rows, the
+  largest token count of the group (its ranks may hold batches of different lengths; padded rows pick no expert).
+  T_max is exchanged as a host integer over a gloo group (`_HOST`), a CPU tensor that never was on the device: one
+  small host collective per layer call, no device read.
+- each rank takes the (token, expert) pairs of its own experts, sorted by expert: a fixed number of them, ep x T_max
+  x min(top_k, local experts) (a token picks distinct experts), the unused ones sorted last with transformers' EP
+  sentinel (local id E/ep); the grouped matmuls (`offs` on the device) skip those rows (`grouped_experts`).
+- each pair's output is weighted by its router weight and summed into its token's row, and the rows are
+  reduce-scattered back to the ranks that hold the tokens (`reduce_scatter_single`; backward: an all-gather): the
+  token's sum over its top-k as `grouped_mm_experts_forward` weights then sums it (two terms add in either order
+  to the same float; with top-k above 2 spread over ranks the order of the sum differs from one process's).
 
-The cost is the padding: ep x the rows of an uneven exchange cross the all-to-alls, and the experts' sort, gather
-and elementwise passes run over ep x C rows (the grouped matmuls only over the real ones). benchmarks/moe_bench.py
-measures it against `AllToAllEP` on CPU. Where the device has symmetric memory (all_to_all_vdev) an uneven
-exchange with device-side splits would avoid it: not done.
+Why gathers and not the fixed-size all-to-all this module first had (blocks of T_max x min(top_k, local) pairs to
+every rank): a token travels once to each rank instead of once per pair, so the bytes are ep x T_max rows each way
+instead of ep x T_max x min(top_k, local); with top_k >= ep that is no more than the uneven all-to-all's T x top_k
+(benchmarks/moe_bench.py: transformers' AllToAllEP side by side, and the numbers in benchmarks/README.md). The cost
+left is the fixed pair count: the experts' gathers and elementwise passes run over ep x T_max x min(top_k, local)
+rows (the grouped matmuls only over the used ones). Where the device has symmetric memory (all_to_all_vdev) an
+uneven exchange with device-side splits would avoid it: not done.
 
 The implementation registers in transformers' `EPImplementationInterface` (its documented extension point) as
 `NAME`, and `apply_expert_parallelism(..., ep_implementation=NAME)` installs it; sharding/expert_parallel.py picks
@@ -31,7 +33,8 @@ it, or transformers' `all_to_all` where `set_dispatch("all_to_all")` asks (bench
 Refused by name (`refuse_unsupported`): a capacity factor in the model's config (this dispatch is dropless; a
 capacity would drop tokens the router chose) and an experts implementation not known to skip the EP sentinel rows
 (e.g. "sonicmoe"; "deepgemm_megamoe", which exchanges the tokens inside its kernel; "eager", the models' own
-loops, not all of which skip it).
+loops, not all of which skip it). With "grouped_mm" (transformers' default) the experts run in `grouped_experts`
+on the sorted rows; "batched_mm" and "deepgemm" run in the experts' own forward.
 """
 
 from __future__ import annotations
@@ -41,11 +44,12 @@ import functools
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from ..runtime import collectives, upstream
 
-NAME = "hf_fsdp2_even_all_to_all"
+NAME = "hf_fsdp2_even_gather_scatter"
 REGISTRY = "transformers.distributed.expert_parallel.EPImplementationInterface._global_mapping"
 DISPATCHES = {"even": NAME, "all_to_all": "all_to_all"}  # ours, and transformers' AllToAllEP (the benchmark's baseline)
 # transformers' experts implementations that skip the rows a split experts module does not hold (local id
@@ -109,32 +113,56 @@ def refuse_unsupported(config, ep_size: int) -> None:
     implementation = getattr(config, "_experts_implementation", None)
     if _dispatch == "even" and implementation not in SENTINEL_AWARE:
         raise ValueError(f"`experts_implementation`={implementation!r} with `ep_size`={ep_size}: its experts are not "
-                         "known to skip the rows another EP rank holds in hf_fsdp2's even all-to-all; not done. Use "
+                         "known to skip the rows another EP rank holds in hf_fsdp2's EP dispatch; not done. Use "
                          f"one of {', '.join(repr(n) for n in SENTINEL_AWARE)} (grouped_mm: transformers' default), "
                          "or transformers' AllToAllEP: hf_fsdp2.sharding.expert_dispatch.set_dispatch('all_to_all').")
 
 
-def slots(expert_ids: torch.Tensor, num_local: int, ep_size: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """For the flat (token x top-k) expert ids: each pair's row in the even send buffer (rank d's block at
-    d x `block`, pairs sorted by expert within it), and the buffer's local expert ids (`num_local`, the sentinel,
-    in unused rows). All on the device, no host read."""
-    order = torch.argsort(expert_ids, stable=True)
-    sorted_ids = expert_ids[order]
-    dest = torch.div(sorted_ids, num_local, rounding_mode="floor")
-    counts = torch.zeros(ep_size, dtype=torch.long, device=expert_ids.device).scatter_add_(
-        0, dest, torch.ones_like(dest))
-    starts = torch.cumsum(counts, 0) - counts
-    sorted_slots = dest * block + torch.arange(sorted_ids.numel(), device=expert_ids.device) - starts[dest]
-    pair_slots = torch.empty_like(sorted_slots).scatter_(0, order, sorted_slots)
-    local_ids = torch.full((ep_size * block,), num_local, dtype=torch.long, device=expert_ids.device)
-    local_ids.scatter_(0, sorted_slots, sorted_ids - dest * num_local)
-    return pair_slots, local_ids
+def local_pairs(expert_ids: torch.Tensor, rank: int, num_local: int, top_k: int, num_rows: int):
+    """This rank's share of the gathered routing (`expert_ids`: flat, token-major, every rank's tokens), on the device
+    (no host read), as `num_rows` rows sorted by local expert: a fixed count known on the host, at least one more than
+    the pairs whose expert this rank holds, the rows past them unused (local id `num_local`, transformers' EP sentinel).
+
+    Returns each row's token (the token count for an unused row), its local expert id, the grouped matmuls' `offs`
+    (per-expert ends, int32), and for each (token, top-k slot) the row of its pair (`num_rows` - 1, an unused row,
+    where the expert is another rank's)."""
+    device, num_pairs = expert_ids.device, expert_ids.numel()
+    local = expert_ids - rank * num_local
+    local = torch.where((local >= 0) & (local < num_local), local, num_local)
+    if num_rows > num_pairs:  # every pair may be this rank's (top_k <= local experts): unused rows past them
+        local = F.pad(local, (0, num_rows - num_pairs), value=num_local)
+    order = torch.argsort(local, stable=True)[:num_rows]
+    ids = local.index_select(0, order)
+    used = ids < num_local
+    tokens = torch.where(used, torch.div(order, top_k, rounding_mode="floor"), num_pairs // top_k)
+    counts = torch.zeros(num_local + 1, dtype=torch.long, device=device).scatter_add_(0, local, torch.ones_like(local))
+    rows = torch.full((num_pairs + 1,), num_rows - 1, dtype=torch.long, device=device).scatter_(
+        0, torch.where(used, order, num_pairs), torch.arange(num_rows, device=device))
+    return tokens, ids, torch.cumsum(counts[:num_local], 0, dtype=torch.int32), rows[:num_pairs]
 
 
-def _exchange(rows: torch.Tensor, group) -> torch.Tensor:
-    """An even all-to-all (equal blocks to and from every rank of `group`) that autograd differentiates (its backward
-    is the same exchange of the gradients): torch's functional `all_to_all_single_autograd`, as Ulysses uses it."""
-    return funcol.all_to_all_single_autograd(rows.contiguous(), None, None, group)
+def grouped_experts(experts, rows: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """`rows` (sorted by local expert `ids`, the sentinel rows last) through the local experts as transformers'
+    `grouped_mm_experts_forward` computes them: its grouped matmul `_grouped_mm` (one per projection for all local
+    experts, `offs` ending at the used rows, so the sentinel rows cost none), the experts' own gate or activation,
+    biases, post-expert norm. Not that function itself: it sorts (token, top-k) routing, masks and weights it, where
+    these rows come sorted, unweighted, and the sentinel rows are never read back (every pass here is row by row;
+    a bias reaches used rows only, so no sentinel row's gradient reaches it)."""
+    from transformers.integrations.moe import _grouped_mm
+
+    def linear(x, weight, bias):
+        out = _grouped_mm(x, weight if experts.is_transposed else weight.transpose(-2, -1), offsets)
+        if bias is None:
+            return out
+        return out + torch.cat([bias, bias.new_zeros(1, bias.shape[-1])]).index_select(0, ids)
+
+    bias = experts.has_bias
+    if experts.has_gate:
+        hidden = experts._apply_gate(linear(rows, experts.gate_up_proj, experts.gate_up_proj_bias if bias else None))
+    else:
+        hidden = experts.act_fn(linear(rows, experts.up_proj, experts.up_proj_bias if bias else None))
+    out = linear(hidden, experts.down_proj, experts.down_proj_bias if bias else None)
+    return experts.post_expert_norm(out) if experts.has_post_expert_norm else out
 
 
 @functools.cache
@@ -142,15 +170,16 @@ def _implementation() -> type:
     """The `EPImplementation` subclass (built on first use: transformers' EP module is imported only with ep_size)."""
     from transformers.distributed.expert_parallel import EPImplementation
 
-    class EvenAllToAllEP(EPImplementation):
-        """Every (token, expert) pair to its expert's rank in fixed-size blocks: no split size read back
-        (module docstring)."""
+    class GatherScatterEP(EPImplementation):
+        """Every rank's tokens to every rank of the EP group, each rank's experts' weighted outputs summed back:
+        no split size read back (module docstring)."""
 
         def __init__(self, experts, ep_mesh, tp_mesh):
             super().__init__(experts, ep_mesh, tp_mesh)
             if tp_mesh.size() > 1:
-                raise ValueError(f"the even all-to-all EP dispatch ({NAME}) with tensor parallelism (tp_size="
-                                 f"{tp_mesh.size()}) is not done in hf_fsdp2.")
+                raise ValueError(f"the EP dispatch {NAME} with tensor parallelism (tp_size={tp_mesh.size()}) is not "
+                                 "done in hf_fsdp2.")
+            self.experts = experts
             self.group = ep_mesh.get_group()
             self.host_group, self.host_tokens = _HOST[self.group]
 
@@ -164,24 +193,41 @@ def _implementation() -> type:
 
         def __call__(self, hidden_states, top_k_index, top_k_weights):
             num_tokens, hidden = hidden_states.shape
-            top_k, ep_size = top_k_index.shape[-1], self.ep_mesh.size()
-            block = self.max_tokens(num_tokens) * min(top_k, self.num_local_experts)
-            pair_slots, local_ids = slots(top_k_index.reshape(-1), self.num_local_experts, ep_size, block)
-            send = hidden_states.new_zeros(ep_size * block, hidden).index_copy(
-                0, pair_slots, hidden_states.repeat_interleave(top_k, dim=0))
-            recv_ids = torch.empty_like(local_ids)
-            dist.all_to_all_single(recv_ids, local_ids, group=self.group)
-            recv = _exchange(send, self.group)
-            # experts run top-1 with unit weights; the router's weights are applied on the sender, as AllToAllEP does
-            if block == 0:  # no rank holds a token: one zero row keeps the experts in backward (as AllToAllEP)
-                out = self.experts_forward(recv.sum(0, keepdim=True), recv_ids.new_zeros(1, 1), recv.new_ones(1, 1))[:0]
-            else:
-                out = self.experts_forward(recv, recv_ids.unsqueeze(-1), recv.new_ones(recv.shape[0], 1))
-            back = _exchange(out.to(hidden_states.dtype), self.group)
-            pairs = back.index_select(0, pair_slots).view(num_tokens, top_k, hidden)
-            return (pairs * top_k_weights.unsqueeze(-1)).sum(dim=1)
+            top_k, ep_size, num_local = top_k_index.shape[-1], self.ep_mesh.size(), self.num_local_experts
+            rows = self.max_tokens(num_tokens)
+            if rows == 0:  # no rank holds a token: one zero row keeps the experts in backward (as AllToAllEP)
+                return self.experts_forward(hidden_states.new_zeros(1, hidden), top_k_index.new_zeros(1, 1),
+                                            hidden_states.new_ones(1, 1))[:0] + hidden_states.sum() * 0
+            padding = rows - num_tokens  # the gathers are even: each rank's block is the group's largest batch
+            no_expert = num_local * ep_size  # a padded row's expert: no rank's
+            tokens = funcol.all_gather_single(F.pad(hidden_states, (0, 0, 0, padding)), 0, self.group)
+            expert_ids = funcol.all_gather_single(F.pad(top_k_index, (0, 0, 0, padding), value=no_expert)
+                                                  .reshape(-1), 0, self.group)
+            weights = funcol.all_gather_single(F.pad(top_k_weights, (0, 0, 0, padding)), 0, self.group)
+            # a token picks distinct experts: at most min(top_k, local experts) of its pairs are this rank's; one
+            # row more, always unused, is where the other ranks' pairs point
+            num_rows = ep_size * rows * min(top_k, num_local) + 1
+            row_tokens, ids, offsets, pair_rows = local_pairs(expert_ids, self.ep_mesh.get_local_rank(), num_local,
+                                                              top_k, num_rows)
+            # each row's token (embedding: its backward adds the used rows' gradients only), a zero row for unused
+            x = F.embedding(row_tokens, torch.cat([tokens, tokens.new_zeros(1, hidden)]), padding_idx=ep_size * rows)
+            if self.experts.config._experts_implementation == "grouped_mm" and hasattr(self.experts, "has_gate"):
+                out = grouped_experts(self.experts, x, ids, offsets)
+            else:  # the experts' own implementation (batched_mm, deepgemm, a class without transformers' experts
+                # interface): top-1, unit weights, sentinel rows
+                out = self.experts_forward(x, ids.unsqueeze(-1), x.new_ones(x.shape[0], 1))
+            # each token's pairs on this rank weighted by the router and summed, as grouped_mm_experts_forward weights
+            # and sums its top-k (in the weights' and outputs' common dtype, as its product): one embedding_bag, which
+            # reads the used rows only (the unused row is its padding_idx)
+            dtype = torch.promote_types(out.dtype, weights.dtype)
+            partial = F.embedding_bag(pair_rows.view(-1, top_k), out.to(dtype), mode="sum",
+                                      per_sample_weights=weights.to(dtype), padding_idx=num_rows - 1)
+            out = funcol.reduce_scatter_single(partial, "sum", 0, self.group)
+            # not a view of it: FSDP2 warns on a module output that is one (in-place ops on it would skip its hook)
+            return out[:num_tokens].clone() if padding else out
 
-    return EvenAllToAllEP
+    return GatherScatterEP
 
 
-__all__ = ["DISPATCHES", "NAME", "host_buffers", "implementation_name", "prepare", "refuse_unsupported", "set_dispatch", "slots"]
+__all__ = ["DISPATCHES", "NAME", "grouped_experts", "host_buffers", "implementation_name", "local_pairs", "prepare",
+           "refuse_unsupported", "set_dispatch"]

@@ -4,12 +4,12 @@ transformers 5 ships each MoE model's EP plan (`base_model_ep_plan`, e.g. Qwen3-
 `"layers.*.mlp.experts": "ep_dispatch_experts"` with its fused `gate_up_proj`/`down_proj` as
 `"grouped_gemm"`) and applies it with `transformers.distributed.expert_parallel.apply_expert_parallelism`:
 each expert tensor becomes a `Shard(0)` DTensor on the "ep" mesh (E / ep experts per rank, no
-communication: every rank keeps its own rows of the same full weights), and the experts' forward sends
-each (token, expert) pair to the expert's rank and the result back by all-to-all: hf_fsdp2's even all-to-all
-(sharding/expert_dispatch.py, registered with transformers as an `EPImplementation`), which reads nothing back
-to the host per layer, where transformers' `AllToAllEP` reads its split sizes (`expert_dispatch.set_dispatch`
-picks that one for a side-by-side). The experts run in transformers' own experts implementation (`grouped_mm`:
-one grouped matmul per projection for all local experts).
+communication: every rank keeps its own rows of the same full weights), and the experts' forward brings each
+(token, expert) pair to the expert's rank and the result back: hf_fsdp2's dispatch (sharding/expert_dispatch.py,
+registered with transformers as an `EPImplementation`: fixed-size all-gathers and reduce-scatters), which reads
+nothing back to the host per layer, where transformers' `AllToAllEP` reads its split sizes
+(`expert_dispatch.set_dispatch` picks that one for a side-by-side). The experts run in transformers' grouped matmul
+(`grouped_mm`, its default: one per projection for all local experts).
 
 On top, as `from_pretrained(distributed_config=DistributedConfig(ep_size=...))` composes them
 (`transformers/distributed/fsdp.py` `apply_fully_sharded_data_parallelism`, torchtitan's `efsdp`): the
