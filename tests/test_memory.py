@@ -595,3 +595,24 @@ def test_a_forward_wrapped_on_the_instance_is_estimated_from_the_class_forward()
     got = estimate_memory(model, 2, FSDP2Config(), seq_len=32)
     assert got.activations is not None and got.activations == plain.activations
     assert "forward" in vars(model)  # the user's model is untouched
+
+
+def test_the_table_and_json_say_the_model_parallel_sizes():
+    """The report words TP and CP as memory.py (their planner cost) hands it (issue 62): the shard of a TP block, the
+    narrowed activations and the mesh line; the JSON and the attributes keep `tp_size` / `cp_size`."""
+    def estimate(cp=1, **kwargs):
+        return estimate_memory(tiny_config(), 4, FSDP2Config(**kwargs), batch_size=2, seq_len=64, cp_size=cp)
+
+    plain, tp, cp = estimate(), estimate(tp_size=2), estimate(cp=2)
+    assert (tp.tp_size, tp.cp_size, cp.tp_size, cp.cp_size) == (2, 1, 1, 2)
+    for e in (plain, tp, cp):
+        data = json.loads(e.to_json())
+        assert (data["tp_size"], data["cp_size"]) == (e.tp_size, e.cp_size)
+        assert not {"model_parallel", "shard_of", "activation_split", "mesh_parts"} & data.keys()
+    table = tp.format_table()
+    assert "4 ranks, tensor parallel over 2;" in table and "parameters, sharded 1/2 of the 1/2 TP block" in table
+    assert "batch 2 x seq 64, the heads and MLP features 1/2," in table
+    assert "4 ranks, context parallel over 2 (in the 4 shards);" in cp.format_table()
+    assert "parallel over" not in plain.format_table() and "TP block" not in plain.format_table()
+    with pytest.raises(AttributeError, match="ep_sizes"):
+        tp.ep_sizes

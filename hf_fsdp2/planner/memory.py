@@ -455,10 +455,21 @@ def _estimate(prepared: MetaTrainingModel, world_size: int, config: FSDP2Config,
         double_quant=quantization is not None and quantization.double_quant,
         keywords={"load_in_4bit": quantization is not None},
         dequantized_peak_bytes=dequantized,
-        tp_size=config.tp_size, cp_size=cp_size, heap_kept_bytes=heap_kept,
+        **_model_parallel_words(config.tp_size, cp_size, shard), heap_kept_bytes=heap_kept,
         loss_backward_bytes=loss_backward, head_grad_bytes=head_grad, all_to_all_bytes=all_to_all, ep_size=config.ep_size, copy_out_bytes=copy_out, grads_kept=accumulation is None or accumulation > 1,
         reduce_scatter_window_bytes=end_window,
     )
+
+
+def _model_parallel_words(tp: int, cp: int, shard: int) -> dict[str, Any]:
+    """The report's model-parallel fields (planner/memory_report.py words none of them): the sizes, what the
+    parameters' shard is of (TP rank 0's block, the largest), how the activations are narrowed (TP: the heads and MLP
+    features; CP: the trace runs at seq_len / cp already) and the mesh line's parts."""
+    return {"model_parallel": {"tp_size": tp, "cp_size": cp},
+            "shard_of": f" of the 1/{tp} TP block" if tp > 1 else "",
+            "activation_split": f", the heads and MLP features 1/{tp}" if tp > 1 else "",
+            "mesh_parts": tuple([f"tensor parallel over {tp}"] * (tp > 1)
+                                + [f"context parallel over {cp} (in the {shard} shards)"] * (cp > 1))}
 
 
 def _ulysses_bytes(prepared: MetaTrainingModel, batch_size: int, seq_len: int, sp: int,

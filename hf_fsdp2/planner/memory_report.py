@@ -121,8 +121,13 @@ class MemoryEstimate:
     # estimate_memory's keywords that chose the base, under their own names in the JSON (memory.py's)
     keywords: dict[str, Any] = field(default_factory=dict)
     dequantized_peak_bytes: int = 0  # 4-bit: the largest weight bitsandbytes dequantizes for a matmul
-    tp_size: int = 1  # tensor parallelism: the numbers are TP rank 0's (the largest blocks)
-    cp_size: int = 1  # context parallelism: each rank's activations hold seq_len / cp_size tokens
+    # The model-parallel sizes the estimate is for, under their config names in the JSON and as attributes, and what
+    # the table says of them, worded by memory.py (their planner cost): what the parameters' shard is of, how a
+    # rank's activations are narrowed, what the mesh line adds after the ranks.
+    model_parallel: dict[str, int] = field(default_factory=dict)
+    shard_of: str = ""
+    activation_split: str = ""
+    mesh_parts: tuple[str, ...] = ()
     # What glibc's heap may keep on CPU beyond the live bytes (runtime/host_allocator.py), not part of the device
     # peak: the heap-served blocks a step allocates and frees again (each gather of the groups' parameters, their
     # unsharded gradients and reduce-scatter buffers, the activations), those under glibc's largest mmap threshold.
@@ -226,7 +231,7 @@ class MemoryEstimate:
         def place(n: int) -> tuple[int, int]:
             return (0, n) if self.cpu_offload else (n, 0)
 
-        s = f"{self.shard_size} of the 1/{self.tp_size} TP block" if self.tp_size > 1 else self.shard_size
+        s = f"{self.shard_size}{self.shard_of}"
         storage = "/".join(self.storage_dtypes)
         trainable = "/".join(self.trainable_dtypes) or "-"
         compute = self.param_dtype or storage
@@ -251,8 +256,7 @@ class MemoryEstimate:
                   else "with activation checkpointing"
                   + (f" of 1 layer in {a.checkpoint_every}" if a.checkpoint_every > 1 else "")
                   + (f", {a.kept_outputs} kept" if a.kept_outputs else ""))
-            split = (f", the heads and MLP features 1/{self.tp_size}" if self.tp_size > 1 else "")
-            rows.append((f"activations: batch {a.batch_size} x seq {a.seq_len}{split}, {ac}", a.peak_bytes,
+            rows.append((f"activations: batch {a.batch_size} x seq {a.seq_len}{self.activation_split}, {ac}", a.peak_bytes,
                          a.host_bytes))
             if self.all_to_all_bytes:
                 rows.append((f"EP dispatch: one layer's gathered tokens, pair rows and summed rows (ep {self.ep_size})",
@@ -267,10 +271,7 @@ class MemoryEstimate:
         width = max(len(r[0]) for r in rows) + 2
         mesh = (f"{self.world_size} ranks = {self.replicate_size} replicas x {self.shard_size} shards (HSDP)"
                 if self.replicate_size > 1 else f"{self.world_size} ranks")
-        if self.tp_size > 1:
-            mesh += f", tensor parallel over {self.tp_size}"
-        if self.cp_size > 1:
-            mesh += f", context parallel over {self.cp_size} (in the {self.shard_size} shards)"
+        mesh += "".join(f", {part}" for part in self.mesh_parts)
         if self.ep_size > 1:
             mesh += (f", experts over ep {self.ep_size} x efsdp {self.shard_size // self.ep_size} (in the "
                      f"{self.shard_size} shards)")
@@ -299,9 +300,19 @@ class MemoryEstimate:
         lines.extend(f"note: {n}" for n in self.notes)
         return "\n".join(lines)
 
+    def __getattr__(self, name: str) -> Any:
+        """The model-parallel sizes as attributes (`estimate.tp_size`), as the JSON has them."""
+        sizes = self.__dict__.get("model_parallel") or {}
+        if name in sizes:
+            return sizes[name]
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
         out.update(out.pop("keywords"))
+        out.update(out.pop("model_parallel"))
+        for worded in ("shard_of", "activation_split", "mesh_parts"):  # the table's words, not the estimate's
+            out.pop(worded)
         out["lora_targets"] = list(self.lora_targets) if self.lora_targets else None
         out["per_rank_max"] = {
             "param_bytes": self.param_bytes, "grad_bytes": self.grad_bytes, "optimizer_bytes": self.optimizer_bytes,
