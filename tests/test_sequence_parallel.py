@@ -140,6 +140,32 @@ def test_tiling_equals_untiled_in_one_process():
         assert tiled(**batch).logits.shape == (3, SEQ, 128)
 
 
+def test_tiled_loss_keeps_the_router_aux_loss():
+    """A mixture-of-experts model with `output_router_logits` adds `router_aux_loss_coef * aux_loss` to its loss only
+    when it has labels; the tiled loss takes the labels, so the router loss was silently dropped (loss 4.89 for
+    5.91 here). Now added as the model adds it: loss and gradients equal the untiled model's."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    def moe():
+        torch.manual_seed(0)
+        return Qwen3MoeForCausalLM(Qwen3MoeConfig(
+            vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_experts=4,
+            num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            output_router_logits=True, router_aux_loss_coef=0.5, max_position_embeddings=64)).float()
+
+    batch = _batch(2, padded=False)
+    plain, tiled = moe(), moe()
+    want = plain(**batch)
+    assert want.aux_loss is not None
+    want.loss.backward()
+    sequence_tiling.apply_sequence_tiling(model_parts(tiled), list(tiled.model.layers), FSDP2Config(loss_tile_size=5))
+    out = tiled(**batch)
+    out.loss.backward()
+    torch.testing.assert_close(out.loss, want.loss, rtol=1e-5, atol=0)
+    for (name, p), (_, q) in zip(plain.named_parameters(), tiled.named_parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+
+
 def test_refusals_by_name():
     model = build_model(0)  # 4 heads, 2 key/value heads
     with pytest.raises(ValueError, match="sp_size.*attention heads"):

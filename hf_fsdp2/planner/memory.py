@@ -741,7 +741,8 @@ def _auto_tiles(config: FSDP2Config, prepared: MetaTrainingModel | None, seq_len
     rank holds more than AUTO_TILE_SIZE tokens and sequence tiling computes what the model computes
     (sequence_tiling.refuse_loss_tiling; a dense `mlp` per decoder layer). Not with TP or CP (the tiled loss is
     written for a whole lm_head over the rank's tokens; those combinations are not tested), nor for a model that
-    adds a router's auxiliary loss to its loss (the tiled loss replaces the model's)."""
+    adds a router's auxiliary loss to its loss (the tiled loss adds it as the model does, tested in one process;
+    the planner's cost of that combination is not)."""
     if prepared is None or seq_len is None or tp_size > 1 or cp_size > 1:
         return None, None
     if seq_len // (cp_size * config.sp_size) <= AUTO_TILE_SIZE:

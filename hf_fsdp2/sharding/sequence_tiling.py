@@ -173,7 +173,7 @@ def _tile_loss(parts: ModelParts, tile: int) -> None:
         if state.labels is not None:
             if state.loss is None:
                 raise RuntimeError("`loss_tile_size`: the forward never ran its lm_head, so no loss was computed.")
-            output["loss"] = state.loss
+            output["loss"] = state.loss + _router_aux_loss(parts, output, state.loss)
         state.labels, state.hidden, state.loss = None, None, None
         return output
 
@@ -181,6 +181,21 @@ def _tile_loss(parts: ModelParts, tile: int) -> None:
     parts.model.register_forward_hook(after_model, prepend=True)  # before other techniques' hooks read the loss
     head.register_forward_pre_hook(before_head)
     head.register_forward_hook(after_head)
+
+
+def _router_aux_loss(parts: ModelParts, output, loss: torch.Tensor) -> torch.Tensor | float:
+    """What a mixture-of-experts model adds to its loss when it has labels (`output_router_logits`: Mixtral's,
+    Qwen3-MoE's `loss += self.router_aux_loss_coef * aux_loss`): the labels went to the tiled loss, so the model
+    computed `aux_loss` but added it to nothing. Added here as the model would; a model returning one without that
+    coefficient is refused by name rather than trained without its router loss."""
+    aux = output.get("aux_loss") if hasattr(output, "get") else None
+    if aux is None:
+        return 0.0
+    coef = getattr(parts.base, "router_aux_loss_coef", None)
+    if coef is None:
+        raise ValueError(f"`loss_tile_size`: {type(parts.base).__name__} returns a router `aux_loss` but has no "
+                         "`router_aux_loss_coef`, so how it joins the loss is unknown; not done.")
+    return coef * aux.to(loss.device)
 
 
 # ---------------------------------------------------------------------------------------------
