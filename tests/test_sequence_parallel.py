@@ -166,6 +166,19 @@ def test_tiled_loss_keeps_the_router_aux_loss():
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
 
 
+def test_a_router_loss_under_ulysses_is_refused_by_name():
+    """Under sp_size the model's router aux loss would be each shard's, summed sp times with the losses: refused at
+    the training forward that returns one (without a process group: the hook's check comes before its all-reduce)."""
+    from types import SimpleNamespace
+
+    from hf_fsdp2.sharding.sequence_parallel import _after_forward
+
+    state = SimpleNamespace(active=True, size=2, group=None)
+    output = {"loss": torch.tensor(1.0), "aux_loss": torch.tensor(0.1)}
+    with pytest.raises(ValueError, match="sp_size=2: the model adds a router auxiliary loss"):
+        _after_forward(state, SimpleNamespace(**output))
+
+
 def test_refusals_by_name():
     model = build_model(0)  # 4 heads, 2 key/value heads
     with pytest.raises(ValueError, match="sp_size.*attention heads"):

@@ -201,6 +201,12 @@ def _batch_size(module: nn.Module, args: tuple, kwargs: dict) -> int:
 
 def _after_forward(state: _Ulysses, output: Any) -> Any:
     loss = getattr(output, "loss", None)
+    if state.active and loss is not None and getattr(output, "aux_loss", None) is not None:
+        # A mixture-of-experts model's router loss (output_router_logits) is a mean over the tokens it routed: on a
+        # shard it is that shard's, and summing the sp ranks' losses would count it sp times.
+        raise ValueError(f"sp_size={state.size}: the model adds a router auxiliary loss (output_router_logits) to its "
+                         "loss, computed over this rank's sequence shard only; under Ulysses that is not done. Set "
+                         "output_router_logits=False or train without sp_size.")
     if state.active and loss is not None:
         # Each rank's loss is its shard's sum / the global count: their sum is the loss; the backward all-reduce
         # gives each rank sp x its shard's gradient, FSDP2's average over the sp ranks their sum.
