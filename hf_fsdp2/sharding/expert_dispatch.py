@@ -102,8 +102,11 @@ def implementation_name() -> str:
     return DISPATCHES[_dispatch]
 
 
-def refuse_unsupported(config, ep_size: int) -> None:
-    """MoE settings this dispatch cannot honour, refused by name (module docstring)."""
+def refuse_unsupported(config, ep_size: int, experts: dict | None = None) -> None:
+    """MoE settings this dispatch cannot honour, refused by name (module docstring); `experts`: {name: the experts
+    module EP splits}, each of which must run transformers' experts implementations (`use_experts_implementation`:
+    the `experts_implementation` setting reaches it; a class with a loop of its own, e.g. Step3p7Experts, reads the
+    host in it and ignores the setting)."""
     if config.model_type != "dots3_note":  # there `capacity_factor` is read as its top-k (num_experts_per_tok)
         for field in CAPACITY_FIELDS:
             if getattr(config, field, None) is not None:
@@ -111,6 +114,13 @@ def refuse_unsupported(config, ep_size: int) -> None:
                                  "expert parallelism in hf_fsdp2 is dropless (every token reaches every expert its "
                                  "router chose), a capacity would drop tokens; not done. Remove it from the config.")
     implementation = getattr(config, "_experts_implementation", None)
+    own = [name for name, module in (experts or {}).items() if not hasattr(module, "has_gate")]
+    if _dispatch == "even" and own:
+        raise ValueError(f"expert parallelism (`ep_size`={ep_size}) with experts that do not run transformers' experts "
+                         f"implementations ({type((experts or {})[own[0]]).__name__} at {own[0]}: a loop of its own, "
+                         "which reads the host per layer and ignores `experts_implementation`) is not done in "
+                         "hf_fsdp2's EP dispatch; transformers' AllToAllEP runs it: "
+                         "hf_fsdp2.sharding.expert_dispatch.set_dispatch('all_to_all').")
     if _dispatch == "even" and implementation not in SENTINEL_AWARE:
         raise ValueError(f"`experts_implementation`={implementation!r} with `ep_size`={ep_size}: its experts are not "
                          "known to skip the rows another EP rank holds in hf_fsdp2's EP dispatch; not done. Use "
@@ -211,10 +221,9 @@ def _implementation() -> type:
                                                               top_k, num_rows)
             # each row's token (embedding: its backward adds the used rows' gradients only), a zero row for unused
             x = F.embedding(row_tokens, torch.cat([tokens, tokens.new_zeros(1, hidden)]), padding_idx=ep_size * rows)
-            if self.experts.config._experts_implementation == "grouped_mm" and hasattr(self.experts, "has_gate"):
+            if self.experts.config._experts_implementation == "grouped_mm":
                 out = grouped_experts(self.experts, x, ids, offsets)
-            else:  # the experts' own implementation (batched_mm, deepgemm, a class without transformers' experts
-                # interface): top-1, unit weights, sentinel rows
+            else:  # the experts' own implementation (batched_mm, deepgemm): top-1, unit weights, sentinel rows
                 out = self.experts_forward(x, ids.unsqueeze(-1), x.new_ones(x.shape[0], 1))
             # each token's pairs on this rank weighted by the router and summed, as grouped_mm_experts_forward weights
             # and sums its top-k (in the weights' and outputs' common dtype, as its product): one embedding_bag, which

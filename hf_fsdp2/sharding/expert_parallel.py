@@ -136,8 +136,9 @@ def apply_expert_parallel(parts: ModelParts, config, mesh: DeviceMesh) -> tuple[
 
     plan = resolved_plan(parts.base, mesh.size(), config.ep_size)
     names = [name for name, style in plan.items() if style == DISPATCH_STYLE]
-    _refuse_ignored_experts(parts, config, {name: parts.base.get_submodule(name) for name in names})
-    expert_dispatch.refuse_unsupported(parts.base.config, config.ep_size)
+    split = {name: parts.base.get_submodule(name) for name in names}
+    _refuse_ignored_experts(parts, config, split)
+    expert_dispatch.refuse_unsupported(parts.base.config, config.ep_size, split)
     experts_mesh = expert_mesh(mesh, config.ep_size)
     expert_dispatch.prepare(experts_mesh, EP_DIM)
     apply_expert_parallelism(parts.base, experts_mesh[EP_DIM], _batch_mesh(mesh), plan,
