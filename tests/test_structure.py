@@ -396,24 +396,23 @@ KNOWN_PEFT_UNWRAPPING = collections.Counter({
 # 4-bit since: 3 files, none beyond (its module, the format dispatcher, the planner's estimate keywords).
 KNOWN_TECHNIQUE_SPREAD = {
     # Left (issue 62): Accelerate's parallelism_config mapped by field name (accelerate.py, accelerate_settings.py),
-    # the layout planner's tp x cp candidates (layout.py: not moved),
     # build_mesh's "tp" dimension and data_parallel_mesh leaving it out (runtime/distributed.py), transformers'
     # DistributedConfig read back from a model it sharded (adopt.py) and transformers' plan resolver, one call for
     # TP and EP (parallel_plans.py). Since: planner/parallel_shapes.py is tensor_parallel.py's (TP on paper);
     # compile="model" refuses tp_size / cp_size in config.py; check_shard_group needs no tp_size (config.py
-    # refuses ep with tp or cp); the report says what memory.py words (MemoryEstimate.model_parallel, shard_of, ...)
+    # refuses ep with tp or cp); the report says what memory.py words (MemoryEstimate.model_parallel, shard_of, ...);
+    # the layout tries the model-parallel splits memory.parallel_choices lists (a Candidate reads their settings as
+    # attributes; plan_layout's tp_sizes / cp_sizes keywords are handed to it as they are)
     "tensor parallelism": {
-        "integrations/accelerate.py", "integrations/accelerate_settings.py", "planner/layout.py",
-        "runtime/distributed.py", "sharding/adopt.py", "sharding/parallel_plans.py"},
+        "integrations/accelerate.py", "integrations/accelerate_settings.py", "runtime/distributed.py",
+        "sharding/adopt.py", "sharding/parallel_plans.py"},
     # Left: Accelerate's mapping and prepare hook (accelerate.py wraps Accelerate's CP context with
-    # context_parallel.checked_context), the planner's layout, upstream.py's seam table (torch's private
+    # context_parallel.checked_context), upstream.py's seam table (torch's private
     # ring attention, declared where every replacement of another library's code lives). Since: config.py holds
     # CP_DIM and the refusal of a cp_size no mesh carries (build_mesh asks refuse_unbuilt_dims); presharded.py asks
     # the engine (refuse_another_mesh, context_parallel's check); compile="model" refuses cp_size in config.py; the
-    # report says what memory.py words
-    "context parallelism": {
-        "integrations/accelerate.py", "integrations/accelerate_settings.py", "planner/layout.py",
-        "runtime/upstream.py"},
+    # report says what memory.py words, the layout tries memory.parallel_choices
+    "context parallelism": {"integrations/accelerate.py", "integrations/accelerate_settings.py", "runtime/upstream.py"},
     "expert parallelism": {  # + expert_dispatch.py since 3cc311a (issue 64: the token exchange, its own module)
         "integrations/presharded.py", "planner/layout.py", "planner/memory_report.py", "sharding/adopt.py",
         "sharding/expert_dispatch.py", "sharding/expert_lora.py", "sharding/generation.py", "sharding/groups.py",

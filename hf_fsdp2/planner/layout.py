@@ -45,7 +45,9 @@ import torch
 import torch.nn as nn
 
 from ..config import FSDP2Config
-from .memory import ActivationChoice, MemoryEstimate, MetaTrainingModel, activation_choices, prepare_meta_model
+from .memory import (ActivationChoice, MemoryEstimate, MetaTrainingModel, ParallelChoice, activation_choices,
+                     kept_parallel_sizes, parallel_choice, parallel_choices, parallel_sizes, parallel_sizes_words,
+                     prepare_meta_model)
 from .memory_report import format_bytes
 
 CUDA_BUDGET_FRACTION = 0.85
@@ -57,7 +59,7 @@ logger = logging.getLogger("hf_fsdp2")
 
 @dataclass(frozen=True)
 class Candidate:
-    shard_size: int  # data-parallel ranks FSDP2 shards over (cp ranks included)
+    shard_size: int  # data-parallel ranks FSDP2 shards over (a model-parallel split's shard multiple included)
     replicate_size: int
     reshard_after_forward: bool
     activations: ActivationChoice  # what happens to activations (memory.activation_choices): its settings read as
@@ -66,25 +68,26 @@ class Candidate:
     needed_bytes: int  # what must fit the budget: the device peak (on CPU: device + host, one RAM, + glibc's heap)
     host_bytes: int  # offloaded state in host memory (CUDA only)
     fits: bool
-    tp_size: int = 1
-    cp_size: int = 1
+    parallel: ParallelChoice = parallel_choice()  # the model-parallel split (memory.parallel_choices): its
+    # settings read as attributes of the candidate too
     # On CPU: glibc gives freed blocks back to the OS (runtime/host_allocator.py), so what a step frees is not
     # counted in `needed_bytes`; about 0.6x speed, dearer than any layout (docs/planner.md).
     returns_freed_memory: bool = False
 
     def __getattr__(self, name: str) -> Any:
-        if name.startswith("__") or name == "activations":  # not set yet (copy, pickle): no recursion
+        if name.startswith("__") or name in ("activations", "parallel"):  # not set yet (copy, pickle): no recursion
             raise AttributeError(name)
-        try:
-            return self.activations.setting(name)
-        except KeyError:
-            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}") from None
+        for choice in (self.activations, self.parallel):
+            try:
+                return choice.setting(name)
+            except KeyError:
+                pass
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def describe(self) -> str:
         layout = (f"shard_size={self.shard_size}" if self.replicate_size == 1
                   else f"shard_size={self.shard_size} x {self.replicate_size} replicas")
-        layout += f", tp_size={self.tp_size}" if self.tp_size > 1 else ""
-        layout += f", cp_size={self.cp_size}" if self.cp_size > 1 else ""
+        layout += self.parallel.description
         return (f"{layout}, reshard_after_forward={self.reshard_after_forward}, {self.activations.description}"
                 + f", cpu_offload={self.cpu_offload}"
                 + (", freed memory returned to the OS" if self.returns_freed_memory else ""))
@@ -121,8 +124,8 @@ class LayoutPlan:
         chosen = self.chosen
         if chosen is None:
             raise ValueError(self.failure())
-        return base.replace(shard_size=chosen.shard_size, replicate_size=chosen.replicate_size, tp_size=chosen.tp_size,
-                            cp_size=chosen.cp_size, reshard_after_forward=chosen.reshard_after_forward,
+        return base.replace(shard_size=chosen.shard_size, replicate_size=chosen.replicate_size,
+                            **dict(chosen.parallel.settings), reshard_after_forward=chosen.reshard_after_forward,
                             **dict(chosen.activations.settings), cpu_offload=chosen.cpu_offload, memory_budget=None)
 
     def failure(self) -> str:
@@ -169,7 +172,7 @@ class LayoutPlan:
                  f"{'offload':>7}  {'peak/rank':>12}  {'host/rank':>10}  fits" + (f"  {'freed':>5}" if self.device_type == "cpu" else "")]
         for i, c in enumerate(self.candidates, 1):
             mark = "  <- chosen" if c is chosen else ""
-            lines.append(f"{i:>3}  {f'{c.shard_size} x {c.replicate_size}':>12}  {f'{c.tp_size} x {c.cp_size}':>7}  "
+            lines.append(f"{i:>3}  {f'{c.shard_size} x {c.replicate_size}':>12}  {c.parallel.mark:>7}  "
                          f"{str(c.reshard_after_forward):>7}  "
                          f"{c.activations.label:>5}  {c.activations.tiles:>18}  {str(c.cpu_offload):>7}  "
                          f"{format_bytes(c.needed_bytes):>12}  {format_bytes(c.host_bytes) if c.host_bytes else '-':>10}  "
@@ -210,30 +213,13 @@ def plan_seq_len(base: nn.Module | Any, config: FSDP2Config) -> int:
     return min(DEFAULT_PLAN_SEQ_LEN, positions) if isinstance(positions, int) and positions > 0 else DEFAULT_PLAN_SEQ_LEN
 
 
-def parallel_sizes(prepared: MetaTrainingModel, world_size: int, seq_len: int) -> tuple[list[int], list[int]]:
-    """(TP sizes, CP sizes) worth costing: TP sizes (8 at most, one machine) dividing the world and
-    the model's attention and KV heads, when the model has a TP plan and no 4-bit or FP8 layers (not
-    done with TP); CP sizes dividing the world and half the sequence (load-balanced causal attention
-    splits it into 2 x cp chunks)."""
-    text = getattr(prepared.base, "config", None)
-    text = text.get_text_config() if hasattr(text, "get_text_config") else text
-    heads = [getattr(text, k, None) for k in ("num_attention_heads", "num_key_value_heads")]
-    tp_sizes = [1]
-    tp_ready = prepared.quantization is None and not prepared.fp8_weights
-    if tp_ready and getattr(prepared.base, "tp_plan", None) and all(isinstance(h, int) for h in heads):
-        tp_sizes += [t for t in divisors(world_size) if 1 < t <= 8 and all(h % t == 0 for h in heads)]
-    cp_sizes = [c for c in divisors(world_size) if seq_len % (2 * c) == 0 or c == 1]
-    return tp_sizes, cp_sizes
-
-
 def expert_parallel_options(prepared: MetaTrainingModel, plan: "LayoutPlan", base: FSDP2Config, *,
                             batch_size: int, seq_len: int) -> list[tuple[int, MemoryEstimate]]:
     """For a mixture-of-experts model, the chosen layout again with each ep_size that could split its experts
     (dividing the shard group and the expert count; one replica, no TP, CP or offload: what EP does), each with
     its estimate: what `hf-fsdp2 plan` proposes. Empty for a dense model or a layout EP does not combine with."""
     chosen = plan.chosen
-    if chosen is None or base.ep_size > 1 or chosen.replicate_size > 1 or chosen.tp_size > 1 \
-            or chosen.cp_size > 1 or chosen.cpu_offload:
+    if chosen is None or base.ep_size > 1 or chosen.replicate_size > 1 or chosen.parallel.splits or chosen.cpu_offload:
         return []
     config = getattr(prepared.base, "config", None)
     experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None) or getattr(
@@ -254,12 +240,6 @@ def expert_parallel_options(prepared: MetaTrainingModel, plan: "LayoutPlan", bas
     return out
 
 
-def _parallel_options(world_size: int, tp_sizes, cp_sizes) -> list[tuple[int, int]]:
-    """(tp, cp) in cost order: neither, CP, TP, both (each by size)."""
-    options = [(t, c) for t in sorted(set(tp_sizes)) for c in sorted(set(cp_sizes)) if world_size % (t * c) == 0]
-    return sorted(options, key=lambda tc: (tc[0] > 1, tc[0], tc[1]))
-
-
 def plan_layout(prepared: MetaTrainingModel, world_size: int, config: FSDP2Config, *, budget_bytes: int,
                 budget_source: str = "memory_budget", device_type: str = "cuda", host_budget_bytes: int | None = None,
                 batch_size: int = 1, seq_len: int = DEFAULT_PLAN_SEQ_LEN, checkpointing_fixed: bool = False,
@@ -268,28 +248,29 @@ def plan_layout(prepared: MetaTrainingModel, world_size: int, config: FSDP2Confi
     rest of the setup (dtypes, wrapping, prefetch); its True `activation_checkpointing` /
     `cpu_offload` are kept (as is checkpointing when the layers are already wrapped:
     `checkpointing_fixed`). On CPU, offload moves nothing off the device, so it is not a candidate.
-    `tp_sizes` / `cp_sizes`: the tensor / context parallel sizes to cost (`parallel_sizes` lists the
-    workable ones); `mesh_shape`: (replicate, shard) when a given mesh fixes them. Tiles along the sequence are
+    `tp_sizes` / `cp_sizes`: the model-parallel sizes to cost, handed to memory.parallel_choices (`parallel_sizes`
+    lists the workable ones); `mesh_shape`: (replicate, shard) when a given mesh fixes them. Tiles along the sequence are
     tried as memory.activation_choices lists them for `seq_len` (tiles `config` sets are kept)."""
     offloads = [True] if config.cpu_offload else ([False] if device_type == "cpu" else [False, True])
-    # their planner cost's list, per (tp, cp): what may be tiled along the sequence depends on both
-    activations = {(tp, cp): activation_choices(config, device_type, fixed=checkpointing_fixed, prepared=prepared,
-                                                seq_len=seq_len, tp_size=tp, cp_size=cp)
-                   for tp, cp in _parallel_options(world_size, tp_sizes, cp_sizes)}
+    # their planner cost's list, per model-parallel split: what may be tiled along the sequence depends on it
+    splits = parallel_choices(world_size, tp_sizes, cp_sizes)
+    activations = {split: activation_choices(config, device_type, fixed=checkpointing_fixed, prepared=prepared,
+                                             seq_len=seq_len, **dict(split.settings))
+                   for split in splits}
     ep = config.ep_size
     if ep > 1:  # expert parallelism: one shard group over every rank, no offload (sharding/expert_parallel.py)
         offloads = [False]
-    layouts = [(offload, tp, cp, choice, reshard, shard)
-               for offload in offloads for tp, cp in _parallel_options(world_size, tp_sizes, cp_sizes)
-               for choice in activations[tp, cp] for reshard in (False, True)
-               for shard in _shard_sizes(world_size // tp, cp, mesh_shape)
-               if ep == 1 or (shard == world_size // tp and shard % ep == 0)]
+    layouts = [(offload, split, choice, reshard, shard)
+               for offload in offloads for split in splits
+               for choice in activations[split] for reshard in (False, True)
+               for shard in _shard_sizes(world_size // split.group_ranks, split.shard_multiple, mesh_shape)
+               if ep == 1 or (shard == world_size // split.group_ranks and shard % ep == 0)]
     candidates = []
-    for offload, tp, cp, choice, reshard, shard in layouts:
-        replicate = world_size // tp // shard
-        layout = config.replace(shard_size=shard, replicate_size=replicate, tp_size=tp, cp_size=cp, memory_budget=None,
+    for offload, split, choice, reshard, shard in layouts:
+        replicate = world_size // split.group_ranks // shard
+        layout = config.replace(shard_size=shard, replicate_size=replicate, **dict(split.settings), memory_budget=None,
                                 reshard_after_forward=reshard, **dict(choice.settings), cpu_offload=offload)
-        estimate = prepared.estimate(world_size, layout, batch_size=batch_size, seq_len=seq_len, cp_size=cp)
+        estimate = prepared.estimate(world_size, layout, batch_size=batch_size, seq_len=seq_len)
         if estimate.activations is None:
             raise ValueError(f"shard_size='auto' cannot plan {estimate.model_type}: its activations "
                              f"could not be estimated ({estimate.activations_error}); set the layout "
@@ -297,12 +278,12 @@ def plan_layout(prepared: MetaTrainingModel, world_size: int, config: FSDP2Confi
         host = estimate.host_bytes if device_type != "cpu" else 0
         needed = estimate.device_bytes + (estimate.host_bytes if device_type == "cpu" else 0)
         fits = needed <= budget_bytes and (host_budget_bytes is None or host <= host_budget_bytes)
-        candidates.append(Candidate(shard, replicate, reshard, choice, offload, estimate, needed, host, fits, tp, cp))
+        candidates.append(Candidate(shard, replicate, reshard, choice, offload, estimate, needed, host, fits, split))
     if device_type == "cpu":
         candidates = _costed_heap(candidates, budget_bytes)
     if not candidates:
         raise ValueError(f"no layout to plan: the mesh shape {mesh_shape} (replicate, shard) does not fit "
-                         f"{world_size} ranks with tp_size={tuple(tp_sizes)} and cp_size={tuple(cp_sizes)}.")
+                         f"{world_size} ranks with {parallel_sizes_words(tp_sizes, cp_sizes)}.")
     return LayoutPlan(world_size=world_size, device_type=device_type, budget_bytes=budget_bytes,
                       budget_source=budget_source, host_budget_bytes=host_budget_bytes, batch_size=batch_size,
                       seq_len=seq_len, candidates=tuple(candidates))
@@ -322,11 +303,12 @@ def _costed_heap(candidates: list[Candidate], budget_bytes: int) -> list[Candida
     return kept + returned
 
 
-def _shard_sizes(dp: int, cp: int, mesh_shape: tuple[int, int] | None) -> list[int]:
-    """FSDP2's shard sizes over `dp` data-parallel ranks: the cp ranks are part of each shard group."""
+def _shard_sizes(dp: int, multiple: int, mesh_shape: tuple[int, int] | None) -> list[int]:
+    """FSDP2's shard sizes over `dp` data-parallel ranks, each a `multiple` (a split's ranks part of each shard
+    group: CP's)."""
     if mesh_shape is not None:
-        return [mesh_shape[1]] if mesh_shape[0] * mesh_shape[1] == dp and mesh_shape[1] % cp == 0 else []
-    return [s for s in divisors(dp) if s % cp == 0]
+        return [mesh_shape[1]] if mesh_shape[0] * mesh_shape[1] == dp and mesh_shape[1] % multiple == 0 else []
+    return [s for s in divisors(dp) if s % multiple == 0]
 
 
 def resolve_auto_layout(model: nn.Module, config: FSDP2Config, *,
@@ -363,7 +345,7 @@ def resolve_auto_layout(model: nn.Module, config: FSDP2Config, *,
                        host_budget_bytes=host_budget, batch_size=config.plan_batch_size,
                        seq_len=plan_seq_len(prepared.base, config),
                        checkpointing_fixed=any(isinstance(m, CheckpointWrapper) for m in model.modules()),
-                       tp_sizes=(config.tp_size,), cp_sizes=(config.cp_size,), mesh_shape=mesh_shape)
+                       **kept_parallel_sizes(config), mesh_shape=mesh_shape)
     if plan.returns_freed_memory and not host_allocator.return_freed_blocks(model) and collectives.rank() == 0:
         logger.warning("hf_fsdp2: the C library is not glibc; its freed memory may keep RSS over the budget.")
     if collectives.rank() == 0:

@@ -695,6 +695,70 @@ def _gathered_peak(groups: list[GroupMemory], plan: ShardPlan, config: FSDP2Conf
 
 
 @dataclass(frozen=True)
+class ParallelChoice:
+    """A model-parallel split the layout planner tries, TP x CP (their planner cost, here: planner/layout.py knows
+    neither): its settings (read as attributes of a candidate, `candidate.tp_size`), the ranks each data-parallel
+    position spans (TP's group), the multiple every shard group is (the CP ranks are part of each), its mark in
+    `hf-fsdp2 plan`'s table and its words in a layout's description."""
+    settings: tuple[tuple[str, int], ...]
+    group_ranks: int
+    shard_multiple: int
+
+    def setting(self, name: str) -> int:
+        return dict(self.settings)[name]
+
+    @property
+    def splits(self) -> bool:
+        return self.group_ranks > 1 or self.shard_multiple > 1
+
+    @property
+    def mark(self) -> str:
+        return f"{self.group_ranks} x {self.shard_multiple}"
+
+    @property
+    def description(self) -> str:
+        return "".join(f", {name}={size}" for name, size in self.settings if size > 1)
+
+
+def parallel_choice(tp_size: int = 1, cp_size: int = 1) -> ParallelChoice:
+    return ParallelChoice((("tp_size", tp_size), ("cp_size", cp_size)), tp_size, cp_size)
+
+
+def parallel_choices(world_size: int, tp_sizes: Iterable[int], cp_sizes: Iterable[int]) -> list[ParallelChoice]:
+    """The (tp, cp) splits of `world_size` ranks from the sizes given, in cost order: neither, CP, TP, both (each
+    by size)."""
+    options = [(t, c) for t in sorted(set(tp_sizes)) for c in sorted(set(cp_sizes)) if world_size % (t * c) == 0]
+    return [parallel_choice(t, c) for t, c in sorted(options, key=lambda tc: (tc[0] > 1, tc[0], tc[1]))]
+
+
+def kept_parallel_sizes(config: FSDP2Config) -> dict[str, tuple[int, ...]]:
+    """The sizes the layout keeps for a run (`shard_size="auto"`: the run's tp_size and cp_size), as
+    `plan_layout`'s keywords."""
+    return {"tp_sizes": (config.tp_size,), "cp_sizes": (config.cp_size,)}
+
+
+def parallel_sizes_words(tp_sizes: Iterable[int], cp_sizes: Iterable[int]) -> str:
+    return f"tp_size={tuple(tp_sizes)} and cp_size={tuple(cp_sizes)}"
+
+
+def parallel_sizes(prepared: MetaTrainingModel, world_size: int, seq_len: int) -> tuple[list[int], list[int]]:
+    """(TP sizes, CP sizes) worth costing: TP sizes (8 at most, one machine) dividing the world and
+    the model's attention and KV heads, when the model has a TP plan and no 4-bit or FP8 layers (not
+    done with TP); CP sizes dividing the world and half the sequence (load-balanced causal attention
+    splits it into 2 x cp chunks)."""
+    divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+    text = getattr(prepared.base, "config", None)
+    text = text.get_text_config() if hasattr(text, "get_text_config") else text
+    heads = [getattr(text, k, None) for k in ("num_attention_heads", "num_key_value_heads")]
+    tp_sizes = [1]
+    tp_ready = prepared.quantization is None and not prepared.fp8_weights
+    if tp_ready and getattr(prepared.base, "tp_plan", None) and all(isinstance(h, int) for h in heads):
+        tp_sizes += [t for t in divisors if 1 < t <= 8 and all(h % t == 0 for h in heads)]
+    cp_sizes = [c for c in divisors if seq_len % (2 * c) == 0 or c == 1]
+    return tp_sizes, cp_sizes
+
+
+@dataclass(frozen=True)
 class ActivationChoice:
     """One thing the layout planner may do with activations: the config settings it sets (planner/layout.py
     applies them as they are), its marks in the plan's table (`label`; `tiles`: the sequence tiles, "-" for none)
