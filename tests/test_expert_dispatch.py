@@ -144,15 +144,17 @@ def _uneven_rank(rank, world, cases):
 
 
 # (model, ep size, LoRA): full fine-tunes, and PEFT LoRA on the fused experts (`target_parameters`) of gpt-oss
-# (transposed experts with biases) and DeepSeek-V3 (shared expert, grouped routing), which
-# tests/test_expert_parallel.py's equality matrix does not cover
-UNEVEN_CASES = [("qwen3_moe", 4, None), ("gpt_oss", 2, None), ("gpt_oss", 4, "experts"), ("deepseek_v3", 2, "experts")]
+# (transposed experts with biases) and DeepSeek-V3 (shared expert, grouped routing); with tests/test_expert_parallel.py's
+# equality matrix every model is covered full and with LoRA on its experts at ep 2 and ep 4
+UNEVEN_CASES = [("qwen3_moe", 4, None), ("gpt_oss", 2, None), ("gpt_oss", 4, "experts"), ("deepseek_v3", 2, "experts"),
+                ("mixtral", 2, "experts"), ("mixtral", 4, None), ("gpt_oss", 4, None), ("deepseek_v3", 2, None),
+                ("qwen3_moe", 4, "experts"), ("gpt_oss", 2, "experts"), ("deepseek_v3", 4, "experts")]
 
 
 def test_uneven_token_counts_train_like_one_process():
-    """Ranks holding batches of different lengths (the gathers are sized by the group's largest): Qwen3-MoE at ep 4,
-    gpt-oss at ep 2, and LoRA on the fused experts of gpt-oss at ep 4 and DeepSeek-V3 at ep 2 (one run): each rank's
-    loss and router auxiliary loss, and every trained gradient, are one process's."""
+    """Ranks holding batches of different lengths (the gathers are sized by the group's largest), UNEVEN_CASES in one
+    run: Qwen3-MoE, Mixtral, gpt-oss, DeepSeek-V3, full and with LoRA on the fused experts, at ep 2 and 4: each
+    rank's loss and router auxiliary loss, and every trained gradient, are one process's."""
     ranks = run_ranks(_uneven_rank, WORLD, UNEVEN_CASES)
     for case in UNEVEN_CASES:
         model = _build(case[0], case[2])
