@@ -21,12 +21,25 @@ STEPS, SPLIT, WORLD = 3, 2, 4
 
 
 def build_moe(seed: int = 0, arch: str = "qwen3_moe"):
-    """A tiny MoE model with 8 experts, top-2: Qwen3-MoE (router auxiliary loss on), Mixtral (the same), or
+    """A tiny MoE model with 8 experts, top-2: Qwen3-MoE (router auxiliary loss on), Mixtral (the same),
     DeepSeek-V3 (a dense first layer, a shared expert, grouped top-k routing with its expert bias, no
-    auxiliary loss)."""
+    auxiliary loss), or gpt-oss (transposed experts with biases, its clamped gated activation, attention sinks,
+    router auxiliary loss)."""
     import transformers
 
     torch.manual_seed(seed)
+    if arch == "gpt_oss":
+        config = transformers.GptOssConfig(
+            vocab_size=128, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, num_local_experts=8, num_experts_per_tok=2, sliding_window=8,
+            max_position_embeddings=64, tie_word_embeddings=False, output_router_logits=True,
+            router_aux_loss_coef=0.01)
+        model = transformers.GptOssForCausalLM(config).float()
+        with torch.no_grad():  # transformers initialises the expert biases at zero: make them count
+            for name, p in model.named_parameters():
+                if name.endswith("_bias"):
+                    p.normal_(0, 0.1)
+        return model
     common = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
     aux = dict(output_router_logits=True, router_aux_loss_coef=0.01)
@@ -176,12 +189,13 @@ def test_expert_parallel_trains_like_one_process(arch, ep_size, use_lora, tmp_pa
         base_loss = sum(base(input_ids=local_rows(ids, r, WORLD), labels=local_rows(ids, r, WORLD)).loss.item()
                         for r in range(WORLD)) / WORLD
         assert out[0]["disabled_loss"] == pytest.approx(base_loss, rel=1e-5) and base_loss != ref_losses[0]
-        _expert_adapter_files_are_stock(tmp_path, arch, out[0]["weights"])
+        expert_adapter_files_are_stock(tmp_path, arch, out[0]["weights"])
 
 
-def _expert_adapter_files_are_stock(tmp_path, arch: str, weights: dict):
+def expert_adapter_files_are_stock(tmp_path, arch: str, weights: dict):
     """The trained weights saved by PEFT itself (adapter) and merged by PEFT (`merge_and_unload`) then saved by
-    transformers: the same tensors as ours; PEFT loads ours onto a fresh model with the trained values."""
+    transformers: the same tensors as ours (`tmp_path`/final, /merged: hf_fsdp2.save_pretrained's, gather-free);
+    PEFT loads ours onto a fresh model with the trained values."""
     from peft import PeftModel
 
     stock = with_lora(build_moe(arch=arch), arch, "experts")

@@ -39,7 +39,9 @@ on the sorted rows; "batched_mm" and "deepgemm" run in the experts' own forward.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -59,6 +61,10 @@ SENTINEL_AWARE = ("grouped_mm", "batched_mm", "deepgemm")
 # config fields of routers that drop tokens past a capacity (Switch Transformers, NLLB-MoE)
 CAPACITY_FIELDS = ("expert_capacity", "capacity_factor", "moe_eval_capacity_token_fraction")
 _dispatch = "even"
+# experts modules this dispatch runs (one GatherScatterEP each), and the LoRA terms of the call in progress of those
+# whose adapters run inside the grouped matmuls (`adapters`: set by sharding/expert_lora.py around the EP forward)
+_OURS: weakref.WeakSet = weakref.WeakSet()
+_ADAPTERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 # by the EP group: the gloo group over its ranks that carries the token counts, and the CPU tensor they are
 # all-reduced in (one per group: its layers run one after another). Keyed by the group itself, not its name: ranks
@@ -128,6 +134,27 @@ def refuse_unsupported(config, ep_size: int, experts: dict | None = None) -> Non
                          "or transformers' AllToAllEP: hf_fsdp2.sharding.expert_dispatch.set_dispatch('all_to_all').")
 
 
+def takes_adapters(experts) -> bool:
+    """Whether this dispatch runs `experts` in `grouped_experts`, where LoRA goes inside the grouped matmuls
+    (`adapters`); otherwise (transformers' AllToAllEP, or the experts' own batched_mm / deepgemm forward) the caller
+    folds the adapters into the weights as PEFT does."""
+    return experts in _OURS and experts.config._experts_implementation == "grouped_mm"
+
+
+@contextlib.contextmanager
+def adapters(experts, terms: dict):
+    """For the calls of `experts` inside: LoRA `terms` ({parameter name: [(lhs, rhs, scaling), ...]}, the local
+    experts' factors, `grouped_experts`) applied inside the grouped matmuls. Only where `takes_adapters(experts)`."""
+    if not takes_adapters(experts):
+        raise ValueError(f"LoRA inside the grouped matmuls of {type(experts).__name__}, which hf_fsdp2's EP dispatch "
+                         "does not run with experts_implementation='grouped_mm'.")
+    _ADAPTERS[experts] = terms
+    try:
+        yield
+    finally:
+        del _ADAPTERS[experts]
+
+
 def local_pairs(expert_ids: torch.Tensor, rank: int, num_local: int, top_k: int, num_rows: int):
     """This rank's share of the gathered routing (`expert_ids`: flat, token-major, every rank's tokens), on the device
     (no host read), as `num_rows` rows sorted by local expert: a fixed count known on the host, at least one more than
@@ -151,28 +178,58 @@ def local_pairs(expert_ids: torch.Tensor, rank: int, num_local: int, top_k: int,
     return tokens, ids, torch.cumsum(counts[:num_local], 0, dtype=torch.int32), rows[:num_pairs]
 
 
-def grouped_experts(experts, rows: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+def grouped_experts(experts, rows: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor,
+                    adapters: dict | None = None) -> torch.Tensor:
     """`rows` (sorted by local expert `ids`, the sentinel rows last) through the local experts as transformers'
     `grouped_mm_experts_forward` computes them: its grouped matmul `_grouped_mm` (one per projection for all local
     experts, `offs` ending at the used rows, so the sentinel rows cost none), the experts' own gate or activation,
     biases, post-expert norm. Not that function itself: it sorts (token, top-k) routing, masks and weights it, where
     these rows come sorted, unweighted, and the sentinel rows are never read back (every pass here is row by row;
-    a bias reaches used rows only, so no sentinel row's gradient reaches it)."""
+    a bias reaches used rows only, so no sentinel row's gradient reaches it).
+
+    `adapters`: {parameter name: [(lhs, rhs, scaling), ...]}, LoRA on those parameters of the local experts, each
+    term's delta `scaling * lhs @ rhs` in the parameter's own layout (PEFT's `ParamWrapper.get_delta_factors`,
+    sliced to the local experts by sharding/expert_lora.py). Applied inside the grouped matmuls, never folded into a
+    weight: x @ W + scaling * (x @ L1) @ L2 with two more grouped matmuls of rank r over the same `offs` (`_low_rank`),
+    so no [experts, out, in] delta or its gradient exists, and a frozen W gets no gradient."""
     from transformers.integrations.moe import _grouped_mm
 
-    def linear(x, weight, bias):
+    adapters = adapters or {}
+
+    def linear(x, name, bias):
+        weight = getattr(experts, name)
         out = _grouped_mm(x, weight if experts.is_transposed else weight.transpose(-2, -1), offsets)
+        for lhs, rhs, scaling in adapters.get(name, ()):
+            out = out + scaling * _low_rank(x, lhs, rhs, experts.is_transposed, offsets)
         if bias is None:
             return out
         return out + torch.cat([bias, bias.new_zeros(1, bias.shape[-1])]).index_select(0, ids)
 
     bias = experts.has_bias
     if experts.has_gate:
-        hidden = experts._apply_gate(linear(rows, experts.gate_up_proj, experts.gate_up_proj_bias if bias else None))
+        hidden = experts._apply_gate(linear(rows, "gate_up_proj", experts.gate_up_proj_bias if bias else None))
     else:
-        hidden = experts.act_fn(linear(rows, experts.up_proj, experts.up_proj_bias if bias else None))
-    out = linear(hidden, experts.down_proj, experts.down_proj_bias if bias else None)
+        hidden = experts.act_fn(linear(rows, "up_proj", experts.up_proj_bias if bias else None))
+    out = linear(hidden, "down_proj", experts.down_proj_bias if bias else None)
     return experts.post_expert_norm(out) if experts.has_post_expert_norm else out
+
+
+def _low_rank(x: torch.Tensor, lhs: torch.Tensor, rhs: torch.Tensor, transposed: bool, offsets: torch.Tensor):
+    """x @ delta_e (in the linear's orientation) for each row's expert, as (x @ down) @ up: a weight [E, in, out]
+    (`is_transposed`) is read x @ W, so x @ (lhs @ rhs) = (x @ lhs) @ rhs; one [E, out, in] is read x @ W^T, so
+    x @ (lhs @ rhs)^T = (x @ rhs^T) @ lhs^T. The rank is padded with zeros to a multiple of 16 bytes (CUDA's grouped
+    matmul needs its operands' strides 16-byte aligned; the zero columns add nothing)."""
+    from transformers.integrations.moe import _grouped_mm
+
+    down, up = (lhs, rhs) if transposed else (rhs.transpose(-2, -1), lhs.transpose(-2, -1))  # [e, in, r], [e, r, out]
+    align = max(1, 16 // down.element_size())
+    pad = -down.shape[-1] % align
+    if pad:
+        down, up = F.pad(down, (0, pad)), F.pad(up, (0, 0, 0, pad))
+    # PEFT's lora_B is [out, r * E] (expert minor): its per-expert slices are strided by expert, which the grouped
+    # matmul refuses; a copy of r x (in + out) values per expert
+    down, up = down.contiguous(), up.contiguous()
+    return _grouped_mm(_grouped_mm(x, down, offsets), up, offsets)
 
 
 @functools.cache
@@ -190,6 +247,7 @@ def _implementation() -> type:
                 raise ValueError(f"the EP dispatch {NAME} with tensor parallelism (tp_size={tp_mesh.size()}) is not "
                                  "done in hf_fsdp2.")
             self.experts = experts
+            _OURS.add(experts)
             self.group = ep_mesh.get_group()
             self.host_group, self.host_tokens = _HOST[self.group]
 
@@ -201,13 +259,22 @@ def _implementation() -> type:
             dist.all_reduce(self.host_tokens, op=dist.ReduceOp.MAX, group=self.host_group)
             return int(self.host_tokens.tolist()[0])
 
+        def experts_rows(self, x, ids, offsets):
+            """The local experts' outputs of rows sorted by local expert (`ids`, sentinel rows last)."""
+            if self.experts.config._experts_implementation == "grouped_mm":
+                return grouped_experts(self.experts, x, ids, offsets, _ADAPTERS.get(self.experts))
+            # the experts' own implementation (batched_mm, deepgemm): top-1, unit weights, sentinel rows
+            return self.experts_forward(x, ids.unsqueeze(-1), x.new_ones(x.shape[0], 1))
+
         def __call__(self, hidden_states, top_k_index, top_k_weights):
             num_tokens, hidden = hidden_states.shape
             top_k, ep_size, num_local = top_k_index.shape[-1], self.ep_mesh.size(), self.num_local_experts
             rows = self.max_tokens(num_tokens)
             if rows == 0:  # no rank holds a token: one zero row keeps the experts in backward (as AllToAllEP)
-                return self.experts_forward(hidden_states.new_zeros(1, hidden), top_k_index.new_zeros(1, 1),
-                                            hidden_states.new_ones(1, 1))[:0] + hidden_states.sum() * 0
+                zero = hidden_states.new_zeros(1, hidden)
+                return self.experts_rows(zero, zero.new_full((1,), num_local, dtype=torch.long),
+                                         torch.zeros(num_local, dtype=torch.int32, device=zero.device)
+                                         )[:0] + hidden_states.sum() * 0
             padding = rows - num_tokens  # the gathers are even: each rank's block is the group's largest batch
             no_expert = num_local * ep_size  # a padded row's expert: no rank's
             tokens = funcol.all_gather_single(F.pad(hidden_states, (0, 0, 0, padding)), 0, self.group)
@@ -221,10 +288,7 @@ def _implementation() -> type:
                                                               top_k, num_rows)
             # each row's token (embedding: its backward adds the used rows' gradients only), a zero row for unused
             x = F.embedding(row_tokens, torch.cat([tokens, tokens.new_zeros(1, hidden)]), padding_idx=ep_size * rows)
-            if self.experts.config._experts_implementation == "grouped_mm":
-                out = grouped_experts(self.experts, x, ids, offsets)
-            else:  # the experts' own implementation (batched_mm, deepgemm): top-1, unit weights, sentinel rows
-                out = self.experts_forward(x, ids.unsqueeze(-1), x.new_ones(x.shape[0], 1))
+            out = self.experts_rows(x, ids, offsets)
             # each token's pairs on this rank weighted by the router and summed, as grouped_mm_experts_forward weights
             # and sums its top-k (in the weights' and outputs' common dtype, as its product): one embedding_bag, which
             # reads the used rows only (the unused row is its padding_idx)
@@ -238,5 +302,5 @@ def _implementation() -> type:
     return GatherScatterEP
 
 
-__all__ = ["DISPATCHES", "NAME", "grouped_experts", "host_buffers", "implementation_name", "local_pairs", "prepare",
-           "refuse_unsupported", "set_dispatch"]
+__all__ = ["DISPATCHES", "NAME", "adapters", "grouped_experts", "host_buffers", "implementation_name", "local_pairs",
+           "prepare", "refuse_unsupported", "set_dispatch", "takes_adapters"]

@@ -11,9 +11,12 @@ So, for each experts module transformers split:
 - the experts module (not PEFT's wrapper) is what EP is applied to and what becomes the "efsdp" FSDP2 group
   (`plan_through_adapters`, `innermost`), so FSDP2 gathers its rows before anything reads them;
 - the outermost `ParamWrapper`'s forward calls the experts module directly (no parametrization);
-- the experts' forward (transformers' EP forward) first replaces each adapted parameter, for the call, by its
-  local rows plus the delta of this rank's experts only: the same `baddbmm` PEFT folds, on PEFT's own factors
-  (`get_delta_factors`) sliced to the experts this rank holds.
+- the experts' forward (transformers' EP forward) gets PEFT's own factors (`get_delta_factors`) sliced to the
+  experts this rank holds: where hf_fsdp2's dispatch runs the experts in its grouped matmuls (transformers'
+  default `grouped_mm`), the adapters run inside them, x @ W + scaling * (x @ A) @ B over the same groups
+  (sharding/expert_dispatch.py `grouped_experts`: no merged weight, no gradient of one, none to a frozen W);
+  otherwise (transformers' AllToAllEP, batched_mm) each adapted parameter is replaced, for the call, by its local
+  rows plus their delta: the same `baddbmm` PEFT folds.
 
 The adapters (`lora_A`/`lora_B`, small: r x E rows) stay whole in their layer's group, sharded over every rank.
 A rank's gradient holds only its experts' slices, from every token its EP group sent them; FSDP2's mean over all
@@ -33,6 +36,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from ..runtime import upstream
+from . import expert_dispatch
 
 WRAPPER_FORWARD = "peft.tuners.lora.layer.ParamWrapper.forward"
 EP_FORWARD = "transformers.distributed.expert_parallel.EpDispatchExpertsParallel.install_forward"
@@ -158,23 +162,39 @@ def _factors(wrapper: nn.Module, adapter: str, first: int, count: int, dtype: to
     return a3.transpose(-2, -1).to(dtype), b3.transpose(-2, -1).to(dtype)
 
 
+def _local_terms(chain: list[nn.Module], experts: nn.Module, ep_rank: int) -> dict:
+    """{parameter name: (its local rows, [(lhs, rhs, scaling) of each active adapter, sliced to this rank's experts])}
+    for the adapted parameters of `experts`."""
+    terms = {}
+    for wrapper in chain:
+        adapters = _active(wrapper)
+        if not adapters:
+            continue
+        weight = experts._parameters[wrapper.parameter_name]  # FSDP2 gathered it (experts' pre-forward): Shard(0)
+        rows = weight.to_local() if isinstance(weight, DTensor) else weight
+        first = ep_rank * rows.shape[0]  # Shard(0), E divisible by ep: rank i holds experts [i*E/ep, ...)
+        terms[wrapper.parameter_name] = rows, [(*_factors(wrapper, adapter, first, rows.shape[0], rows.dtype),
+                                               wrapper.scaling[adapter]) for adapter in adapters]
+    return terms
+
+
 def _with_local_adapters(chain: list[nn.Module], experts: nn.Module, ep_rank: int, ep_forward, *args, **kwargs):
-    """transformers' EP forward with each adapted parameter, for this call, its local rows plus their delta."""
+    """transformers' EP forward with this rank's share of the adapters: inside hf_fsdp2's grouped matmuls where its
+    dispatch runs the experts (`expert_dispatch.adapters`: x @ W + scaling * (x @ A) @ B, no merged weight), else
+    each adapted parameter, for this call, its local rows plus their delta (PEFT's fold)."""
+    terms = _local_terms(chain, experts, ep_rank)
+    if not terms:
+        return ep_forward(*args, **kwargs)
+    if expert_dispatch.takes_adapters(experts):
+        with expert_dispatch.adapters(experts, {name: factors for name, (_, factors) in terms.items()}):
+            return ep_forward(*args, **kwargs)
     swapped = {}
     try:
-        for wrapper in chain:
-            adapters = _active(wrapper)
-            if not adapters:
-                continue
-            name = wrapper.parameter_name
-            weight = experts._parameters[name]  # FSDP2 gathered it (experts' pre-forward): Shard(0) on "ep"
-            rows = weight.to_local() if isinstance(weight, DTensor) else weight
-            first = ep_rank * rows.shape[0]  # Shard(0), E divisible by ep: rank i holds experts [i*E/ep, ...)
-            for adapter in adapters:
-                lhs, rhs = _factors(wrapper, adapter, first, rows.shape[0], rows.dtype)
+        for name, (rows, factors) in terms.items():
+            for lhs, rhs, scaling in factors:
                 with torch.autocast(device_type=rows.device.type, enabled=False):  # PEFT's fold, in W's dtype
-                    rows = torch.baddbmm(rows, lhs, rhs, alpha=wrapper.scaling[adapter])
-            swapped[name] = weight
+                    rows = torch.baddbmm(rows, lhs, rhs, alpha=scaling)
+            swapped[name] = experts._parameters[name]
             upstream.set_entry(experts, "_parameters", name, rows, PARAMETERS)
         return ep_forward(*args, **kwargs)
     finally:
