@@ -493,9 +493,6 @@ def _run_simulate(args: argparse.Namespace) -> int:
     from .planner import step_time
     from .tools.simulate import format_reports, simulate_ranks
 
-    if args.cp_size > 1:
-        raise ValueError(f"`--cp-size` {args.cp_size}: not done under simulate (a context-parallel mesh is "
-                         "Accelerate's); estimate-memory --cp-size costs it.")
     extra = {}
     if args.memory_budget is not None:
         if args.hsdp:
@@ -504,6 +501,8 @@ def _run_simulate(args: argparse.Namespace) -> int:
                      plan_seq_len=args.seq_len)
     if args.replication is not None:
         extra["replication"] = args.replication
+    if args.cp_size > 1:  # simulate builds the "cp" mesh dimension as Accelerate would (tools/simulate.py)
+        extra["cp_size"] = args.cp_size
     config, setup = _layout_setup(args, **extra)
     ranks = args.rank if args.rank is not None else sorted({0, args.world_size - 1})
     bad = [r for r in ranks if not 0 <= r < args.world_size]

@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 # op name (without namespace and overload) -> kind; the kind decides which tensor is the buffer and the ring factor
@@ -105,6 +106,14 @@ class CollectiveTally(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if isinstance(func, torch._ops.HigherOrderOperator):
+            return func(*args, **kwargs)
+        if any(issubclass(t, DTensor) for t in types):
+            # A mode runs before tensor subclasses: returning NotImplemented lets DTensor dispatch with this mode
+            # still on the stack, so the collectives it issues inside (TP's redistributions, context parallelism's
+            # ring of K/V blocks) come back here as plain ops; calling func here would run them with the mode off
+            # and miss them. torch's own CommDebugMode does the same (torch/distributed/tensor/debug/_comm_mode.py).
+            return NotImplemented
         out = func(*args, **kwargs)
         if func.namespace not in _NAMESPACES:
             return out

@@ -11,9 +11,11 @@ model, the step's compute time, and every collective with its bytes (tools/colle
 estimate for the same setup (planner/memory.py) is put beside the measurement, and a predicted step time
 for a stated interconnect (planner/step_time.py) beside that, labelled as a prediction.
 
-What a fake group cannot give is refused by name: saving (rank 0 creates the files the others write),
-context parallelism (its mesh is Accelerate's), and loss values (the gathered weights are whatever
-the buffers held: the loss is not reported).
+Context parallelism runs as a launch runs it: the mesh from Accelerate's own `ParallelismConfig`
+(dp_replicate x dp_shard x cp, "dp_shard_cp" flattened), each step inside torch's `context_parallel` over its
+"cp" dimension as `accelerator.maybe_context_parallel` enters it, labels shifted before the split.
+What a fake group cannot give is refused by name: saving (rank 0 creates the files the others write)
+and loss values (the gathered weights are whatever the buffers held: the loss is not reported).
 """
 
 from __future__ import annotations
@@ -26,9 +28,10 @@ from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..config import FSDP2Config
+from ..config import CP_DIM, FSDP2Config
 from ..planner.meta_model import DEFAULT_LORA_TARGETS
 from ..planner.step_time import Interconnect, predict_step
 from ..runtime import collectives, memory_probe
@@ -80,10 +83,9 @@ class RankReport:
 
 def refuse_unsimulated(config: FSDP2Config) -> None:
     """Settings the fake group cannot run, refused by name before anything is built."""
-    if config.cp_size > 1:
-        raise ValueError(f"`cp_size`={config.cp_size}: not done under simulate: a context-parallel mesh is built by "
-                         "Accelerate's parallelism_config, which the fake process group does not reach; simulate "
-                         "with cp_size=1 (estimate-memory --cp-size costs it).")
+    if config.cp_size > 1 and config.sp_size > 1:
+        raise ValueError(f"`cp_size`={config.cp_size} with `sp_size`={config.sp_size}: not done under simulate "
+                         "(each rank's batch is cut for one of them).")
     if config.async_save:
         raise ValueError("`async_save`: simulate never saves (under the fake group rank 0 would create the files "
                          "the other ranks write); leave it off.")
@@ -100,6 +102,23 @@ def refuse_reducer(mesh, config: FSDP2Config) -> None:
                          f"{config.replicate_size}, `replication`='ddp'), which torch's fake process group cannot run: "
                          "not done under simulate. Simulate FSDP2's one-rank groups instead "
                          "(FSDP2Config(replication='fsdp2'), hf-fsdp2 simulate --replication fsdp2), or a layout that shards.")
+
+
+def context_parallel_mesh(config: FSDP2Config, world_size: int, device: str):
+    """The mesh an Accelerate launch with `parallelism_config_cp_size` hands hf_fsdp2: Accelerate's own
+    `ParallelismConfig.build_device_mesh` (dp_replicate x dp_shard x cp, with "dp_shard_cp" flattened for FSDP2),
+    built under the fake group. An auto layout keeps its data-parallel shape as under Accelerate."""
+    from accelerate.parallelism_config import ParallelismConfig
+
+    if config.is_auto_layout:
+        replicate, shard = 1, world_size
+    else:
+        replicate, shard = config.mesh_shape(world_size)
+    if shard % config.cp_size:
+        raise ValueError(f"`cp_size`={config.cp_size} must divide the shard size {shard}: FSDP2 shards over "
+                         "dp_shard x cp.")
+    return ParallelismConfig(dp_replicate_size=replicate, dp_shard_size=shard // config.cp_size,
+                             cp_size=config.cp_size).build_device_mesh(device)
 
 
 @contextlib.contextmanager
@@ -166,7 +185,8 @@ def simulate_rank(
         # The meta model the estimate costs (a quantized base quantized on meta and prepared as from_pretrained's).
         module = prepare_meta_model(model, config, dtype=dtype, lora_r=lora_r, lora_targets=lora_targets,
                                     **quantization).model
-        layout = plan(module, config)
+        mesh = context_parallel_mesh(config, world_size, device) if config.cp_size > 1 else None
+        layout = plan(module, config, mesh=mesh)
         refuse_reducer(layout.mesh, layout.config)
         estimate = estimate_memory(model, world_size, layout.config, dtype=dtype, lora_r=lora_r,
                                    lora_targets=lora_targets, batch_size=batch_size, seq_len=seq_len,
@@ -184,15 +204,16 @@ def simulate_rank(
         with memory_probe.RssSampler(malloc=heap is not None) as sampler:
             shard_model(module, layout.config, mesh=layout.mesh)
             step_s, last_step_calls, heap_peak_by_op = _train(module, layout.config, device, batch_size, seq_len, steps,
-                                                    gradient_accumulation_steps, measure_heap=heap is not None)
+                                                    gradient_accumulation_steps, measure_heap=heap is not None,
+                                                    cp_mesh=mesh[CP_DIM] if mesh is not None else None)
         if device == "cuda":
             torch.cuda.synchronize()
         rss_peak = max(memory_probe.hwm_bytes(), sampler.max) - rss_base
         heap_peak = (max(sampler.max_live, heap_peak_by_op) - heap_base) if heap_base is not None else None
         cuda_peak = torch.cuda.max_memory_allocated() - cuda_base if device == "cuda" else None
         reserved_peak = torch.cuda.max_memory_reserved() - reserved_base if device == "cuda" else None
-        # This rank's tokens per optimizer step: TP ranks share theirs.
-        tokens = batch_size * seq_len * gradient_accumulation_steps / max(config.tp_size, 1)
+        # This rank's tokens per optimizer step: TP ranks share theirs, CP ranks split theirs.
+        tokens = batch_size * seq_len * gradient_accumulation_steps / max(config.tp_size, 1) / config.cp_size
         # Timed: the steps after the first (which allocates the optimizer states) and before the last (which runs
         # the tally's dispatch hooks), as far as there are any.
         timed = sorted(step_s[1:-1] or step_s[1:] or step_s)
@@ -233,18 +254,21 @@ class _HeapPeak(TorchDispatchMode):
         self.max_live = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not isinstance(func, torch._ops.HigherOrderOperator) and any(issubclass(t, DTensor) for t in types):
+            return NotImplemented  # DTensor's ops desugar into plain ones that come back here (collective_tally.py)
         out = func(*args, **(kwargs or {}))
         self.max_live = max(self.max_live, memory_probe.malloc_bytes()["live"])
         return out
 
 
 def _train(model, config: FSDP2Config, device: str, batch_size: int, seq_len: int, steps: int,
-           accumulation: int, measure_heap: bool = False) -> tuple[list[float], list[Collective], int]:
+           accumulation: int, measure_heap: bool = False, cp_mesh=None) -> tuple[list[float], list[Collective], int]:
     """`steps` AdamW steps of `accumulation` micro-batches on random tokens; each step's wall time (device
     synchronised) and the collectives the last one issued. Expert parallelism needs the tally's symmetric all-to-all
     in every step (the exchange is sized by it); otherwise the tally runs in the last step only, so the timed
     steps before it pay no dispatch hook. With `measure_heap` (CPU) the last step also reads glibc's live bytes
-    after every op; that peak is the third value returned."""
+    after every op; that peak is the third value returned. With `cp_mesh` every micro-batch of `seq_len` tokens is
+    split over its ranks by torch's `context_parallel`, as `accelerator.maybe_context_parallel` splits a launch's."""
     from ..sharding.engine import local_batch, no_sync
 
     vocab = model.config.vocab_size if hasattr(model, "config") else 32000
@@ -267,8 +291,11 @@ def _train(model, config: FSDP2Config, device: str, batch_size: int, seq_len: in
                 if config.sp_size > 1:  # an all-ones mask, as a collator gives: without one Ulysses all-gathers the
                     # position ids to refuse packed rows, and under the fake group the gathered values are garbage
                     batch["attention_mask"] = torch.ones_like(ids)
-                with sync:  # this rank's slice of each sequence under sp_size > 1 (Ulysses), as a user's loop feeds it
-                    model(**local_batch(batch, model)).loss.backward()
+                with sync:
+                    if cp_mesh is not None:
+                        _context_parallel_step(model, batch, cp_mesh)
+                    else:  # this rank's slice of each sequence under sp_size > 1 (Ulysses), as a user's loop feeds it
+                        model(**local_batch(batch, model)).loss.backward()
             optimizer.step()
             optimizer.zero_grad()
             if device == "cuda":
@@ -276,6 +303,21 @@ def _train(model, config: FSDP2Config, device: str, batch_size: int, seq_len: in
         times.append(time.perf_counter() - start)
         heap_peak = max(heap_peak, heap.max_live if heap is not None else 0)
     return times, tally.calls, heap_peak
+
+
+def _context_parallel_step(model, batch: dict, cp_mesh) -> None:
+    """One forward and backward inside torch's `context_parallel` (the context `maybe_context_parallel` enters):
+    ids, labels shifted before the split (a rank's last token's label is the next rank's first token) and position
+    ids cut along the sequence, load balanced; the model computes its loss on its slice."""
+    from torch.distributed.tensor.experimental import context_parallel
+
+    ids = batch["input_ids"]
+    shift = torch.nn.functional.pad(ids, (0, 1), value=-100)[:, 1:].contiguous()
+    positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids).clone()
+    labels = ids.clone()
+    buffers = [ids, labels, shift, positions]
+    with context_parallel(cp_mesh, buffers=buffers, buffer_seq_dims=[1] * len(buffers), no_restore_buffers=set(buffers)):
+        model(input_ids=ids, labels=labels, shift_labels=shift, position_ids=positions).loss.backward()
 
 
 def simulate_ranks(ranks: Sequence[int], model: Any, world_size: int, config: FSDP2Config | None = None,
