@@ -14,14 +14,15 @@ from typing import Any, Literal, Mapping
 import torch
 
 SP_DIM = "sp"  # the mesh dimension of Ulysses sequence parallelism (Accelerate's name)
-CP_DIM = "cp"  # the mesh dimension of context parallelism: Accelerate's parallelism_config builds it, hf_fsdp2 never
+CP_DIM = "cp"  # the mesh dimension of context parallelism: Accelerate's parallelism_config builds it; hf_fsdp2 only
+# with sp_size (ring attention across cp, Ulysses within: sequence_split_dims)
 
 
 def no_cp_mesh(cp_size: int, mesh: Any = None) -> str:
     """The refusal of a `cp_size` no mesh carries: hf_fsdp2 builds no "cp" dimension of its own (build_mesh asks
     `FSDP2Config.refuse_unbuilt_dims`, the engine checks a given mesh)."""
     where = f"the mesh {dict(zip(mesh.mesh_dim_names or (), mesh.shape))} has none" if mesh is not None else \
-        "hf_fsdp2.build_mesh builds no cp dimension (not done)"
+        "hf_fsdp2.build_mesh builds one only with sp_size (Ulysses within, ring attention across)"
     return (f"`cp_size`={cp_size} needs a device mesh with a 'cp' dimension and {where}: let Accelerate's "
             f"parallelism_config (cp_size) build it, as accelerate_configs/fsdp2_cp.yaml does.")
 
@@ -286,8 +287,11 @@ class FSDP2Config:
     must be a multiple of sp_size or divide it (fewer are replicated, as DeepSpeed's ALST does). The batch is split
     along the sequence by `hf_fsdp2.local_batch` in a plain loop; under Accelerate and the Trainer
     (`HF_FSDP2_SP_SIZE`; Accelerate's own parallelism_config sp_size is DeepSpeed's, refused) the prepared data
-    loader gives an sp group's ranks the same rows and the model's training forward splits them. Not with cp_size,
-    tp_size, ep_size, compile or shard_size="auto" (refused by name); `hf-fsdp2 estimate-memory` counts it."""
+    loader gives an sp group's ranks the same rows and the model's training forward splits them. With cp_size
+    (FSDP2Config and hf_fsdp2.build_mesh only: a dp_shard x cp x sp mesh, sp neighbours within a machine, cp across)
+    each rank holds 1/(sp x cp) of every sequence, Ulysses within the sp group, torch's ring attention over the cp
+    ranks (sdpa, no padding). Not with tp_size, ep_size, compile or shard_size="auto" (refused by name);
+    `hf-fsdp2 estimate-memory` counts it."""
     loss_tile_size: int | None = None
     """Sequence tiling of the loss (sharding/sequence_tiling.py): in a training forward with labels the lm_head and
     cross-entropy run over this many tokens at a time, their gradients computed as each tile goes, so the logits
@@ -447,15 +451,14 @@ class FSDP2Config:
     def _check_sequence(self) -> None:
         """Sequence parallelism and tiling: what they are not done with, refused by name."""
         if self.sp_size > 1:
-            others = [f"`{name}`={getattr(self, name)}" for name in ("cp_size", "tp_size", "ep_size")
-                      if getattr(self, name) > 1]
+            others = [f"`{name}`={getattr(self, name)}" for name in ("tp_size", "ep_size") if getattr(self, name) > 1]
             others += [f"`compile`={self.compile!r}"] if self.compile else []
             # the layout planner's candidate shard sizes do not know sp yet
             others += ["`shard_size`='auto'"] if self.shard_size == "auto" else []
             if others:
                 raise ValueError(f"`sp_size`={self.sp_size} with {', '.join(others)} is not done in hf_fsdp2: Ulysses "
                                  "sequence parallelism composes with FSDP2 (dp_shard, HSDP), LoRA, activation "
-                                 "checkpointing and sequence tiling only.")
+                                 "checkpointing, ring context parallelism (cp_size) and sequence tiling only.")
         tiled = [name for name in ("loss_tile_size", "mlp_tile_size") if getattr(self, name) is not None]
         if tiled and self.compile == "model":
             raise ValueError(f"`{tiled[0]}` with `compile`='model' is not done in hf_fsdp2: the tiles run outside the "
@@ -512,6 +515,9 @@ class FSDP2Config:
         if shard % self.sp_size:
             raise ValueError(f"`sp_size`={self.sp_size} must divide the shard size {shard}: FSDP2 shards over "
                              "dp_shard x sp, so the sp ranks are part of each shard group.")
+        if shard % (self.cp_size * self.sp_size):
+            raise ValueError(f"`cp_size` x `sp_size`={self.cp_size} x {self.sp_size} must divide the shard size {shard}: "
+                             "FSDP2 shards over dp_shard x cp x sp.")
         if self.ep_size > 1:
             if self.replicate_size > 1:
                 raise ValueError(f"`ep_size`={self.ep_size} with HSDP (`replicate_size`={self.replicate_size}) is not "
@@ -529,13 +535,16 @@ class FSDP2Config:
 
     def refuse_unbuilt_dims(self) -> None:
         """Refuses by name the mesh dimensions this config asks for that hf_fsdp2.build_mesh does not build."""
-        if self.cp_size > 1:
+        if self.cp_size > 1 and self.sp_size == 1:
             raise ValueError(no_cp_mesh(self.cp_size))
 
     def sequence_split_dims(self) -> tuple[tuple[str, int], ...]:
         """Mesh dimensions the shard ranks split into after "dp_shard", ranks that hold slices of the same sequences
-        (FSDP2 shards over all of them): ("sp", sp_size) under Ulysses (Accelerate's dimension name)."""
-        return ((SP_DIM, self.sp_size),) if self.sp_size > 1 else ()
+        (FSDP2 shards over all of them): ("sp", sp_size) under Ulysses (Accelerate's dimension name), after ("cp",
+        cp_size) with context parallelism too (sp neighbours within a machine, cp across)."""
+        if self.sp_size == 1:
+            return ()
+        return ((CP_DIM, self.cp_size),) * (self.cp_size > 1) + ((SP_DIM, self.sp_size),)
 
     def replace(self, **changes: Any) -> "FSDP2Config":
         return dataclasses.replace(self, **changes)

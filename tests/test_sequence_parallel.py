@@ -200,6 +200,20 @@ def test_a_router_loss_under_ulysses_is_refused_by_name():
         _after_forward(state, SimpleNamespace(**output))
 
 
+def test_ring_order_is_torchs_head_tail_order():
+    """The token order local_batch lays sequences out in under sp x cp is the one torch's ring attention computes on
+    (its _HeadTailLoadBalancer, context_parallel's default): a length it cannot split into 2 x cp chunks refused."""
+    from torch.distributed.tensor.experimental._context_parallel._load_balancer import _HeadTailLoadBalancer
+
+    from hf_fsdp2.sharding.context_parallel import load_balanced_order
+
+    for length, cp in ((16, 2), (24, 3), (8, 4)):
+        torch.testing.assert_close(load_balanced_order(length, cp),
+                                   _HeadTailLoadBalancer(length, cp, "cpu")._generate_indices()[0].long())
+    with pytest.raises(ValueError, match=r"cp_size=2: the sequence length 6 must be a multiple of 2 x cp_size = 4"):
+        load_balanced_order(6, 2)
+
+
 def test_refusals_by_name():
     model = build_model(0)  # 4 heads, 2 key/value heads
     with pytest.raises(ValueError, match="sp_size.*attention heads"):
@@ -209,9 +223,19 @@ def test_refusals_by_name():
                                                                      hidden_size=96)), 2)
     with pytest.raises(ValueError, match="attn_implementation"):
         sequence_parallel.refuse_unsupported(model_parts(build_model(0, attn_implementation="flex_attention")), 2)
-    for settings in ({"cp_size": 2}, {"tp_size": 2}, {"compile": True}, {"shard_size": "auto"}):
+    for settings in ({"tp_size": 2}, {"compile": True}, {"shard_size": "auto"}):
         with pytest.raises(ValueError, match="sp_size"):
             FSDP2Config(sp_size=2, **settings)
+    from types import SimpleNamespace
+
+    ring = sequence_parallel.Outer(None, 0, 4, None, None, None, setting="cp_size=2")
+    with pytest.raises(ValueError, match=r"`sp_size`=2 with cp_size=2 and attn_implementation='eager'"):
+        sequence_parallel.apply_sequence_parallel(model_parts(build_model(0, attn_implementation="eager")),
+                                                  FSDP2Config(), SimpleNamespace(size=lambda: 2), ring)
+    with pytest.raises(ValueError, match=r"`cp_size` x `sp_size`=2 x 2 must divide the shard size 2"):
+        FSDP2Config(sp_size=2, cp_size=2).mesh_shape(2)
+    with pytest.raises(ValueError, match=r"sp_size x cp_size=4 must divide the batch's sequence length 6"):
+        sequence_parallel.split_batch({"input_ids": torch.zeros(1, 6, dtype=torch.long)}, 0, 4, lambda n, d: None)
     with pytest.raises(ValueError, match="loss_tile_size"):
         sequence_tiling.refuse_loss_tiling(model_parts(lora(build_model(0), target_modules=["lm_head"])))
     with pytest.raises(ValueError, match="sp_size=2 must divide"):
@@ -241,3 +265,54 @@ def test_planner_counts_sp_and_tiling():
     assert any("sends 0.8 MiB" in note for note in sp.notes)
     with pytest.raises(ValueError, match="sp_size"):
         estimate_memory(shape, 2, FSDP2Config(sp_size=2), batch_size=1, seq_len=2047)
+
+
+def _ulysses_with_ring_runs(rank, world):
+    """sp 2 x cp 2 on 4 ranks (hf_fsdp2.build_mesh: dp_shard 1 x cp 2 x sp 2): each rank holds 1/4 of every
+    sequence (torch's head-tail order over cp, then sp), Ulysses' all-to-all within sp, torch's ring over cp."""
+    import hf_fsdp2
+
+    report = []
+    for kind, tiles in (("llama", {}), ("llama_lora", {}), ("llama_kv1", {"loss_tile_size": 3}), ("qwen3_lora", {})):
+        batch = _batch(ROWS_PER_GROUP, padded=False)
+        batch["attention_mask"] = torch.ones_like(batch["input_ids"])  # a mask of ones (no padding) passes
+        want_losses, want_grads = _reference(kind, batch, 1, tiles)
+        model = hf_fsdp2.shard_model(BUILDERS[kind](), FSDP2Config(sp_size=2, cp_size=2, **tiles))
+        model.train()
+        names = model_parts(model).base.config._attn_implementation
+        assert names.startswith("hf_fsdp2_ulysses"), names
+        local = hf_fsdp2.local_batch(batch, model)
+        assert local["input_ids"].shape == (ROWS_PER_GROUP, SEQ // 4)
+        # cp rank c holds chunks c and 3 - c of 4 (torch's head-tail order), its sp rank s the s-th of those two
+        chunk = (rank // 2, 3 - rank // 2)[rank % 2]
+        torch.testing.assert_close(local["position_ids"][0], torch.arange(chunk * 4, chunk * 4 + 4))
+        out = model(**local)
+        out.loss.backward()
+        got = _grads(model)
+        assert out.loss.item() == pytest.approx(want_losses[0], rel=1e-4), (kind, tiles)
+        assert got.keys() == want_grads.keys()
+        for name in want_grads:
+            torch.testing.assert_close(got[name], want_grads[name], rtol=1e-4, atol=2e-6,
+                                       msg=lambda m, name=name: f"{kind} sp 2 x cp 2 {tiles} {name}: {m}")
+        report.append((kind, out.loss.item()))
+    padded = _batch(ROWS_PER_GROUP, padded=True)  # padding under CP: refused by name on every rank (collective)
+    with pytest.raises(ValueError, match="cp_size=2: the batch's attention_mask marks padding"):
+        model(**hf_fsdp2.local_batch(padded, model))
+    model.eval()  # evaluation runs whole sequences on every rank, as one process does
+    with torch.no_grad():
+        assert model(**batch).loss.item() == pytest.approx(want_losses[0], rel=1e-4)
+    # Accelerate's parallelism_config mesh (dp_shard x cp, no "sp"): refused by name, not run as something else
+    from torch.distributed.device_mesh import init_device_mesh
+
+    accelerate_like = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "cp"),
+                                       backend_override={0: "gloo", 1: "gloo"})
+    with pytest.raises(ValueError, match=r"`sp_size`=2 on a mesh with a 'cp' dimension but no 'sp' one"):
+        hf_fsdp2.shard_model(build_model(0), FSDP2Config(sp_size=2), mesh=accelerate_like)
+    return report
+
+
+def test_ulysses_within_ring_context_parallelism_equals_one_process():
+    """Ring CP x Ulysses (issue 63): sp 2 x cp 2 on 4 ranks, loss and every gradient equal to one process (rel 1e-4,
+    fp32): Llama full and LoRA, Llama with 1 key/value head (fewer than sp: repeated) and the loss tiled, Qwen3 with
+    LoRA. Under GPU semantics (NCCL_LIKE: the default group refuses CPU tensors)."""
+    run_ranks(_ulysses_with_ring_runs, 4, backend=NCCL_LIKE)

@@ -155,7 +155,8 @@ def build_mesh(config: FSDP2Config | None = None) -> DeviceMesh:
     device = device_type()
     shape, names = ((shard,), (SHARD_DIM,)) if replicate == 1 else ((replicate, shard), (REPLICATE_DIM, SHARD_DIM))
     for name, size in config.sequence_split_dims():  # after dp_shard, before tp (Accelerate's order): neighbours
-        shape, names = (*shape[:-1], shape[-1] // size, size), (*names, name)
+        at = names.index(SHARD_DIM)  # dp_shard splits into dp_shard x cp x sp, in that order
+        shape, names = (*shape[:at], shape[at] // size, *shape[at + 1:], size), (*names, name)
     if config.tp_size > 1:
         shape, names = (*shape, config.tp_size), (*names, TP_DIM)
     override = None
@@ -181,6 +182,18 @@ def init_distributed(
     """
     init_process_group(init_method, backend=backend, rank=rank, world_size=world_size, timeout=timeout)
     return build_mesh(config)
+
+
+def flattened(mesh: DeviceMesh, dims: tuple[str, ...]) -> DeviceMesh:
+    """The mesh's `dims` as one dimension named by joining them (row-major: the first dimension's rank is the
+    slowest), on gloo where the mesh's own groups are (build_mesh: the default group cannot carry the mesh's
+    device's tensors, e.g. NCCL while sharding on the CPU)."""
+    flat = "_".join(dims)
+    try:
+        return mesh[flat]
+    except KeyError:
+        override = "gloo" if mesh.device_type not in collectives.default_group_devices() else None
+        return mesh[dims]._flatten(flat, backend_override=override)
 
 
 def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:

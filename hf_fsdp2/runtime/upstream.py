@@ -328,6 +328,7 @@ PRIVATE: tuple[Private, ...] = (
     # torch: context parallelism.
     Private(_CP, "_templated_ring_attention", "sharding/context_parallel.py"),
     Private(_CP, "_templated_ring_attention_backward", "sharding/context_parallel.py"),
+    Private(_CP, "_cp_options", "sharding/context_parallel.py"),  # its enable_load_balance, read (ring with Ulysses)
     Private("torch.distributed.tensor", "DTensor._op_dispatcher._custom_op_handlers", "sharding/context_parallel.py"),
     Private("torch.distributed.tensor", "DTensor._op_dispatcher.unwrap_to_op_info", "sharding/context_parallel.py"),
     Private("torch.distributed.tensor._dtensor_spec", "TensorMeta", "sharding/context_parallel.py"),
@@ -339,6 +340,9 @@ PRIVATE: tuple[Private, ...] = (
     # sharding/selective_checkpoint.py: the fused attention kernels whose outputs it keeps (those this build has)
     *[Private("torch", f"ops.aten.{op}", "sharding/selective_checkpoint.py", optional=True) for op in (
         "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention")],
+    # sharding/context_parallel.py: the GPU kernel of its ring attention with Ulysses (on a CUDA build's ranks only)
+    *[Private("torch", f"ops.aten.{op}", "sharding/context_parallel.py", optional=True) for op in (
+        "_scaled_dot_product_efficient_attention", "_scaled_dot_product_efficient_attention_backward")],
     Private("torch", "ops.aten._local_scalar_dense", "planner/activation_trace.py"),
     # torch: DDP (replicate).
     Private("torch.distributed._composable.replicate", "_ReplicateState.lazy_init", _REP),

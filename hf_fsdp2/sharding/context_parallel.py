@@ -12,11 +12,16 @@ The parts are torch's and Accelerate's; this module only fills the one gap on th
   SDPA runs `_scaled_dot_product_flash_attention_for_cpu`, for which DTensor has no strategy, so CP
   fails there. `enable_cpu_ring_attention` registers the same ring attention, through torch's own
   templated forward and backward, for that kernel: CP runs (and is tested) on CPU with gloo as on GPUs.
+- With Ulysses (sp within a machine, cp across) the engine hands sequence_parallel.py `load_balanced_order` and
+  `ring_attention`: the sequence is laid out as torch's ring expects it, each cp rank's part split over its sp
+  ranks, and the attention of an sp group's part (after Ulysses' all-to-all: all its tokens, 1/sp of the heads)
+  runs torch's ring over the cp ranks directly, outside `context_parallel` (`_RingAttention`).
 """
 
 from __future__ import annotations
 
 import inspect
+from typing import Callable
 
 import torch
 from torch import nn
@@ -102,6 +107,75 @@ def enable_cpu_ring_attention() -> None:
         aten._scaled_dot_product_flash_attention_for_cpu.default: _cpu_flash_forward,
         aten._scaled_dot_product_flash_attention_for_cpu_backward.default: _cpu_flash_backward,
     })
+
+
+def load_balanced_order(length: int, cp_size: int, device=None) -> torch.Tensor:
+    """The sequence's token indices in the order torch's ring attention holds them over `cp_size` ranks, rank after
+    rank: `context_parallel`'s default head-tail load balancing (torch's `_HeadTailLoadBalancer`) gives cp rank r
+    chunks r and 2 cp_size - 1 - r of 2 cp_size equal chunks, the layout `_templated_ring_attention` computes
+    causal attention on (its `enable_load_balance`, on by default: `_require_load_balance`)."""
+    if length % (2 * cp_size):
+        raise ValueError(f"cp_size={cp_size}: the sequence length {length} must be a multiple of 2 x cp_size = "
+                         f"{2 * cp_size} (load-balanced causal ring attention splits it into 2 x cp_size chunks); "
+                         f"pad the batch (e.g. pad_to_multiple_of) with labels -100.")
+    chunks = torch.arange(length, device=device).view(2 * cp_size, length // (2 * cp_size))
+    return torch.cat([torch.cat((chunks[r], chunks[2 * cp_size - 1 - r])) for r in range(cp_size)])
+
+
+def _require_load_balance() -> None:
+    if not _cp()._cp_options.enable_load_balance:  # only torch's context_parallel(load_balancer=None) turns it off
+        raise RuntimeError("context parallelism with Ulysses lays sequences out head-tail load balanced, but torch's "
+                           "ring attention has load balancing off (inside context_parallel without a load balancer?); "
+                           "run the training step outside torch's context_parallel.")
+
+
+def _kernels(device: torch.device) -> tuple:
+    """(forward op, its extra arguments, backward op, the name of its output gradient, its extra arguments) of the
+    SDPA kernel the ring runs on `device`, as torch's own ring handlers call them (_attention.py's
+    _scaled_dot_product_ring_*): the CPU's flash kernel, or the memory-efficient kernel on GPUs (fp32 and bf16)."""
+    aten = torch.ops.aten
+    if device.type == "cpu":
+        return (aten._scaled_dot_product_flash_attention_for_cpu, {"dropout_p": 0.0},
+                aten._scaled_dot_product_flash_attention_for_cpu_backward.default, "grad_out", {"dropout_p": 0.0})
+    return (aten._scaled_dot_product_efficient_attention,
+            {"attn_bias": None, "compute_log_sumexp": True, "dropout_p": 0.0},
+            aten._scaled_dot_product_efficient_attention_backward.default, "grad_out_",
+            {"attn_bias": None, "dropout_p": 0.0, "grad_input_mask": (True, True, True, False)})
+
+
+class _RingAttention(torch.autograd.Function):
+    """Causal attention of [b, heads, part, d] tensors, each cp rank's part laid out by `load_balanced_order`: torch's
+    ring forward and backward (`_templated_ring_attention` and `_templated_ring_attention_backward`) called on plain
+    tensors, as the DTensor handlers `context_parallel` installs call them on the local blocks."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, group, scale):
+        forward_op, forward_args, *_ = _kernels(query.device)
+        out, lse, *rest = _cp()._templated_ring_attention(group, _SEQ_DIM, forward_op, query=query, key=key,
+                                                          value=value, is_causal=True, scale=scale, **forward_args)
+        ctx.group, ctx.scale = group, scale
+        ctx.save_for_backward(query, key, value, out, lse, *rest[:2])  # the GPU kernel's philox seed and offset
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        query, key, value, out, lse, *rest = ctx.saved_tensors
+        _, _, backward_op, grad_name, backward_args = _kernels(query.device)
+        if rest:
+            backward_args = {**backward_args, "philox_seed": rest[0], "philox_offset": rest[1]}
+        grads = _cp()._templated_ring_attention_backward(
+            ctx.group, _SEQ_DIM, backward_op, grad_out=grad_out.contiguous(), grad_out_name=grad_name, query=query,
+            key=key, value=value, out=out, logsumexp=lse, is_causal=True, scale=ctx.scale, **backward_args)
+        return grads[0], grads[1], grads[2], None, None
+
+
+def ring_attention(group) -> Callable:
+    """Causal attention over the cp ranks of `group` of an sp group's part of the sequence, laid out by
+    `load_balanced_order`: (query, key, value [b, heads, part, d], same heads; scale) -> out [b, heads, part, d]."""
+    def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale) -> torch.Tensor:
+        _require_load_balance()
+        return _RingAttention.apply(query.contiguous(), key.contiguous(), value.contiguous(), group, scale)
+    return attention
 
 
 def context_parallel_active() -> bool:

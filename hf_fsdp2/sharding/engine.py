@@ -24,7 +24,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from ..config import CP_DIM, SP_DIM, FSDP2Config, no_cp_mesh
 from ..quantization import fp8, quantized
 from ..runtime import collectives, host_allocator, upstream
-from ..runtime.distributed import (TP_DIM, build_mesh, data_parallel_mesh, default_device, local_tensor,
+from ..runtime.distributed import (TP_DIM, build_mesh, data_parallel_mesh, default_device, flattened, local_tensor,
                                    refuse_accelerator_model_on_host_backend)
 from .compile import compile_layers, disable_cache_in_training, is_compiled
 from .groups import ShardPlan, apply_frozen_dtype, plan_groups, replicated_frozen_parameters
@@ -307,7 +307,7 @@ def shard_planned(
     config = _sequence_parallel_size(config, mesh)
     plan = plan_groups(parts, config)
     if config.sp_size > 1:  # hooks before fully_shard's: FSDP2's own run around them
-        sequence_parallel.apply_sequence_parallel(parts, config, mesh[SP_DIM])
+        sequence_parallel.apply_sequence_parallel(parts, config, mesh[SP_DIM], _ring_around_ulysses(config, mesh))
     if config.loss_tile_size is not None or config.mlp_tile_size is not None:
         sequence_tiling.apply_sequence_tiling(parts, plan.layers, config)
     if config.ep_size > 1:
@@ -335,7 +335,7 @@ def shard_planned(
         replication.synchronize(model, broadcast=init_weights or not on_meta)
     if config.fp8 and (init_weights or not on_meta):  # else the loader's weights come later: the
         fp8.precompute_scales(model)  # first all-gather then computes its scales itself
-    if CP_DIM in (mesh.mesh_dim_names or ()) and mesh[CP_DIM].size() > 1:
+    if CP_DIM in (mesh.mesh_dim_names or ()) and mesh[CP_DIM].size() > 1 and config.sp_size == 1:
         context_parallel.enable_cpu_ring_attention()  # the training loop enters torch's context_parallel
         context_parallel.require_context_parallel(parts, mesh[CP_DIM].size())
     record.config, record.mesh, record.sharded_object = config, mesh, id(model)
@@ -407,8 +407,40 @@ def _context_parallel_size(config: FSDP2Config, mesh: DeviceMesh) -> FSDP2Config
     return config.replace(cp_size=cp) if config.cp_size != cp else config
 
 
+def _ring_around_ulysses(config: FSDP2Config, mesh: DeviceMesh) -> sequence_parallel.Outer | None:
+    """With cp_size and sp_size (hf_fsdp2.build_mesh's dp_shard x cp x sp): torch's ring attention over the cp ranks
+    around Ulysses within each sp group (context_parallel.py's token order, attention and padding refusal, handed to
+    sequence_parallel.py). Without torch's context_parallel: the batch is split by local_batch, the ring called on
+    the attention's plain tensors."""
+    if config.cp_size == 1:
+        return None
+    names = mesh.mesh_dim_names or ()
+    if names.index(CP_DIM) + 1 != names.index(SP_DIM):
+        raise ValueError(f"`sp_size`={config.sp_size} with `cp_size`={config.cp_size} needs the mesh's 'sp' dimension "
+                         f"right after its 'cp' one (hf_fsdp2.build_mesh's), not {names}.")
+    cp, sp = mesh[CP_DIM], mesh[SP_DIM]
+    whole = flattened(mesh, (CP_DIM, SP_DIM))
+    rank = whole.get_local_rank()
+    if rank != cp.get_local_rank() * sp.size() + sp.get_local_rank():  # the order split_batch cuts the tokens in
+        raise RuntimeError(f"the flattened cp x sp mesh numbers this rank {rank}, not cp rank x sp + sp rank.")
+    size = cp.size()
+    return sequence_parallel.Outer(
+        whole.get_group(), rank, whole.size(),
+        order=lambda length, device=None: context_parallel.load_balanced_order(length, size, device),
+        attention=context_parallel.ring_attention(cp.get_group()),
+        check=lambda mask: context_parallel.refuse_padding(mask, size), setting=f"cp_size={size}")
+
+
 def _sequence_parallel_size(config: FSDP2Config, mesh: DeviceMesh) -> FSDP2Config:
     """The config's sp_size is the mesh's "sp" dimension (hf_fsdp2.build_mesh builds it from sp_size)."""
+    names = mesh.mesh_dim_names or ()
+    if config.sp_size > 1 and SP_DIM not in names and CP_DIM in names:  # Accelerate's parallelism_config's mesh
+        raise ValueError(f"`sp_size`={config.sp_size} on a mesh with a 'cp' dimension but no 'sp' one "
+                         f"({dict(zip(names, mesh.shape))}: Accelerate's parallelism_config cp_size): Ulysses within "
+                         "ring context parallelism runs on hf_fsdp2.build_mesh(FSDP2Config(sp_size=..., cp_size=...))'s "
+                         "dp_shard x cp x sp mesh, the batch split by hf_fsdp2.local_batch in a plain loop; under "
+                         "Accelerate's maybe_context_parallel (which splits the batch for ring attention alone) it is "
+                         "not done.")
     sp = _size_on_mesh(mesh, SP_DIM, "sp_size", config.sp_size)
     return config.replace(sp_size=sp) if config.sp_size != sp else config
 
@@ -453,8 +485,7 @@ def local_batch(batch: Mapping[str, Any], model: nn.Module) -> dict[str, Any]:
         raise ValueError("local_batch: the model is not sharded; call hf_fsdp2.shard_model first.")
     if SP_DIM not in (record.mesh.mesh_dim_names or ()) or sequence_parallel.splits_in_forward(model_parts(model)):
         return dict(batch)
-    sp = record.mesh[SP_DIM]
-    return sequence_parallel.split_batch(batch, sp.get_local_rank(), sp.size())
+    return sequence_parallel.rank_batch(model_parts(model), batch)
 
 
 @contextlib.contextmanager

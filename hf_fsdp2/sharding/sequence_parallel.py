@@ -26,6 +26,13 @@ Nothing of transformers' is replaced:
   whole sequences too.
 
 Only in training mode (as ALST's `disable_in_eval`): evaluation and generation run whole sequences on each rank.
+
+Around the sp groups, more ranks may hold other parts of the same sequences (`Outer`: the engine builds one for ring
+attention over the "cp" ranks, sp within a machine, cp across): the batch is first laid out in the outer split's token
+order and cut over all of them (outer rank-major, so an sp group holds one outer rank's part, its ranks that part's
+pieces in order); after the all-to-all an sp group's ranks hold their part's tokens for 1/sp of the heads, and the
+outer attention (torch's ring) runs causal attention over the outer ranks instead of the core; the loss is summed,
+and per-token outputs and the positions of the packing check gathered, over all of them (back in sequence order).
 """
 
 from __future__ import annotations
@@ -57,6 +64,23 @@ _SPLIT_KEYS = ("input_ids", "labels", "shift_labels", "position_ids", "attention
 _names = itertools.count()
 
 
+@dataclass(frozen=True)
+class Outer:
+    """Ranks beyond the sp group holding other parts of the same sequences. `group` spans them and the sp ranks,
+    outer rank-major (rank = outer rank x sp + sp rank: the engine flattens the mesh's outer and "sp" dimensions);
+    `order(length, device)`: the sequence's token indices in the order the group's ranks hold them, rank after rank;
+    `attention(query, key, value, scale)`: causal attention of an sp group's part ([b, heads, part, d], laid out in
+    `order`) over the outer ranks, no mask; `check(attention_mask)`: refuses by name what that attention would not
+    honour in a training forward's batch (collective); `setting`: how messages name the outer split."""
+    group: dist.ProcessGroup
+    rank: int
+    size: int
+    order: Callable[..., torch.Tensor]
+    attention: Callable[..., torch.Tensor]
+    check: Callable[[Any], None]
+    setting: str
+
+
 @dataclass
 class _Ulysses:
     """One model's SP: its group, this rank's place in it, the core implementation, whether this forward's inputs
@@ -68,6 +92,13 @@ class _Ulysses:
     active: bool = False
     splits_inputs: bool = False
     tokens: tuple[int, int] | None = None  # this training forward's (rows, tokens per row) on this rank
+    outer: Outer | None = None
+
+    @property
+    def whole(self) -> tuple[dist.ProcessGroup, int, int]:
+        """(group, rank, size) of all the ranks holding parts of the same sequences: the sp group, or the outer's."""
+        return (self.group, self.rank, self.size) if self.outer is None else (
+            self.outer.group, self.outer.rank, self.outer.size)
 
 
 _STATES: "weakref.WeakKeyDictionary[nn.Module, _Ulysses]" = weakref.WeakKeyDictionary()  # ModelParts.model -> its SP
@@ -111,13 +142,18 @@ def refuse_unsupported(parts: ModelParts, sp: int) -> None:
                          "outside the attention Ulysses splits; not done.")
 
 
-def apply_sequence_parallel(parts: ModelParts, config: FSDP2Config, sp_mesh) -> None:
+def apply_sequence_parallel(parts: ModelParts, config: FSDP2Config, sp_mesh, outer: Outer | None = None) -> None:
     """Point the model's attention at the Ulysses wrapper of its own implementation and hook its forward (the
-    checks at a training forward, the loss summed over the sp ranks). Before `fully_shard`."""
+    checks at a training forward, the loss summed over the sp ranks, and the `outer` ranks). Before `fully_shard`."""
     sp = sp_mesh.size()
     refuse_unsupported(parts, sp)
     base = parts.base
-    state = _Ulysses(sp_mesh.get_group(), sp, sp_mesh.get_local_rank(), base.config._attn_implementation)
+    if outer is not None and base.config._attn_implementation != "sdpa":
+        raise ValueError(f"`sp_size`={sp} with {outer.setting} and attn_implementation="
+                         f"{base.config._attn_implementation!r}: the ring attention runs SDPA's kernels; load the "
+                         "model with attn_implementation='sdpa'.")
+    state = _Ulysses(sp_mesh.get_group(), sp, sp_mesh.get_local_rank(), base.config._attn_implementation,
+                     outer=outer)
     _STATES[parts.model] = state
     name = f"hf_fsdp2_ulysses_{next(_names)}"
     from transformers import AttentionInterface
@@ -168,7 +204,8 @@ def _before_forward(state: _Ulysses, module: nn.Module, args: tuple, kwargs: dic
     if state.splits_inputs:
         names = list(inspect.signature(module.forward).parameters)
         whole = {**dict(zip(names, args)), **kwargs}
-        args, kwargs = (), split_batch(whole, state.rank, state.size)
+        group_rank, group_size = state.whole[1:]
+        args, kwargs = (), split_batch(whole, group_rank, group_size, state.outer and state.outer.order)
     get = lambda name: _argument(module, name, args, kwargs)  # noqa: E731
     reference = get("input_ids") if get("input_ids") is not None else get("inputs_embeds")
     state.tokens = tuple(reference.shape[:2]) if reference is not None else None
@@ -180,8 +217,11 @@ def _before_forward(state: _Ulysses, module: nn.Module, args: tuple, kwargs: dic
         raise ValueError(f"sp_size={state.size}: labels without `shift_labels` and `num_items_in_batch`: a shard's "
                          "last token would lose its target (on the next rank) and the loss would be a mean of "
                          "per-rank means. Split the batch with hf_fsdp2.local_batch (it adds both).")
+    if state.outer is not None:
+        state.outer.check(get("attention_mask"))
     if get("attention_mask") is None:
-        positions = _gather_sequence(get("position_ids").expand(_batch_size(module, args, kwargs), -1), state)
+        positions = _gather_sequence(get("position_ids").expand(_batch_size(module, args, kwargs), -1), state,
+                                     whole=True)
         from transformers.masking_utils import find_packed_sequence_indices
 
         if find_packed_sequence_indices(positions) is not None:
@@ -210,7 +250,8 @@ def _after_forward(state: _Ulysses, output: Any) -> Any:
     if state.active and loss is not None:
         # Each rank's loss is its shard's sum / the global count: their sum is the loss; the backward all-reduce
         # gives each rank sp x its shard's gradient, FSDP2's average over the sp ranks their sum.
-        output["loss"] = funcol.all_reduce(loss, "sum", state.group)  # torch registers its backward: all_reduce
+        # With an outer split, over all the ranks holding parts of the sequences: FSDP2 averages over them too.
+        output["loss"] = funcol.all_reduce(loss, "sum", state.whole[0])  # torch registers its backward: all_reduce
     if state.active and isinstance(output, Mapping):
         # Per-token outputs ([rows, tokens], e.g. TRL's fused LM head: log_probs, entropy, label_mask), from which a
         # trainer computes its own loss, cover the whole sequences: gathered along them, the log-probabilities
@@ -224,16 +265,28 @@ def _after_forward(state: _Ulysses, output: Any) -> Any:
 
 def _gather_per_token(local: torch.Tensor, state: _Ulysses) -> torch.Tensor:
     if not local.is_floating_point():
-        return _gather_sequence(local, state)
-    return funcol.all_gather_tensor_autograd(local.contiguous(), 1, state.group)  # backward: reduce-scatter (sum)
+        return _gather_sequence(local, state, whole=True)
+    gathered = funcol.all_gather_tensor_autograd(local.contiguous(), 1, state.whole[0])  # backward: reduce-scatter
+    return _in_sequence_order(gathered, state)
 
 
-def _gather_sequence(local: torch.Tensor, state: _Ulysses) -> torch.Tensor:
-    """[b, s/sp] integer or boolean tensors of the sp ranks, concatenated along the sequence (not differentiable)."""
+def _in_sequence_order(gathered: torch.Tensor, state: _Ulysses) -> torch.Tensor:
+    """[b, s, ...] gathered over the outer split's ranks (its token order) put back in sequence order."""
+    if state.outer is None:
+        return gathered
+    order = state.outer.order(gathered.shape[1], gathered.device)
+    return gathered.index_select(1, torch.argsort(order))
+
+
+def _gather_sequence(local: torch.Tensor, state: _Ulysses, whole: bool = False) -> torch.Tensor:
+    """[b, s/sp] integer or boolean tensors of the sp ranks, concatenated along the sequence (not differentiable);
+    `whole`: of all the ranks holding parts of the sequences (the outer's too), in sequence order."""
+    group, _, size = state.whole if whole else (state.group, state.rank, state.size)
     source = local.to(torch.int64).contiguous()
-    parts = [torch.empty_like(source) for _ in range(state.size)]
-    dist.all_gather(parts, source, group=state.group)
-    return torch.cat(parts, dim=1).to(local.dtype)
+    parts = [torch.empty_like(source) for _ in range(size)]
+    dist.all_gather(parts, source, group=group)
+    gathered = torch.cat(parts, dim=1)
+    return (_in_sequence_order(gathered, state) if whole else gathered).to(local.dtype)
 
 
 def _all_to_all(x: torch.Tensor, state: _Ulysses, scatter_dim: int, gather_dim: int) -> torch.Tensor:
@@ -287,10 +340,29 @@ def _attention(state: _Ulysses, module: nn.Module, query: torch.Tensor, key: tor
     # [b, heads, s/sp, d] -> [b, heads/sp, s, d]
     query, key, value = (_all_to_all(t, state, scatter_dim=1, gather_dim=2) for t in (query, key, value))
     groups = query.shape[1] // key.shape[1]
+    if state.outer is not None:
+        return _outer_attention(state, module, query, key, value, attention_mask, groups, kwargs), None
     target = module if groups == getattr(module, "num_key_value_groups", 1) else _Heads(module, groups)
     out, _ = core(target, query, key, value, attention_mask, **kwargs)
     # [b, s, heads/sp, d] -> [b, s/sp, heads, d], as the core returns it without SP
     return _all_to_all(out, state, scatter_dim=1, gather_dim=2), None
+
+
+def _outer_attention(state: _Ulysses, module: nn.Module, query, key, value, attention_mask, groups: int,
+                     kwargs: dict) -> torch.Tensor:
+    """The outer split's causal attention of this sp group's part (all its tokens, 1/sp of the heads) instead of the
+    core; what it would not honour refused by name. Returns [b, s/sp, heads, d] as the core's output comes back."""
+    ignored = [name for name in ("softcap", "sliding_window", "position_bias") if kwargs.get(name) is not None]
+    ignored += ["attention_mask"] if attention_mask is not None else []
+    ignored += ["dropout"] if kwargs.get("dropout") else []
+    ignored += ["is_causal=False"] if False in (kwargs.get("is_causal"), getattr(module, "is_causal", True)) else []
+    if ignored:
+        raise ValueError(f"sp_size={state.size} with {state.outer.setting}: the attention is given `{ignored[0]}`, "
+                         "which the ring attention (causal, no mask, no dropout) does not take; not done.")
+    if groups > 1:  # grouped key/value heads repeated to the query heads (transformers' repeat_kv)
+        key, value = (t.repeat_interleave(groups, dim=1) for t in (key, value))
+    out = state.outer.attention(query, key, value, kwargs.get("scaling"))  # [b, heads/sp, s_part, d]
+    return _all_to_all(out.transpose(1, 2), state, scatter_dim=1, gather_dim=2)
 
 
 def _mask(state: _Ulysses, *, batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset=0,
@@ -302,6 +374,12 @@ def _mask(state: _Ulysses, *, batch_size: int, q_length: int, kv_length: int, q_
     if state.active:
         if q_offset or kv_offset or kv_length != q_length:
             raise ValueError(f"sp_size={state.size}: a training forward with a cache (past key values) is not done.")
+        if state.outer is not None:  # causal over the whole sequence, the outer attention's (padding refused)
+            if kwargs.get("local_size") is not None:
+                raise ValueError(f"sp_size={state.size} with {state.outer.setting}: the model's attention is local "
+                                 "(sliding window or chunked), which the ring attention (causal over the whole "
+                                 "sequence) does not do; not done.")
+            return None
         if attention_mask is not None:
             attention_mask = _gather_sequence(attention_mask, state)
         q_length = kv_length = q_length * state.size
@@ -313,19 +391,29 @@ def _mask(state: _Ulysses, *, batch_size: int, q_length: int, kv_length: int, q_
 # The batch
 
 
-def split_batch(batch: Mapping[str, Any], rank: int, size: int) -> dict[str, Any]:
+def rank_batch(parts: ModelParts, batch: Mapping[str, Any]) -> dict[str, Any]:
+    """This rank's part of a batch of whole sequences under the model's Ulysses (and its outer split, if any)."""
+    state = _STATES[parts.model]
+    _, rank, size = state.whole
+    return split_batch(batch, rank, size, state.outer and state.outer.order)
+
+
+def split_batch(batch: Mapping[str, Any], rank: int, size: int,
+                order: Callable[..., torch.Tensor] | None = None) -> dict[str, Any]:
     """This sp rank's part of a batch of whole sequences: input_ids, labels, attention_mask, position_ids, ...
     cut along the sequence (dim 1) into `size` equal shards, shard `rank` kept. Added first, for the whole
     sequence: `position_ids` (0..s-1 when absent), `shift_labels` (labels shifted left by one, -100 last) and
-    `num_items_in_batch` (their valid tokens: the loss's divisor). Other entries pass unchanged."""
+    `num_items_in_batch` (their valid tokens: the loss's divisor). Other entries pass unchanged. With an outer
+    split (`Outer.order`; `rank` and `size` then its group's) the tokens are laid out in its order first."""
     batch = dict(batch)
     reference = batch.get("input_ids", batch.get("inputs_embeds"))
     if reference is None:
         raise ValueError("local_batch: the batch has neither `input_ids` nor `inputs_embeds`.")
     rows, length = reference.shape[:2]
     if length % size:
-        raise ValueError(f"sp_size={size} must divide the batch's sequence length {length}: pad the batch to a "
-                         f"multiple of {size} (e.g. DataCollatorWithPadding(pad_to_multiple_of={size})).")
+        raise ValueError(f"{'sp_size' if order is None else 'sp_size x cp_size'}={size} must divide the batch's "
+                         f"sequence length {length}: pad the batch to a multiple of {size} (e.g. "
+                         f"DataCollatorWithPadding(pad_to_multiple_of={size})).")
     if batch.get("position_ids") is None:
         batch["position_ids"] = torch.arange(length, device=reference.device).expand(rows, -1)
     if batch.get("labels") is not None:
@@ -335,17 +423,23 @@ def split_batch(batch: Mapping[str, Any], rank: int, size: int) -> dict[str, Any
         if batch.get("num_items_in_batch") is None:
             batch["num_items_in_batch"] = (batch["shift_labels"] != IGNORE_INDEX).sum()
     shard = length // size
+    if batch["position_ids"].dim() < 2 or batch["position_ids"].shape[0] != rows:  # a [1, s] or [s] position_ids
+        batch["position_ids"] = batch["position_ids"].reshape(-1, length).expand(rows, -1)
+    if order is not None:
+        tokens = order(length, reference.device)
+        for key in _SPLIT_KEYS:
+            value = batch.get(key)
+            if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] == length:
+                batch[key] = value.index_select(1, tokens)
     for key in _SPLIT_KEYS:
         value = batch.get(key)
         if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] == length:
             batch[key] = value[:, rank * shard:(rank + 1) * shard].contiguous()
-        elif isinstance(value, torch.Tensor) and key != "position_ids":
+        elif isinstance(value, torch.Tensor):
             raise ValueError(f"local_batch: `{key}` of shape {tuple(value.shape)} is not [batch, "
                              f"{length}, ...]; it cannot be cut along the sequence.")
-    if batch["position_ids"].shape[1] != shard:  # a [1, s] or [s] position_ids
-        batch["position_ids"] = batch["position_ids"].reshape(-1, length)[:, rank * shard:(rank + 1) * shard]
     return batch
 
 
-__all__ = ["apply_sequence_parallel", "heads", "refuse_unsupported", "split_batch", "split_in_forward",
-           "splits_in_forward"]
+__all__ = ["Outer", "apply_sequence_parallel", "heads", "rank_batch", "refuse_unsupported", "split_batch",
+           "split_in_forward", "splits_in_forward"]
