@@ -168,3 +168,49 @@ def test_cp_size_is_a_config_field_a_mesh_must_carry():
         FSDP2Config(cp_size=3).mesh_shape(4)
     error = run_ranks(_shard_with, 2, {"cp_size": 2})[0]
     assert error and "`cp_size`=2 needs a device mesh with a 'cp' dimension" in error and "parallelism_config" in error
+
+
+def _tiled_loss_under_cp(rank, world):
+    """Accelerate's mesh (dp_shard 1 x cp 2) and torch's context_parallel around the step, as maybe_context_parallel
+    enters it: the tiled loss (each rank's hidden states are its 1/cp of the sequence, labels shifted before the
+    split) gives the loss and gradients of one process."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental import context_parallel
+
+    import hf_fsdp2
+
+    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp_shard", "cp"),
+                            backend_override={0: "gloo", 1: "gloo"})
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 128, (2, 16), generator=g)
+    labels = ids.clone()
+    labels[0, :5] = -100  # some targets ignored: the count differs between the cp ranks' halves
+    shift = torch.nn.functional.pad(labels, (0, 1), value=-100)[:, 1:]
+    count = (shift != -100).sum()
+    reference = build_model(0)
+    want = reference(input_ids=ids, labels=labels).loss
+    want.backward()
+    model = hf_fsdp2.shard_model(build_model(0), hf_fsdp2.FSDP2Config(loss_tile_size=3), mesh=mesh)
+    model.train()
+    buffers = [ids.clone(), shift.clone(), torch.arange(16).expand(2, -1).clone()]
+    with context_parallel(mesh["cp"], buffers=buffers, buffer_seq_dims=[1, 1, 1], no_restore_buffers=set(buffers)):
+        local_ids, local_shift, positions = buffers
+        assert local_ids.shape == (2, 16 // world)
+        # each rank's loss: its valid targets' sum / the whole batch's count; FSDP2 averages over the cp ranks
+        out = model(input_ids=local_ids, position_ids=positions, labels=local_shift, shift_labels=local_shift,
+                    num_items_in_batch=count)
+        assert out.logits.shape[1] == 1  # tiled: the rank's logits never whole
+        (out.loss * world).backward()
+    total = out.loss.detach().clone()
+    torch.distributed.all_reduce(total, group=mesh["cp"].get_group())
+    assert total.item() == pytest.approx(want.item(), rel=1e-4)
+    for (name, p), (_, q) in zip(reference.named_parameters(), model.named_parameters()):
+        torch.testing.assert_close(q.grad.full_tensor(), p.grad, rtol=1e-4, atol=2e-6,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+    return total.item()
+
+
+def test_the_tiled_loss_under_context_parallelism_equals_one_process():
+    """Sequence tiling of the loss with ring CP (issue 63): nothing to change, each rank's tiles cover its 1/cp of
+    the sequence; loss and every gradient equal one process's (2 ranks, GPU semantics)."""
+    run_ranks(_tiled_loss_under_cp, 2, backend=NCCL_LIKE)
