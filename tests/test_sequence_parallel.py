@@ -263,6 +263,10 @@ def test_planner_counts_sp_and_tiling():
     assert tiled.activations.peak_bytes < sp.activations.peak_bytes / 4
     # q, k, v, output of 1024 tokens, 1 kv head repeated to 2, fp32, half sent: 1024 x 32 x (8 + 4) x 4 / 2
     assert any("sends 0.8 MiB" in note for note in sp.notes)
+    # ring CP around Ulysses: a quarter of the sequence per rank, the all-to-alls carry the cp rank's half
+    both = estimate_memory(shape, 4, FSDP2Config(sp_size=2, cp_size=2), batch_size=1, seq_len=2048)
+    assert both.activations.peak_bytes == pytest.approx(plain.activations.peak_bytes / 4, rel=0.05)
+    assert any("seq_len / 4 tokens" in note and "sends 0.4 MiB" in note for note in both.notes), both.notes
     with pytest.raises(ValueError, match="sp_size"):
         estimate_memory(shape, 2, FSDP2Config(sp_size=2), batch_size=1, seq_len=2047)
 

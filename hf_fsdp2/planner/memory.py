@@ -421,11 +421,13 @@ def _estimate(prepared: MetaTrainingModel, world_size: int, config: FSDP2Config,
         notes.append(f"CP: each rank holds seq_len / {cp_size} tokens; ring attention passes K/V blocks among the "
                      f"{cp_size} ranks (one block in flight, not counted here); FSDP shards over dp_shard x cp.")
     if sp > 1 and batch_size is not None:
-        notes.append(f"SP (Ulysses): each rank holds seq_len / {sp} tokens and, around attention, the whole sequence "
+        # with ring CP around it, an sp group holds its cp rank's seq_len / cp: the all-to-alls carry that part
+        part = "the whole sequence" if cp_size == 1 else f"its cp rank's seq_len / {cp_size} tokens"
+        notes.append(f"SP (Ulysses): each rank holds seq_len / {sp * cp_size} tokens and, around attention, {part} "
                      f"for 1/{sp} of the heads; per decoder layer each rank sends "
-                     f"{_ulysses_bytes(prepared, batch_size, seq_len, sp, config.param_dtype) / 2**20:.1f} MiB in "
-                     "forward's all-to-alls (q, k, v, output) and as much in backward (transient, not counted here); "
-                     f"FSDP shards over dp_shard x sp.")
+                     f"{_ulysses_bytes(prepared, batch_size, seq_len // cp_size, sp, config.param_dtype) / 2**20:.1f} "
+                     "MiB in forward's all-to-alls (q, k, v, output) and as much in backward (transient, not counted "
+                     f"here); FSDP shards over dp_shard x {'cp x ' if cp_size > 1 else ''}sp.")
     if config.loss_tile_size is not None or config.mlp_tile_size is not None:
         notes.append("sequence tiling: " + ", ".join(
             f"{what} {size} tokens at a time" for what, size in (("the loss", config.loss_tile_size),
