@@ -16,27 +16,35 @@ from .config import FSDP2Config
 from .planner.layout import resolve_auto_layout
 from .runtime.distributed import build_mesh
 from .sharding import engine
-from .sharding.record import record_of
+from .sharding.model_parts import ModelParts, model_parts
+from .sharding.record import ShardedModel, record_of
 
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """A planned layout: `config` with no `shard_size="auto"` left, and the mesh it shards over."""
+    """A planned layout: `config` with no `shard_size="auto"` left, and the mesh it shards over; the model's parts
+    and record as the entry looked them up, handed on to the sharding (None: looked up there)."""
 
     config: FSDP2Config
     mesh: DeviceMesh
+    parts: ModelParts | None = None
+    record: ShardedModel | None = None
 
 
-def plan(model: nn.Module, config: FSDP2Config, *, mesh: DeviceMesh | None = None, to_device: bool = True) -> Layout:
+def plan(model: nn.Module | ModelParts, config: FSDP2Config, *, mesh: DeviceMesh | None = None,
+         to_device: bool = True, record: ShardedModel | None = None) -> Layout:
     """The model prepared for planning (refusals, its device unless `to_device=False`, quantized layers in
     the row layout FSDP2 shards), the auto layout resolved (a given mesh keeps its data-parallel shape:
-    Accelerate's, with TP or CP), and the mesh built unless given. Collective: call on every rank."""
-    engine.prepare_for_planning(model, to_device=to_device)
+    Accelerate's, with TP or CP), and the mesh built unless given. `model`: a model, or the parts an entry made
+    with `record` its record; the returned layout carries both on. Collective: call on every rank."""
+    parts = model if isinstance(model, ModelParts) else model_parts(model)  # a bare model: looked up here, once
+    record = record if record is not None else record_of(parts, create=True)
+    engine.prepare_for_planning(parts, to_device=to_device, record=record)
     shape = data_parallel_shape(mesh) if mesh is not None and config.is_auto_layout else None
-    config, layout_plan = resolve_auto_layout(model, config, mesh_shape=shape)
-    if layout_plan is not None:  # what chose the layout, for whoever asks later (record_of(model).layout)
-        record_of(model, create=True).layout = layout_plan
-    return Layout(config, mesh if mesh is not None else build_mesh(config))
+    config, layout_plan = resolve_auto_layout(parts, config, mesh_shape=shape)
+    if layout_plan is not None:  # what chose the layout, for whoever asks later (the record's `layout`)
+        record.layout = layout_plan
+    return Layout(config, mesh if mesh is not None else build_mesh(config), parts, record)
 
 
 def data_parallel_shape(mesh: DeviceMesh) -> tuple[int, int]:
@@ -65,12 +73,14 @@ def shard_model(
     Collective: call on every rank.
     """
     config = config or FSDP2Config()
-    if engine.adopt_if_sharded_at_load(model, config, mesh):
+    parts = model_parts(model)  # the entry: PEFT unwrapped and the record looked up once, handed to each step
+    record = record_of(parts, create=True)
+    if engine.adopt_if_sharded_at_load(parts, record, config, mesh):
         return model
     if config.is_auto_layout and mesh is not None:
         raise ValueError("`shard_size`='auto' chooses the device mesh itself; call shard_model without `mesh`.")
-    layout = plan(model, config, mesh=mesh)
-    return engine.shard_planned(model, layout.config, mesh=layout.mesh, init_weights=init_weights)
+    layout = plan(parts, config, mesh=mesh, record=record)
+    return engine.shard_planned(parts, layout.config, mesh=layout.mesh, init_weights=init_weights, record=record)
 
 
 __all__ = ["Layout", "data_parallel_shape", "plan", "shard_model"]

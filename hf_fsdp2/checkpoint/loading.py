@@ -30,6 +30,7 @@ from ..runtime.distributed import local_tensor
 from ..shard import Layout, plan
 from ..sharding import canonical_name, engine
 from ..sharding.model_parts import ModelParts, model_parts
+from ..sharding.record import ShardedModel, record_of
 from . import async_save
 from .tensor_export import block_range, model_tensors, row_range
 from .weights_io import WeightsPlan, existing_dir
@@ -59,34 +60,40 @@ class Deferred:
 Fill = str | FromRank0 | FromDirectory | Deferred
 
 
-def plan_for(model: nn.Module, config: FSDP2Config, fill: Fill, *, mesh=None) -> Layout:
+def plan_for(model: nn.Module | ModelParts, config: FSDP2Config, fill: Fill, *, mesh=None,
+             record: ShardedModel | None = None) -> Layout:
     """`plan` for a model `fill` will fill. From rank 0: its quantized layers set the others' row layout first
     (their meta layers have no quantization state to read it from), and its weights stay where they are
-    (broadcast from there, never moved whole to the device). Collective: call on every rank."""
+    (broadcast from there, never moved whole to the device). `model`: a model, or the parts an entry made with
+    `record` its record (the layout hands both to `shard_and_fill`). Collective: call on every rank."""
+    parts = model if isinstance(model, ModelParts) else model_parts(model)  # a bare model: looked up here, once
+    record = record if record is not None else record_of(parts, create=True)
     from_rank0 = isinstance(fill, FromRank0)
     if from_rank0:
-        _prepare_quantized_from_rank0(model, collectives.rank() == 0)
-    return plan(model, config, mesh=mesh, to_device=not from_rank0)
+        _prepare_quantized_from_rank0(parts.model, collectives.rank() == 0)
+    return plan(parts, config, mesh=mesh, to_device=not from_rank0, record=record)
 
 
 def shard_and_fill(model: nn.Module, layout: Layout, fill: Fill) -> nn.Module:
-    """Shard `model` on `layout` and give its shards their values by `fill`. Collective: call on every rank."""
+    """Shard `model` on `layout` and give its shards their values by `fill`; the parts and record the layout
+    carries (`plan_for`'s) are handed on, else looked up here. Collective: call on every rank."""
+    parts = layout.parts if layout.parts is not None and layout.parts.model is model else model_parts(model)
+    record = layout.record if parts is layout.parts else None
     if fill == INITIALISE:
-        return engine.shard_planned(model, layout.config, mesh=layout.mesh)
+        return engine.shard_planned(parts, layout.config, mesh=layout.mesh, record=record)
     if isinstance(fill, FromRank0):
-        return _fill_from_rank0(model, layout)
+        return _fill_from_rank0(parts, layout, record)
     if isinstance(fill, Deferred):
-        parts = model_parts(model)
         init_meta_adapters(parts, layout.mesh)
-        engine.shard_planned(parts, layout.config, mesh=layout.mesh, init_weights=False)
-        read_directory(model, fill.path)
+        engine.shard_planned(parts, layout.config, mesh=layout.mesh, init_weights=False, record=record)
+        _read(parts, fill.path)
         _fill_peft_originals(parts)
         _restore_deferred_values(parts, fill.values)
         return model
     if isinstance(fill, FromDirectory):
-        engine.shard_planned(model, layout.config, mesh=layout.mesh, init_weights=False)
-        read_directory(model, fill.path, progress=fill.progress)
-        _fill_peft_originals(model_parts(model))  # peft_config's modules_to_save (checkpoint/pretrained.py)
+        engine.shard_planned(parts, layout.config, mesh=layout.mesh, init_weights=False, record=record)
+        _read(parts, fill.path, progress=fill.progress)
+        _fill_peft_originals(parts)  # peft_config's modules_to_save (checkpoint/pretrained.py)
         return model
     raise TypeError(f"no such way to fill a sharded model: {fill!r}")
 
@@ -95,9 +102,14 @@ def read_directory(model: nn.Module, directory: str | os.PathLike, *, strict: bo
                    progress: bool | None = None) -> nn.Module:
     """Fill a sharded model from a Hugging Face directory, each rank reading only its own rows (the body of
     `hf_fsdp2.load_pretrained`). Collective: call on every rank."""
-    async_save.wait_pending()  # a save still in flight may be of this very directory
-    WeightsPlan(model_parts(model), existing_dir(Path(directory)), strict).read(progress)
+    _read(model_parts(model), directory, strict=strict, progress=progress)
     return model
+
+
+def _read(parts: ModelParts, directory: str | os.PathLike, *, strict: bool = True,
+          progress: bool | None = None) -> None:
+    async_save.wait_pending()  # a save still in flight may be of this very directory
+    WeightsPlan(parts, existing_dir(Path(directory)), strict).read(progress)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -208,8 +220,9 @@ def _prepare_quantized_from_rank0(model: nn.Module, is_source: bool) -> None:
     quantized.prepare(model, _DEQUANT_DTYPES[code])
 
 
-def _fill_from_rank0(model: nn.Module, layout: Layout) -> nn.Module:
-    """Shard `model` with rank 0's weights and buffers in every rank's shards."""
+def _fill_from_rank0(parts: ModelParts, layout: Layout, record: ShardedModel | None) -> nn.Module:
+    """Shard the model with rank 0's weights and buffers in every rank's shards."""
+    model = parts.model
     mesh = layout.mesh
     device = collectives.mesh_device(mesh)  # NCCL broadcasts device tensors
     is_source = collectives.rank() == 0
@@ -222,7 +235,7 @@ def _fill_from_rank0(model: nn.Module, layout: Layout) -> nn.Module:
                 if id(param) not in meta:
                     meta[id(param)] = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
                 upstream.set_entry(module, "_parameters", key, meta[id(param)], "torch.nn.Module._parameters")
-    engine.shard_planned(model, layout.config, mesh=mesh, init_weights=False)
+    engine.shard_planned(parts, layout.config, mesh=mesh, init_weights=False, record=record)
     with torch.no_grad():
         targets = list(model_tensors(model).items()) + [(f"buffer:{n}", b) for n, b in model.named_buffers()]
         for name, target in targets:

@@ -27,6 +27,7 @@ from ..runtime import collectives, upstream
 from ..runtime.distributed import build_mesh
 from ..quantization import quantized
 from ..sharding.model_parts import model_parts
+from ..sharding.record import record_of
 from .export_plan import export_items
 from .weights_io import (
     ADAPTER_FILE, SINGLE_FILE, WeightsPlan, existing_dir, transformers_max_shard_size, write_configs,
@@ -64,6 +65,8 @@ def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, *, dtyp
         progress = False  # no progress bar from the background in the middle of training's output
     dtype = parse_dtype(dtype, "dtype")
     parts = model_parts(model)  # PEFT unwrapped once for the export and the configs
+    # what adapter_config.json is written from, read with the parts (an adapter is saved unless merged)
+    adapter = parts.saved_adapter() if parts.has_peft and not merge_adapters else None
     items, is_adapter = export_items(parts, dtype, merge_adapters)
     weights_name = ADAPTER_FILE if is_adapter else SINGLE_FILE
     if max_shard_size is None:
@@ -72,7 +75,7 @@ def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, *, dtyp
         item.tensor.numel() for item in items if isinstance(item.tensor, nn.Parameter))
 
     def small_files(staging: Path) -> None:  # rank 0
-        write_configs(parts, staging, is_adapter, dtype)
+        write_configs(parts, staging, adapter, dtype)
         if write_extra is not None:
             write_extra(staging)
 
@@ -156,15 +159,18 @@ def from_pretrained(model_class, directory: str | os.PathLike, config: FSDP2Conf
     if mesh is None and not config.is_auto_layout:
         mesh = build_mesh(config)
     if peft_config is not None:
+        model = _peft_model(model, peft_config)
+    parts = model_parts(model)  # the entry: PEFT unwrapped and the record made once, handed to each step
+    record = record_of(parts, create=True)
+    if peft_config is not None:
         # With shard_size="auto" the mesh follows the plan, made below on the meta model with its
         # adapters; their broadcast needs only a group over every rank.
-        model = _with_adapters(model, peft_config,
-                               mesh or build_mesh(config.replace(shard_size=None, memory_budget=None)))
+        loading.init_meta_adapters(parts, mesh or build_mesh(config.replace(shard_size=None, memory_budget=None)))
     if quantization_config is not None:  # after PEFT, which reads the `Params4bit` attributes
         quantized.prepare(model, dtype)
     # Planned from shapes (the auto layout too): no rank ever holds the unsharded weights.
     fill = loading.FromDirectory(directory, progress)
-    loading.shard_and_fill(model, loading.plan_for(model, config, fill, mesh=mesh), fill)
+    loading.shard_and_fill(model, loading.plan_for(parts, config, fill, mesh=mesh, record=record), fill)
     if hasattr(base, "generation_config") and (directory / "generation_config.json").exists():
         from transformers import GenerationConfig
 
@@ -259,6 +265,13 @@ def _with_adapters(model: nn.Module, peft_config, mesh) -> nn.Module:
     """`get_peft_model` on a meta model, then the adapters made real and initialised by PEFT's own
     `reset_lora_parameters` (PEFT leaves adapters of a meta base layer on meta), then rank 0's
     broadcast over `mesh` so they are identical on every rank."""
+    model = _peft_model(model, peft_config)
+    loading.init_meta_adapters(model_parts(model), mesh)
+    return model
+
+
+def _peft_model(model: nn.Module, peft_config) -> nn.Module:
+    """`get_peft_model` on a meta model, for a LoRA config whose initialisation needs no base weights."""
     from peft import get_peft_model
 
     if str(getattr(peft_config, "peft_type", "")) not in ("LORA", "PeftType.LORA"):
@@ -268,6 +281,4 @@ def _with_adapters(model: nn.Module, peft_config, mesh) -> nn.Module:
     if init not in (True, False, "gaussian"):
         raise ValueError(f"`peft_config.init_lora_weights`={init!r} needs the base weights at initialisation; "
                          "hf_fsdp2.from_pretrained supports True, False and 'gaussian'.")
-    model = get_peft_model(model, peft_config)
-    loading.init_meta_adapters(model_parts(model), mesh)
-    return model
+    return get_peft_model(model, peft_config)

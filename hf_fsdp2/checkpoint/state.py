@@ -253,6 +253,7 @@ def save_state(directory: str | os.PathLike, model: nn.Module, optimizer: torch.
         progress = False  # no progress bar from the background in the middle of training's output
     directory = Path(directory).absolute()
     parts = model_parts(model)  # PEFT unwrapped once for the export and the configs
+    adapter = parts.saved_adapter() if parts.has_peft else None  # what adapter_config.json is written from
     model_items, is_adapter = export_items(parts, None, False)
     bnb_optimizers.prepare(optimizer)  # a bitsandbytes state, as every rank count reads it
     opt_items, opt_other, groups = _optimizer_items(model, optimizer)
@@ -270,7 +271,7 @@ def save_state(directory: str | os.PathLike, model: nn.Module, optimizer: torch.
     rng = _rng_state()
 
     def small_files(staging: Path) -> None:  # rank 0
-        write_configs(parts, staging, is_adapter, None)
+        write_configs(parts, staging, adapter, None)
         if write_extra is not None:
             write_extra(staging)
 

@@ -25,7 +25,7 @@ from .safetensors_io import (
 from ..quantization import quantized
 from .lora_merge import base_model_name
 from ..sharding import engine
-from ..sharding.model_parts import ModelParts
+from ..sharding.model_parts import ModelParts, SavedAdapter
 from .tensor_export import (
     ExportTensor, adapter_tensors, block_range, model_tensors, row_range, tied_aliases,
 )
@@ -116,10 +116,12 @@ def _write_overlapped(writer: FileWriter, blocks, io: ThreadPoolExecutor, bar) -
             wait([pending])
 
 
-def write_configs(parts: ModelParts, directory: Path, is_adapter: bool, dtype: torch.dtype | None) -> None:
-    """config.json / generation_config.json, or adapter_config.json (rank 0 only)."""
-    if is_adapter:
-        _write_adapter_config(parts, directory)
+def write_configs(parts: ModelParts, directory: Path, adapter: SavedAdapter | None,
+                  dtype: torch.dtype | None) -> None:
+    """config.json / generation_config.json, or adapter_config.json when an adapter is saved (`adapter`: read from
+    the parts where the save came in) (rank 0 only)."""
+    if adapter is not None:
+        _write_adapter_config(parts, adapter, directory)
         return
     base = parts.base
     config = getattr(base, "config", None)
@@ -140,16 +142,16 @@ def write_configs(parts: ModelParts, directory: Path, is_adapter: bool, dtype: t
         generation.save_pretrained(str(directory))
 
 
-def _write_adapter_config(parts: ModelParts, directory: Path) -> None:
+def _write_adapter_config(parts: ModelParts, adapter: SavedAdapter, directory: Path) -> None:
     """adapter_config.json exactly as `PeftModel.save_pretrained` writes it (peft_model.py): the base
     model's name, `inference_mode=True`, and `auto_mapping` when no task type is set."""
-    config = copy.deepcopy(parts.adapter_configs[parts.active_adapter])
+    config = adapter.config  # the save's own copy (ModelParts.saved_adapter)
     if config.base_model_name_or_path is None:
         config.base_model_name_or_path = parts.base.__dict__.get("name_or_path", None) or None
     config.inference_mode = True
     auto_mapping = None
-    if config.task_type is None:
-        base_class = parts.adapter_base_class(config.is_prompt_learning)
+    if adapter.base_class is not None:  # no task type
+        base_class = adapter.base_class
         auto_mapping = {"base_model_class": base_class.__name__, "parent_library": base_class.__module__}
     config.save_pretrained(str(directory), auto_mapping_dict=auto_mapping)
 

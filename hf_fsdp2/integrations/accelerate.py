@@ -16,11 +16,13 @@ comes from `register(**overrides)` and then `HF_FSDP2_<FIELD>` environment varia
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import dataclasses
 import functools
 import logging
 import os
 import re
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.nn as nn
@@ -33,8 +35,8 @@ from .accelerate_settings import ENV_PREFIX, AccelerateSettings, env_overrides, 
 from ..quantization import bnb_optimizers, fp8
 from ..shard import shard_model
 from ..sharding import context_parallel, is_sharded, sequence_parallel
-from ..sharding.record import refuse_parameters_added_after
-from ..sharding.model_parts import model_parts
+from ..sharding.record import ShardedModel, record_of, refuse_parameters_added_after, sharded
+from ..sharding.model_parts import ModelParts, model_parts
 from ..sharding.adopt import sharded_by_transformers
 from ..runtime import upstream, versions
 
@@ -360,37 +362,77 @@ def _prepare_fsdp2(self, *args):
         bnb_optimizers.prepare(optimizer)  # 8-bit optimizers step on each rank's rows
     plugin = self.state.fsdp_plugin
     model = next((a for a in args if isinstance(a, nn.Module)), None)
+    state = _Prepared.of(model) if model is not None else None  # looked up once, handed to each step
     names = layer_names(plugin.transformer_cls_names_to_wrap)
-    if names is None and model is not None:
-        names = list(getattr(model_parts(model).base, "_no_split_modules", None) or []) or None
+    if names is None and state is not None:
+        names = list(getattr(state.parts.base, "_no_split_modules", None) or []) or None
     upstream.set_state(plugin, "transformer_cls_names_to_wrap", names,
                        "accelerate.utils.dataclasses.FullyShardedDataParallelPlugin.transformer_cls_names_to_wrap")
-    deferred = model is not None and deferred_load.deferred_checkpoint(model) is not None
+    deferred = state is not None and state.record.deferred_checkpoint is not None
     optimizer_names = deferred_load.optimizer_parameter_names(args, model) if deferred else None
-    if model is not None:  # Accelerate would pass it through: FSDP2 modules are in it
-        refuse_parameters_added_after(model)
-    ours_already = model is not None and is_sharded(model)
-    with (presharded.prepared_as_it_is(model, config_from_accelerator(self), plugin) if ours_already
-          else contextlib.nullcontext()), _regional_compilation_in_place(), _wrap_policy_of_a_presharded(model):
+    ours_already = state is not None and state.ours
+    with (presharded.prepared_as_it_is(model, config_from_accelerator(self), plugin, state.record) if ours_already
+          else contextlib.nullcontext()), _regional_compilation_in_place(), \
+            _wrap_policy_of_a_presharded(state is not None and (state.by_transformers or state.ours)), \
+            _preparing(state):
         result = _original("Accelerator", "_prepare_fsdp2")(self, *args)
     if deferred:  # Accelerate maps optimizer parameters by data_ptr(), 0 for every meta parameter
         deferred_load.repoint_optimizers(result, optimizer_names)
     prepared = next((r for r in result if isinstance(r, nn.Module)), None)
-    if prepared is not None and is_sharded(prepared):  # its Ulysses (sp_size) takes whole sequences from the loader
-        sequence_parallel.split_in_forward(model_parts(prepared))
+    parts, record = (state.parts, state.record) if state is not None and prepared is model else (None, None)
+    if prepared is not None and parts is None:  # not prepared in place: its own lookup
+        parts = model_parts(prepared)
+        record = record_of(parts)
+    if prepared is not None and sharded(record, id(prepared), parts.has_peft):
+        sequence_parallel.split_in_forward(parts)  # its Ulysses (sp_size) takes whole sequences from the loader
     if prepared is not None and fp8.has_fp8(prepared):  # FP8 scales after every step of the prepared optimizers
         for optimizer in (r for r in result if isinstance(r, torch.optim.Optimizer)):
             fp8.attach_to_optimizer(prepared, optimizer)
     return result
 
 
-def _wrap_policy_of_a_presharded(model):
+@dataclasses.dataclass(frozen=True)
+class _Prepared:
+    """A model Accelerate's prepare was given, looked up once where it comes in (`_prepare_fsdp2`) and handed to
+    each step, `_fsdp2_prepare_model` included (Accelerate calls it with the bare model: `_preparing`): its parts,
+    its record (made here: prepare shards it, or keeps it), and what it was when prepare began."""
+
+    parts: ModelParts
+    record: ShardedModel
+    ours: bool  # sharded by hf_fsdp2 before prepare (hf_fsdp2.from_pretrained)
+    by_transformers: bool  # sharded by transformers at load (sharding/adopt.py)
+
+    @staticmethod
+    def of(model: nn.Module) -> _Prepared:
+        parts = model_parts(model)
+        record = record_of(parts, create=True)
+        # Accelerate would pass it through: FSDP2 modules are in it
+        refuse_parameters_added_after(record, (name for name, _ in parts.base.named_parameters()),
+                                      type(parts.base).__name__)
+        ours = sharded(record, id(model), parts.has_peft)
+        return _Prepared(parts, record, ours, sharded_by_transformers(model))
+
+
+_PREPARING: contextvars.ContextVar[_Prepared | None] = contextvars.ContextVar("hf_fsdp2_preparing", default=None)
+
+
+@contextlib.contextmanager
+def _preparing(state: _Prepared | None) -> Iterator[None]:
+    """`state` for the `_fsdp2_prepare_model` Accelerate's `_prepare_fsdp2` calls inside (with the model alone)."""
+    token = _PREPARING.set(state)
+    try:
+        yield
+    finally:
+        _PREPARING.reset(token)
+
+
+def _wrap_policy_of_a_presharded(presharded: bool):
     """Accelerate resolves the plugin's wrap classes against the model before sharding
     (`set_auto_wrap_policy`); a model sharded before prepare, by transformers at load (sharding/adopt.py)
     or by hf_fsdp2.from_pretrained (presharded.py), has FSDP<Name> classes, so that lookup fails. It is
-    already grouped: the lookup is skipped for it, and its groups are checked against the plugin's
+    already grouped (`presharded`): the lookup is skipped for it, and its groups are checked against the plugin's
     settings instead (`shard_model` for transformers', `presharded.keep_presharded` for ours)."""
-    if model is None or not (sharded_by_transformers(model) or is_sharded(model)):
+    if not presharded:
         return contextlib.nullcontext()
     return upstream.scoped("accelerate.utils.dataclasses.FullyShardedDataParallelPlugin.set_auto_wrap_policy",
                            lambda original: lambda plugin, model: None)
@@ -518,7 +560,7 @@ def prepare_for_inference(accelerator, model: nn.Module) -> nn.Module:
     model): sharded like the trained one (per-layer groups, the config's precision and layout), frozen
     (no gradients, no optimizer state), and every group resharded after its forward (no backward
     follows, so nothing is kept gathered between steps). Collective: call on every rank."""
-    if not is_sharded(model):
+    if not is_sharded(model):  # an entry of its own (TRL's models, evaluation_mode): looked up here
         model.requires_grad_(False)
         _fsdp2_prepare_model(accelerator, model)
         model.set_reshard_after_forward(True)
@@ -535,18 +577,24 @@ def _prepare_model(self, model, device_placement=None, evaluation_mode=False):
 
 
 def _fsdp2_prepare_model(accelerator, model: nn.Module) -> nn.Module:
-    """Replaces `accelerate.utils.fsdp_utils.fsdp2_prepare_model`: shard with hf_fsdp2."""
-    if is_sharded(model):  # sharded before prepare (hf_fsdp2.from_pretrained: checked in _prepare_fsdp2)
+    """Replaces `accelerate.utils.fsdp_utils.fsdp2_prepare_model`: shard with hf_fsdp2. The model as
+    `_prepare_fsdp2` looked it up (Accelerate hands on the model alone), else looked up here."""
+    state = _PREPARING.get()
+    if state is None or state.parts.model is not model:
+        state = _Prepared.of(model)
+    if state.ours:  # sharded before prepare (hf_fsdp2.from_pretrained: checked in _prepare_fsdp2)
         return model
     config = config_from_accelerator(accelerator)
     ignored = accelerator.state.fsdp_plugin.ignored_modules
     if ignored is not None and not isinstance(ignored, str):
         config = config.replace(ignored_modules=_module_names_pattern(model, ignored))
-    if sharded_by_transformers(model):  # from_pretrained(distributed_config=...) sharded it at load:
+    if state.by_transformers:  # from_pretrained(distributed_config=...) sharded it at load:
         return shard_model(model, config)  # kept as it is, on its own mesh (sharding/adopt.py)
+    record = state.record
+    directory = record.deferred_checkpoint  # built on meta everywhere by transformers' from_pretrained
     given_values = None
-    if deferred_load.deferred_checkpoint(model) is not None:  # built on meta by transformers' from_pretrained:
-        given_values = deferred_load.keep_changes(model)  # what was changed since, kept for the fill or refused
+    if directory is not None:  # what was changed since, kept for the fill or refused
+        given_values = deferred_load.keep_changes(state.parts, record)
     if accelerator.mixed_precision != "no":
         # Mixed precision keeps fp32 master weights for what trains (as Accelerate does);
         # frozen weights stay as they are, or in `frozen_dtype`.
@@ -562,18 +610,17 @@ def _fsdp2_prepare_model(accelerator, model: nn.Module) -> nn.Module:
     # too: `maybe_context_parallel` splits sequences over its "cp" dimension, FSDP2 shards over
     # "dp_shard_cp" (sharding/context_parallel.py). That mesh is given, so the auto layout keeps its shape.
     given = accelerator.torch_device_mesh if config.tp_size > 1 or cp_size > 1 else None
-    directory = deferred_load.deferred_checkpoint(model)
     if directory is not None:  # built on meta everywhere: each rank reads its rows
         fill = loading.Deferred(directory, given_values)
     else:  # fsdp_cpu_ram_efficient_loading: rank 0's weights; else the model's own
         fill = loading.FromRank0() if from_rank0 else loading.INITIALISE
-    layout = loading.plan_for(model, config, fill, mesh=given)
+    layout = loading.plan_for(state.parts, config, fill, mesh=given, record=record)
     if cp_size > 1 and getattr(accelerator, "_cp_context", None) is not None:
         upstream.wrap_instance_method(accelerator, "_cp_context", "accelerate.accelerator.Accelerator._prepare_cp",
                                       lambda original: context_parallel.checked_context(original, cp_size))
     model = loading.shard_and_fill(model, layout, fill)
     if directory is not None:
-        deferred_load.filled(model)  # loads and forwards from now on are torch's own
+        deferred_load.filled(record)  # loads and forwards from now on are torch's own
     return model
 
 

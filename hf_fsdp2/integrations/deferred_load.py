@@ -38,8 +38,8 @@ from ..checkpoint.errors import CheckpointError
 from ..checkpoint.pretrained import build_on_meta, check_pretrained
 from ..config import parse_dtype
 from ..runtime import collectives, upstream
-from ..sharding import record_of
-from ..sharding.model_parts import model_parts
+from ..sharding import ShardedModel, record_of
+from ..sharding.model_parts import ModelParts, model_parts
 
 SEAM = "transformers.modeling_utils.PreTrainedModel.from_pretrained"
 _RESIZE_SEAM = "transformers.modeling_utils.PreTrainedModel.resize_token_embeddings"
@@ -171,7 +171,7 @@ def _note_loaded_versions(loaded: list, module: nn.Module, incompatible_keys) ->
 _PEFT_WRAPPING = re.compile(r"(\.(base_layer|original_module|modules_to_save\.[^.]+))+\.")
 
 
-def keep_changes(model: nn.Module) -> dict[str, torch.Tensor]:
+def keep_changes(model: nn.Module | ModelParts, record: ShardedModel | None = None) -> dict[str, torch.Tensor]:
     """At prepare, before the sharding (Accelerate's prepare, and TRL's reference models through it): what was
     changed since the load survives it or is refused by name. Returns the values given to it, by the names its
     tensors have now (for the fill, checkpoint/loading.py's `Deferred.values`, written over the directory's rows):
@@ -181,8 +181,10 @@ def keep_changes(model: nn.Module) -> dict[str, torch.Tensor]:
     (PEFT deep-copies the layer: one process's copy holds the loaded values). A tensor still on meta whose version
     counter moved since its values were last known (an in-place edit: `weight.zero_()`, an `nn.init` call, a
     module's `reset_parameters`) lost that change on meta: refused by name. (A change in place through `.data` has
-    a version counter of its own: torch cannot tell it from no change.)"""
-    record = record_of(model)
+    a version counter of its own: torch cannot tell it from no change.) `model`: a model, or the parts Accelerate's
+    prepare made, with `record` its record."""
+    parts = model if isinstance(model, ModelParts) else model_parts(model)
+    record = record if record is not None else record_of(parts)
     changed = sorted({name for name, tensor, version in record.deferred_versions.values()
                       if tensor.is_meta and tensor._version != version})
     if changed:
@@ -193,7 +195,8 @@ def keep_changes(model: nn.Module) -> dict[str, torch.Tensor]:
             "Make the change after prepare, give the values with model.load_state_dict(...) (kept for prepare), or "
             "load the model without ram-efficient loading.")
     values, copied_from = {}, {}
-    for name, tensor in _state_tensors(model_parts(model).base).items():
+    state = _state_tensors(parts.base)
+    for name, tensor in state.items():
         kept = record.deferred_loaded.get(id(tensor))
         if isinstance(tensor, nn.Parameter) and not tensor.is_meta:  # the sharding replaces it: this reference
             values[name] = tensor.detach()  # keeps its values until the fill
@@ -201,17 +204,18 @@ def keep_changes(model: nn.Module) -> dict[str, torch.Tensor]:
             values[name] = kept[1]
             if kept[2] == _PEFT_WRAPPING.sub(".", kept[2]):  # loaded before PEFT wrapped its layer
                 copied_from[_PEFT_WRAPPING.sub(".", name)] = kept[1]
-    for name in _state_tensors(model_parts(model).base):
+    for name in state:
         if name not in values and ".modules_to_save." in name and _PEFT_WRAPPING.sub(".", name) in copied_from:
             values[name] = copied_from[_PEFT_WRAPPING.sub(".", name)]
     record.deferred_loaded, record.deferred_versions = {}, {}
     return values
 
 
-def filled(model: nn.Module) -> None:
+def filled(model: nn.Module | ShardedModel) -> None:
     """The deferred checkpoint was read into the prepared model (checkpoint/loading.py's `Deferred` fill): loads and
-    forwards from now on are torch's own."""
-    record_of(model).deferred_checkpoint = None
+    forwards from now on are torch's own. `model`: the model, or its record (Accelerate's prepare holds it)."""
+    record: ShardedModel = model if isinstance(model, ShardedModel) else record_of(model)
+    record.deferred_checkpoint = None
 
 
 def _try_meta(model_class, path, args: tuple, kwargs: dict) -> tuple[nn.Module | None, str]:

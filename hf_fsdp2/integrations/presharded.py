@@ -18,7 +18,7 @@ import torch.nn as nn
 
 from ..config import FSDP2Config
 from ..runtime import collectives
-from ..sharding import engine, record_of, replication
+from ..sharding import ShardedModel, engine, record_of, replication
 
 # Inputs of the layout planner (shard_size="auto"), spent once the layout is chosen.
 _PLANNING = ("memory_budget", "plan_batch_size", "plan_seq_len")
@@ -50,17 +50,19 @@ def differing_settings(have: FSDP2Config, wanted: FSDP2Config, *, on_reducer: bo
 
 
 @contextlib.contextmanager
-def prepared_as_it_is(model: nn.Module, wanted: FSDP2Config, plugin) -> Iterator[None]:
+def prepared_as_it_is(model: nn.Module, wanted: FSDP2Config, plugin,
+                      record: ShardedModel | None = None) -> Iterator[None]:
     """Around Accelerate's `_prepare_fsdp2` for a model hf_fsdp2 sharded before: its settings checked against
     `wanted` (what config_from_accelerator derives) and the plugin's activation checkpointing, which
     Accelerate applies itself before sharding (`fsdp2_apply_ac`) and which a sharded model has or lacks
-    already: it is compared with the model's `activation_checkpointing` and switched off for the call."""
+    already: it is compared with the model's `activation_checkpointing` and switched off for the call. `record`:
+    the model's, as prepare looked it up."""
     ac = bool(plugin.activation_checkpointing)
     if getattr(plugin, "activation_checkpointing_offload", False):
         raise ValueError("prepare: `fsdp_activation_checkpointing_offload` cannot apply to a model sharded before "
                          "prepare (hf_fsdp2.from_pretrained); use FSDP2Config(activation_offload=True) when loading it, "
                          "or let prepare shard the model.")
-    keep_presharded(model, wanted.replace(activation_checkpointing=ac))
+    keep_presharded(model, wanted.replace(activation_checkpointing=ac), record)
     plugin.activation_checkpointing = False
     try:
         yield
@@ -68,10 +70,11 @@ def prepared_as_it_is(model: nn.Module, wanted: FSDP2Config, plugin) -> Iterator
         plugin.activation_checkpointing = ac
 
 
-def keep_presharded(model: nn.Module, wanted: FSDP2Config) -> nn.Module:
+def keep_presharded(model: nn.Module, wanted: FSDP2Config, record: ShardedModel | None = None) -> nn.Module:
     """`model` as it is, once Accelerate's settings agree with its own (else a ValueError naming each), its
-    mesh first (the engine checks the dimensions Accelerate's settings ask of it)."""
-    record = record_of(model)
+    mesh first (the engine checks the dimensions Accelerate's settings ask of it). `record`: the model's (None:
+    looked up here)."""
+    record = record if record is not None else record_of(model)
     have = record.config
     engine.refuse_another_mesh(record, wanted)
     differing = differing_settings(have, wanted, on_reducer=replication.is_replicated(model))

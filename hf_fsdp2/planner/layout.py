@@ -45,6 +45,7 @@ import torch
 import torch.nn as nn
 
 from ..config import FSDP2Config
+from ..sharding.model_parts import ModelParts
 from .memory import (ActivationChoice, MemoryEstimate, MetaTrainingModel, ParallelChoice, activation_choices,
                      kept_parallel_sizes, parallel_choice, parallel_choices, parallel_sizes, parallel_sizes_words,
                      prepare_meta_model)
@@ -311,7 +312,7 @@ def _shard_sizes(dp: int, multiple: int, mesh_shape: tuple[int, int] | None) -> 
     return [s for s in divisors(dp) if s % multiple == 0]
 
 
-def resolve_auto_layout(model: nn.Module, config: FSDP2Config, *,
+def resolve_auto_layout(model: nn.Module | ModelParts, config: FSDP2Config, *,
                         mesh_shape: tuple[int, int] | None = None) -> tuple[FSDP2Config, LayoutPlan | None]:
     """`config` with `shard_size="auto"` resolved for `model` on this process group (else unchanged), and the plan
     that chose it (None when there was nothing to resolve).
@@ -319,11 +320,13 @@ def resolve_auto_layout(model: nn.Module, config: FSDP2Config, *,
     Every rank computes the same plan from the same model; a default budget is agreed on (the
     smallest over ranks) first. The run's `tp_size` and `cp_size` are kept; `mesh_shape` (replicate,
     shard): the data-parallel shape of a mesh already built (Accelerate's, with TP or CP), kept too. The decision is
-    logged on rank 0; hf_fsdp2/shard.py keeps the plan in the model's record (`record_of(model).layout`).
+    logged on rank 0; hf_fsdp2/shard.py keeps the plan in the model's record (its `layout`). `model`: a model, or
+    the parts an entry made (the meta copy is of both).
     Collective when the budget is the default: call on every rank.
     """
     if not config.is_auto_layout:
         return config, None
+    module = model.model if isinstance(model, ModelParts) else model
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
     from ..runtime import collectives, host_allocator
@@ -344,9 +347,9 @@ def resolve_auto_layout(model: nn.Module, config: FSDP2Config, *,
     plan = plan_layout(prepared, world, config, budget_bytes=budget, budget_source=source, device_type=device,
                        host_budget_bytes=host_budget, batch_size=config.plan_batch_size,
                        seq_len=plan_seq_len(prepared.base, config),
-                       checkpointing_fixed=any(isinstance(m, CheckpointWrapper) for m in model.modules()),
+                       checkpointing_fixed=any(isinstance(m, CheckpointWrapper) for m in module.modules()),
                        **kept_parallel_sizes(config), mesh_shape=mesh_shape)
-    if plan.returns_freed_memory and not host_allocator.return_freed_blocks(model) and collectives.rank() == 0:
+    if plan.returns_freed_memory and not host_allocator.return_freed_blocks(module) and collectives.rank() == 0:
         logger.warning("hf_fsdp2: the C library is not glibc; its freed memory may keep RSS over the budget.")
     if collectives.rank() == 0:
         logger.warning(plan.summary())

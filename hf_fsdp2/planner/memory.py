@@ -95,7 +95,7 @@ from ..sharding.groups import ShardPlan, apply_frozen_dtype, plan_groups, replic
 from ..sharding.model_parts import ModelParts, model_parts
 from ..sharding.tensor_parallel import narrow_for_trace, tp_local_shapes
 from .memory_report import ActivationMemory, GroupMemory, MemoryEstimate
-from .meta_model import DEFAULT_LORA_TARGETS, add_lora, build_meta_model, meta_copy
+from .meta_model import DEFAULT_LORA_TARGETS, add_lora, build_meta_model, meta_copy, meta_parts
 
 ADAM_STATES = ("exp_avg", "exp_avg_sq")
 STEP_BYTES = 4  # AdamW's `step`: a 0-dim fp32 tensor per trainable parameter
@@ -290,8 +290,13 @@ def prepare_meta_model(model_or_config: Any, config: FSDP2Config, *, dtype: torc
 
 def _prepare(model_or_config: Any, config: FSDP2Config, dtype: torch.dtype | str | None, lora_r: int | None,
              lora_targets: Sequence[str], quantization: quantized.MetaQuantization | None) -> MetaTrainingModel:
-    model = build_meta_model(model_or_config, dtype=dtype)
-    parts = model_parts(model)  # the planner's meta model comes in here: PEFT unwrapped once
+    if isinstance(model_or_config, ModelParts):  # an entry's parts (hf_fsdp2/shard.py's plan): copied as they are
+        parts = meta_parts(model_or_config, dtype=dtype)
+        model = parts.model
+    else:
+        model = build_meta_model(model_or_config, dtype=dtype)
+        # built from a config: a transformers model, no PEFT around it; a caller's own module comes in here
+        parts = model_parts(model) if isinstance(model_or_config, nn.Module) else ModelParts(model, model)
     quantized_from = None
     if quantization is not None:  # as hf_fsdp2.from_pretrained(..., quantization_config=...) builds it
         quantized_from = next(p.dtype for p in model.parameters() if p.is_floating_point())

@@ -13,6 +13,7 @@ import torch.nn as nn
 
 from ..config import parse_dtype
 from ..runtime import user_files
+from ..sharding.model_parts import ModelParts
 
 
 DEFAULT_LORA_TARGETS = ("q_proj", "v_proj")
@@ -82,16 +83,40 @@ def meta_copy(module: nn.Module) -> nn.Module:
     `trl/trainer/utils.py`) closes over the original module's bound forward, which the copy would call with
     meta tensors: the copy runs its class's own forward instead (for the labels-and-loss call the planner
     traces, TRL's wrapper calls exactly that)."""
+    return _meta_copied(module, module)
+
+
+def meta_parts(parts: ModelParts, *, dtype: torch.dtype | str | None = None) -> ModelParts:
+    """`build_meta_model` for the parts an entry made (hf_fsdp2/shard.py's plan): the model and the transformers
+    model under it copied to meta in one copy, so the copy's parts are the copies of the parts (nothing is
+    unwrapped again)."""
+    dtype = parse_dtype(dtype, "dtype")
+    _refuse_sharded(parts.model)
+    copied = _meta_copied(parts.model, parts)
+    if dtype is not None:
+        copied.model.to(dtype)
+    return copied
+
+
+def _meta_copied(module: nn.Module, what):
+    """`what` (the module, or an object holding it) deep-copied with `module`'s tensors on meta."""
     memo: dict[int, Any] = {}
     for p in module.parameters():
         memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
     for b in module.buffers():
         memo[id(b)] = torch.empty_like(b, device="meta")
-    copied = copy.deepcopy(module, memo)
-    for m in copied.modules():
+    copied = copy.deepcopy(what, memo)
+    for m in (copied if isinstance(copied, nn.Module) else copied.model).modules():
         if "forward" in vars(m):
             del m.forward
     return copied
+
+
+def _refuse_sharded(module: nn.Module) -> None:
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(module, FSDPModule) or any(isinstance(m, FSDPModule) for m in module.modules()):
+        raise ValueError("`model` is already sharded; estimate from its config or the unsharded model.")
 
 
 def build_meta_model(source: Any, *, dtype: torch.dtype | str | None = None) -> nn.Module:
@@ -103,10 +128,7 @@ def build_meta_model(source: Any, *, dtype: torch.dtype | str | None = None) -> 
     """
     dtype = parse_dtype(dtype, "dtype")
     if isinstance(source, nn.Module):
-        from torch.distributed.fsdp import FSDPModule
-
-        if isinstance(source, FSDPModule) or any(isinstance(m, FSDPModule) for m in source.modules()):
-            raise ValueError("`model` is already sharded; estimate from its config or the unsharded model.")
+        _refuse_sharded(source)
         model = meta_copy(source)
         if dtype is not None:
             model.to(dtype)

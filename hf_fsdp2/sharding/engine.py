@@ -47,13 +47,13 @@ def weights_replaced(model: nn.Module) -> None:
     fp8.precompute_scales(model)
 
 
-def apply_fp8(model: nn.Module, plan: ShardPlan) -> fp8.Fp8Conversion:
+def apply_fp8(model: nn.Module, plan: ShardPlan, record: ShardedModel) -> fp8.Fp8Conversion:
     """The decoder layers' linears to torchao Float8Linear with FP8 all-gather; what was kept and why
-    is logged on rank 0 and kept in the model's record (`record_of(model).fp8`)."""
+    is logged on rank 0 and kept in the model's record (`record.fp8`)."""
     conversion = fp8.convert(model, plan.layers)
     if collectives.rank() == 0:
         logging.getLogger("hf_fsdp2").warning(conversion.summary())
-    record_of(model, create=True).fp8 = conversion
+    record.fp8 = conversion
     return conversion
 
 
@@ -248,24 +248,33 @@ def _is_meta(model: nn.Module) -> bool:
     return any(t.is_meta for t in model.parameters()) or any(t.is_meta for t in model.buffers())
 
 
-def adopt_if_sharded_at_load(model: nn.Module, config: FSDP2Config, mesh: DeviceMesh | None) -> bool:
+def adopt_if_sharded_at_load(parts: ModelParts, record: ShardedModel, config: FSDP2Config,
+                             mesh: DeviceMesh | None) -> bool:
     """Take a model transformers sharded at load (`from_pretrained(distributed_config=...)`) as it is
-    (sharding/adopt.py); False for any other model."""
-    if not (adopt.sharded_by_transformers(model) and record_of(model) is None):
+    (sharding/adopt.py); False for any other model. `record`: the model's, made by the entry (no mesh
+    unless hf_fsdp2 took the model already)."""
+    if not (adopt.sharded_by_transformers(parts.model) and record.mesh is None):
         return False
-    _adopt(model, config, mesh)
+    _adopt(parts, record, config, mesh)
     return True
 
 
-def prepare_for_planning(model: nn.Module, *, to_device: bool = True) -> None:
+def prepare_for_planning(model: nn.Module | ModelParts, *, to_device: bool = True,
+                         record: ShardedModel | None = None) -> None:
     """What comes before the layout is planned: refusals, the model on the run's device (`to_device=False`:
     where it is, e.g. rank 0's weights that are broadcast from there), and quantized base weights in a row
     layout FSDP2 can shard (before the frozen-dtype cast, which would reinterpret packed bytes stored as
-    floats, and before the planner costs them). Idempotent."""
-    refuse_parameters_added_after(model)  # before the check below, which a PeftModel around a sharded model passes
+    floats, and before the planner costs them). `record`: the one the entry looked up for these parts.
+    Idempotent."""
+    parts = model if isinstance(model, ModelParts) else model_parts(model)  # an entry hands its parts
+    model = parts.model
+    record = record if record is not None else record_of(parts)
+    # before the check below, which a PeftModel around a sharded model passes
+    refuse_parameters_added_after(record, (name for name, _ in parts.base.named_parameters()),
+                                  type(parts.base).__name__)
     if isinstance(model, FSDPModule) or replication.is_replicated(model):
         raise ValueError(f"{type(model).__name__} is already sharded; call `shard_model` once per model.")
-    adopt.refuse_adapters_added_after(model_parts(model))
+    adopt.refuse_adapters_added_after(parts)
     quantized.refuse_unsupported(model)
     device = default_device()
     refuse_accelerator_model_on_host_backend({p.device.type for p in model.parameters()}, device)
@@ -280,6 +289,7 @@ def shard_planned(
     *,
     mesh: DeviceMesh | None = None,
     init_weights: bool = True,
+    record: ShardedModel | None = None,
 ) -> nn.Module:
     """Shard a model `prepare_for_planning` prepared, with a layout already chosen (`config` has no
     `shard_size="auto"`: the planner resolved it; hf_fsdp2/shard.py joins the two), in place; returns it.
@@ -287,15 +297,17 @@ def shard_planned(
     Order: frozen dtype, activation checkpointing, regional compilation, then `fully_shard` per decoder
     layer (frozen base weights and LoRA adapters in one group), embedding group, [final norm, lm_head]
     group, root. A model on the meta device is sharded first and then only local shards are allocated
-    and initialised by the model's own init (`init_weights=False` leaves them for a loader).
+    and initialised by the model's own init (`init_weights=False` leaves them for a loader). `model`: the parts
+    an entry made, with `record` the record it looked up (created), or a bare model, looked up here.
 
     Collective: call on every rank.
     """
     if config.is_auto_layout:
         raise ValueError("`shard_size`='auto' must be planned first: call hf_fsdp2.shard_model.")
-    parts = model_parts(model)  # PEFT unwrapped once: what follows receives the parts it needs
+    parts = model if isinstance(model, ModelParts) else model_parts(model)  # PEFT unwrapped once, by the entry
     model = parts.model
-    record = record_of(parts, create=True)  # looked up once: what follows keeps its state in it
+    if record is None:  # looked up once: what follows keeps its state in it
+        record = record_of(parts, create=True)
     on_meta = _is_meta(model)
     device = default_device()
     mesh = mesh if mesh is not None else build_mesh(config)
@@ -314,7 +326,7 @@ def shard_planned(
         expert_parallel.refuse_unsupported(model, config, mesh)
         plan.experts, plan.experts_mesh = expert_parallel.apply_expert_parallel(parts, config, mesh)
     if config.fp8:
-        apply_fp8(model, plan)
+        apply_fp8(model, plan, record)
     apply_frozen_dtype(model, config.frozen_dtype)
     if config.activation_checkpointing and config.compile != "model":  # compile="model": a graph pass
         plan.layers = apply_activation_checkpointing(model, plan.layers, config.checkpoint_every,
@@ -339,7 +351,7 @@ def shard_planned(
         context_parallel.enable_cpu_ring_attention()  # the training loop enters torch's context_parallel
         context_parallel.require_context_parallel(parts, mesh[CP_DIM].size())
     record.config, record.mesh, record.sharded_object = config, mesh, id(model)
-    note_parameters(record, parts)
+    note_parameters(record, (name for name, _ in parts.base.named_parameters()))
     wrap_generate(model, record)  # each group gathered once per generate() call
     host_allocator.trim_if_returning()  # a CPU budget's plan: the unsharded weights' freed pages go back now
     return model
@@ -382,15 +394,15 @@ def refuse_another_mesh(record: ShardedModel, wanted: FSDP2Config) -> None:
     context_parallel.refuse_another_mesh(record.mesh, wanted.cp_size)
 
 
-def _adopt(model: nn.Module, config: FSDP2Config, mesh: DeviceMesh | None) -> nn.Module:
+def _adopt(parts: ModelParts, record: ShardedModel, config: FSDP2Config, mesh: DeviceMesh | None) -> nn.Module:
     """Take a model transformers sharded at load as it is (sharding/adopt.py)."""
+    model = parts.model
     config, model_mesh = adopt.adopted_config(model, config)
     if mesh is not None and mesh != model_mesh:
         raise ValueError(f"`mesh` {mesh} is not the mesh transformers sharded {type(model).__name__} on "
                          f"({model_mesh}); leave `mesh` out.")
-    record = record_of(model, create=True)
     record.config, record.mesh, record.sharded_object = config, model_mesh, id(model)
-    note_parameters(record, model)
+    note_parameters(record, (name for name, _ in parts.base.named_parameters()))
     wrap_generate(model, record)
     if config.ep_size > 1:  # its experts' gradients on their own mesh, as ours (sharding/grad_clip.py)
         grad_clip.refuse_in_torch()

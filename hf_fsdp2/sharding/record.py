@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Iterable, Protocol
 
 import torch
 import torch.nn as nn
@@ -92,8 +92,9 @@ class ShardedModel:
 
 def record_of(model: nn.Module | ModelParts, create: bool = False) -> ShardedModel | None:
     """The model's record (None if it has none and not `create`). It lives on the transformers model: a
-    `PeftModel` and the model it wraps share one record, whichever of the two is passed."""
-    holder = model_parts(model).base
+    `PeftModel` and the model it wraps share one record, whichever of the two is passed. An entry passes the
+    parts it made (nothing unwrapped again) and hands the record on."""
+    holder = (model if isinstance(model, ModelParts) else model_parts(model)).base
     record = holder.__dict__.get(_ATTRIBUTE)
     if record is None and create:
         record = ShardedModel()
@@ -101,11 +102,17 @@ def record_of(model: nn.Module | ModelParts, create: bool = False) -> ShardedMod
     return record
 
 
-def is_sharded(model: nn.Module) -> bool:
-    """Sharded by hf_fsdp2 (`shard_model` finished)."""
-    record = record_of(model)
-    return record is not None and record.mesh is not None and (
-        id(model) == record.sharded_object or not model_parts(model).has_peft)
+def is_sharded(model: nn.Module | ModelParts, record: ShardedModel | None = None) -> bool:
+    """Sharded by hf_fsdp2 (`shard_model` finished); `record`: the one an entry looked up for these parts."""
+    parts = model if isinstance(model, ModelParts) else model_parts(model)
+    return sharded(record if record is not None else record_of(parts), id(parts.model), parts.has_peft)
+
+
+def sharded(record: ShardedModel | None, model_id: int, has_peft: bool) -> bool:
+    """`is_sharded` where an entry holds the record and the parts (`id(parts.model)`, `parts.has_peft`): nothing
+    looked up again. A PeftModel wrapped around the model after it was sharded is not (its adapters are in no
+    group), though it finds the same record."""
+    return record is not None and record.mesh is not None and (model_id == record.sharded_object or not has_peft)
 
 
 # What PEFT puts in the name of a parameter it moves under its wrapper (the same tensor, still in its group).
@@ -118,26 +125,26 @@ def _unrenamed(name: str) -> str:
     return name
 
 
-def note_parameters(record: ShardedModel, model: nn.Module | ModelParts) -> None:
-    """The names of the parameters the model had when it was sharded (those in its groups). By name, not
-    identity: FSDP2 registers other tensor objects while a group is gathered."""
-    record.parameter_names = frozenset(_unrenamed(name) for name, _ in model_parts(model).base.named_parameters())
+def note_parameters(record: ShardedModel, names: Iterable[str]) -> None:
+    """The names of the parameters the model had when it was sharded (those in its groups; the engine hands the
+    transformers model's). By name, not identity: FSDP2 registers other tensor objects while a group is
+    gathered."""
+    record.parameter_names = frozenset(_unrenamed(name) for name in names)
 
 
-def refuse_parameters_added_after(model: nn.Module | ModelParts) -> None:
+def refuse_parameters_added_after(record: ShardedModel | None, names: Iterable[str], model_name: str) -> None:
     """Parameters that appeared in a model after hf_fsdp2 sharded it (PEFT applied to what
     `hf_fsdp2.from_pretrained` returned: `get_peft_model`, transformers' `add_adapter`) are in none of its groups:
     plain tensors, so each rank would train its own copy, unsynchronised (Accelerate's prepare passed such a model
     through as it was), and LoRA on split experts would fold every expert into each rank's rows. Refused where
-    it would be sharded or prepared (`shard_model`, Accelerate's prepare)."""
-    parts = model_parts(model)
-    record = record_of(parts)
+    it would be sharded or prepared (`shard_model`, Accelerate's prepare). `record`: the model's (None: none);
+    `names`: the transformers model's parameter names now; `model_name`: its class's name."""
     if record is None or record.parameter_names is None:
         return
-    added = [name for name, _ in parts.base.named_parameters() if _unrenamed(name) not in record.parameter_names]
+    added = [name for name in names if _unrenamed(name) not in record.parameter_names]
     if not added:
         return
-    name = type(parts.base).__name__.removeprefix("FSDP")
+    name = model_name.removeprefix("FSDP")
     raise NotImplementedError(
         f"{len(added)} parameters appeared in the {name} after hf_fsdp2 sharded it ({', '.join(added[:3])}"
         f"{', ...' if len(added) > 3 else ''}): they are in none of its groups (each rank would train its own copy, "
