@@ -570,8 +570,8 @@ def _run_plan(args: argparse.Namespace) -> int:
     import json
 
     from .config import parse_bytes
-    from .planner.layout import expert_parallel_options, parallel_sizes, plan_layout
-    from .planner.memory import prepare_meta_model
+    from .planner.layout import parallel_sizes, plan_layout
+    from .planner.memory import expert_parallel_options, prepare_meta_model
 
     try:
         budget = parse_bytes(args.memory, "--memory")

@@ -14,6 +14,12 @@ from typing import Any, Literal, Mapping
 import torch
 
 SP_DIM = "sp"  # the mesh dimension of Ulysses sequence parallelism (Accelerate's name)
+TP_DIM = "tp"  # the mesh dimension of tensor parallelism: its ranks hold the same batch (model_split_dims)
+MODEL_SPLIT_DIMS = (TP_DIM,)  # mesh dimensions whose ranks hold the same batch and split the model
+EP_DIM = "ep"  # the expert mesh's dimension of expert parallelism (sharding/expert_parallel.py builds that mesh)
+# The setting each mesh dimension's size is, by the names transformers' DistributedConfig gives its dimensions (a dense
+# mesh, and an expert one with "ep"): sharding/adopt.py reads them back from a model transformers sharded at load
+TRANSFORMERS_DIM_SETTINGS = {"dp_replicate": "replicate_size", TP_DIM: "tp_size", EP_DIM: "ep_size"}
 CP_DIM = "cp"  # the mesh dimension of context parallelism: Accelerate's parallelism_config builds it; hf_fsdp2 only
 # with sp_size (ring attention across cp, Ulysses within: sequence_split_dims)
 
@@ -184,6 +190,19 @@ SHARDING_FIELDS = ("wrap_policy", "min_num_params", "ignored_modules", "param_dt
                    "reshard_after_forward", "forward_prefetch", "backward_prefetch", "activation_checkpointing",
                    "checkpoint_every", "activation_offload", "cpu_offload", "frozen_dtype", "fp8", "compile",
                    "memory_budget")
+
+# Accelerate's settings that stand for settings here (integrations/accelerate_settings.py maps them, for prepare and
+# check-config alike): its ParallelismConfig sizes of the same names, each with whether its ranks are part of every
+# FSDP2 shard group (Accelerate's dp_shard_size leaves them out: FSDP2 shards over dp_shard x cp), and what each
+# `mixed_precision` value sets (gradients are reduced in fp32 whatever it is, where Accelerate would reduce in bf16;
+# fp8: the layers' linears in FP8 through torchao, the rest in bf16).
+ACCELERATE_PARALLEL_SIZES = {"tp_size": False, "cp_size": True}
+ACCELERATE_PRECISIONS = {"bf16": {"param_dtype": "bf16"}, "fp16": {"param_dtype": "fp16"},
+                         "fp8": {"param_dtype": "bf16", "fp8": True}}
+
+# Settings Accelerate has none of its own for (HF_FSDP2_* variables or register() set them): left unset there, they
+# agree with whatever a model sharded before prepare has (integrations/presharded.py)
+UNSET_AGREES_AT_PREPARE = ("ep_size",)
 
 # What a technique is not done with yet, refused by name where it is applied (`FSDP2Config.not_done_with`, from
 # sharding/tensor_parallel.py, expert_parallel.py; replication.py keeps FSDP2 for them instead of DDP's reducer): its
@@ -489,6 +508,12 @@ class FSDP2Config:
         done with yet, each as a refusal names it, in the table's order (empty when none)."""
         return [words for name, words in _NOT_DONE_WITH[field] if getattr(self, name)]
 
+    def forward_exchanges(self) -> str | None:
+        """What makes every forward exchange data with ranks that hold other batches, as a refusal names it (None
+        when nothing does): expert parallelism's token exchange in each MoE layer (sharding/expert_parallel.py), so
+        every rank must run as many forwards as the slowest (generate()'s `synced_gpus`, sharding/generation.py)."""
+        return f"expert parallelism (`ep_size`={self.ep_size})" if self.ep_size > 1 else None
+
     def mesh_shape(self, world_size: int) -> tuple[int, int]:
         """(replicate, shard) for `world_size` ranks (the data-parallel ones: world_size / tp_size);
         raises if the shape does not fit."""
@@ -537,6 +562,12 @@ class FSDP2Config:
         """Refuses by name the mesh dimensions this config asks for that hf_fsdp2.build_mesh does not build."""
         if self.cp_size > 1 and self.sp_size == 1:
             raise ValueError(no_cp_mesh(self.cp_size))
+
+    def model_split_dims(self) -> tuple[tuple[str, int], ...]:
+        """Mesh dimensions after the data-parallel ones whose ranks hold the same batch and split the model
+        (build_mesh puts them last, neighbouring ranks; FSDP2 shards over none: data_parallel_mesh): ("tp", tp_size)
+        with tensor parallelism."""
+        return ((TP_DIM, self.tp_size),) if self.tp_size > 1 else ()
 
     def sequence_split_dims(self) -> tuple[tuple[str, int], ...]:
         """Mesh dimensions the shard ranks split into after "dp_shard", ranks that hold slices of the same sequences

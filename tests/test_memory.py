@@ -607,8 +607,8 @@ def test_the_table_and_json_say_the_model_parallel_sizes():
     assert (tp.tp_size, tp.cp_size, cp.tp_size, cp.cp_size) == (2, 1, 1, 2)
     for e in (plain, tp, cp):
         data = json.loads(e.to_json())
-        assert (data["tp_size"], data["cp_size"]) == (e.tp_size, e.cp_size)
-        assert not {"model_parallel", "shard_of", "activation_split", "mesh_parts"} & data.keys()
+        assert (data["tp_size"], data["cp_size"], data["ep_size"]) == (e.tp_size, e.cp_size, e.ep_size) == (e.tp_size, e.cp_size, 1)
+        assert not {"model_parallel", "shard_of", "activation_split", "mesh_parts", "exchange_words"} & data.keys()
     table = tp.format_table()
     assert "4 ranks, tensor parallel over 2;" in table and "parameters, sharded 1/2 of the 1/2 TP block" in table
     assert "batch 2 x seq 64, the heads and MLP features 1/2," in table

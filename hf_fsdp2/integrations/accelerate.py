@@ -27,7 +27,7 @@ from typing import Any, Iterator
 import torch
 import torch.nn as nn
 
-from ..config import FSDP2Config
+from ..config import ACCELERATE_PARALLEL_SIZES, FSDP2Config
 from ..checkpoint import loading
 from . import accelerator_checkpoint, deferred_load, fsdp1_configs, presharded
 from . import trl as trl_backend
@@ -219,8 +219,7 @@ def config_from_accelerator(accelerator) -> FSDP2Config:
         mixed_precision=str(accelerator.mixed_precision),
         replicate_size=getattr(pc, "dp_replicate_size", 1) if pc is not None else 1,
         shard_size=getattr(pc, "dp_shard_size", 1) if pc is not None else 1,
-        tp_size=getattr(pc, "tp_size", 1) if pc is not None else 1,
-        cp_size=getattr(pc, "cp_size", 1) if pc is not None else 1))
+        parallel_sizes={name: getattr(pc, name, 1) for name in ACCELERATE_PARALLEL_SIZES} if pc is not None else {}))
     policy = getattr(plugin, _USER_POLICY, None)
     if policy is not None:
         values.update(_policy_dtypes(policy))
@@ -609,7 +608,8 @@ def _fsdp2_prepare_model(accelerator, model: nn.Module) -> nn.Module:
     # at load (`device_mesh=accelerator.torch_device_mesh`) is on its "tp" dimension already. With CP,
     # too: `maybe_context_parallel` splits sequences over its "cp" dimension, FSDP2 shards over
     # "dp_shard_cp" (sharding/context_parallel.py). That mesh is given, so the auto layout keeps its shape.
-    given = accelerator.torch_device_mesh if config.tp_size > 1 or cp_size > 1 else None
+    given = accelerator.torch_device_mesh if any(getattr(config, name) > 1 for name in ACCELERATE_PARALLEL_SIZES) \
+        else None
     if directory is not None:  # built on meta everywhere: each rank reads its rows
         fill = loading.Deferred(directory, given_values)
     else:  # fsdp_cpu_ram_efficient_loading: rank 0's weights; else the model's own

@@ -9,16 +9,13 @@ run cannot disagree.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
-from typing import Any
+from typing import Any, Mapping
 
-from ..config import FSDP2Config
+from ..config import ACCELERATE_PARALLEL_SIZES, ACCELERATE_PRECISIONS, FSDP2Config
 
 ENV_PREFIX = "HF_FSDP2_"
-
-# Compute dtype per Accelerate `mixed_precision`; gradients are reduced in fp32 whatever it is
-# (Accelerate would reduce in bf16). fp8: the layers' linears in FP8 (torchao), the rest in bf16.
-PARAM_DTYPES = {"bf16": "bf16", "fp16": "fp16", "fp8": "bf16"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,8 +29,8 @@ class AccelerateSettings:
     mixed_precision: str = "no"
     replicate_size: int = 1  # parallelism_config dp_replicate_size
     shard_size: int = 1  # parallelism_config dp_shard_size
-    tp_size: int = 1  # parallelism_config tp_size
-    cp_size: int = 1  # parallelism_config cp_size: FSDP2 shards over dp_shard x cp (sharding/context_parallel.py)
+    # parallelism_config's other sizes, by config.ACCELERATE_PARALLEL_SIZES' names (FSDP2Config's settings of those names)
+    parallel_sizes: Mapping[str, int] = dataclasses.field(default_factory=dict)
 
 
 def env_overrides(environ: dict[str, str] | None = None) -> dict[str, Any]:
@@ -63,20 +60,17 @@ def fsdp2_values(settings: AccelerateSettings) -> dict[str, Any]:
         "reshard_after_forward": settings.reshard_after_forward,
         "cpu_offload": settings.cpu_offload,
         "activation_checkpointing": False,  # Accelerate applies its own (fsdp2_apply_ac) before hf_fsdp2 shards
-        "param_dtype": PARAM_DTYPES.get(precision),
+        "param_dtype": None,
     }
-    if precision == "fp8":
-        values["fp8"] = True
+    values.update(ACCELERATE_PRECISIONS.get(precision, {}))  # what the precision stands for here (config.py)
     if str(settings.wrap_policy).lower() in ("size", "size_based_wrap"):
         values["min_num_params"] = settings.min_num_params or 0
     if settings.ignored_modules:
         values["ignored_modules"] = settings.ignored_modules
+    sizes = {name: size for name, size in settings.parallel_sizes.items() if size > 1}
     if settings.replicate_size > 1:
         values["replicate_size"] = settings.replicate_size
-        shard = settings.shard_size * settings.cp_size
+        shard = settings.shard_size * math.prod(size for name, size in sizes.items() if ACCELERATE_PARALLEL_SIZES[name])
         values["shard_size"] = shard if shard > 1 else None
-    if settings.tp_size > 1:  # TP on the accelerator's "tp" mesh dimension (sharding/tensor_parallel.py)
-        values["tp_size"] = settings.tp_size
-    if settings.cp_size > 1:  # CP on the accelerator's "cp" mesh dimension (sharding/context_parallel.py)
-        values["cp_size"] = settings.cp_size
+    values.update(sizes)  # each on the accelerator's mesh dimension of that technique (its module applies it there)
     return values

@@ -16,7 +16,7 @@ from typing import Iterator
 
 import torch.nn as nn
 
-from ..config import FSDP2Config
+from ..config import UNSET_AGREES_AT_PREPARE, FSDP2Config
 from ..runtime import collectives
 from ..sharding import ShardedModel, engine, record_of, replication
 
@@ -42,7 +42,7 @@ def differing_settings(have: FSDP2Config, wanted: FSDP2Config, *, on_reducer: bo
             continue
         if name == "shard_size" and b in (None, "auto"):
             continue
-        if name == "ep_size" and b == 1:  # Accelerate has no EP setting: unset (no HF_FSDP2_EP_SIZE) agrees with any
+        if name in UNSET_AGREES_AT_PREPARE and b == field.default:  # no Accelerate setting: unset agrees with any
             continue
         if a != b:
             out[name] = (a, b)

@@ -47,8 +47,8 @@ import torch.nn as nn
 from ..config import FSDP2Config
 from ..sharding.model_parts import ModelParts
 from .memory import (ActivationChoice, MemoryEstimate, MetaTrainingModel, ParallelChoice, activation_choices,
-                     kept_parallel_sizes, parallel_choice, parallel_choices, parallel_sizes, parallel_sizes_words,
-                     prepare_meta_model)
+                     kept_parallel_sizes, offload_choices, parallel_choice, parallel_choices, parallel_sizes,
+                     parallel_sizes_words, prepare_meta_model, shard_size_allowed)
 from .memory_report import format_bytes
 
 CUDA_BUDGET_FRACTION = 0.85
@@ -214,33 +214,6 @@ def plan_seq_len(base: nn.Module | Any, config: FSDP2Config) -> int:
     return min(DEFAULT_PLAN_SEQ_LEN, positions) if isinstance(positions, int) and positions > 0 else DEFAULT_PLAN_SEQ_LEN
 
 
-def expert_parallel_options(prepared: MetaTrainingModel, plan: "LayoutPlan", base: FSDP2Config, *,
-                            batch_size: int, seq_len: int) -> list[tuple[int, MemoryEstimate]]:
-    """For a mixture-of-experts model, the chosen layout again with each ep_size that could split its experts
-    (dividing the shard group and the expert count; one replica, no TP, CP or offload: what EP does), each with
-    its estimate: what `hf-fsdp2 plan` proposes. Empty for a dense model or a layout EP does not combine with."""
-    chosen = plan.chosen
-    if chosen is None or base.ep_size > 1 or chosen.replicate_size > 1 or chosen.parallel.splits or chosen.cpu_offload:
-        return []
-    config = getattr(prepared.base, "config", None)
-    experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None) or getattr(
-        config, "n_routed_experts", None)
-    if not experts or not (getattr(config, "base_model_ep_plan", None) or {}):
-        return []
-    out = []
-    for ep in divisors(chosen.shard_size):
-        if ep > 1 and experts % ep == 0:
-            try:
-                layout = plan.config(base).replace(ep_size=ep)
-                if chosen.activations not in activation_choices(layout, plan.device_type, prepared=prepared,
-                                                                 seq_len=seq_len):
-                    return []  # what EP does not do with activations (memory.activation_choices)
-                out.append((ep, prepared.estimate(plan.world_size, layout, batch_size=batch_size, seq_len=seq_len)))
-            except ValueError:  # transformers without its EP machinery, a model without an EP plan
-                return []
-    return out
-
-
 def plan_layout(prepared: MetaTrainingModel, world_size: int, config: FSDP2Config, *, budget_bytes: int,
                 budget_source: str = "memory_budget", device_type: str = "cuda", host_budget_bytes: int | None = None,
                 batch_size: int = 1, seq_len: int = DEFAULT_PLAN_SEQ_LEN, checkpointing_fixed: bool = False,
@@ -252,20 +225,17 @@ def plan_layout(prepared: MetaTrainingModel, world_size: int, config: FSDP2Confi
     `tp_sizes` / `cp_sizes`: the model-parallel sizes to cost, handed to memory.parallel_choices (`parallel_sizes`
     lists the workable ones); `mesh_shape`: (replicate, shard) when a given mesh fixes them. Tiles along the sequence are
     tried as memory.activation_choices lists them for `seq_len` (tiles `config` sets are kept)."""
-    offloads = [True] if config.cpu_offload else ([False] if device_type == "cpu" else [False, True])
+    offloads = offload_choices(config, device_type)  # their planner cost's: what the settings allow
     # their planner cost's list, per model-parallel split: what may be tiled along the sequence depends on it
     splits = parallel_choices(world_size, tp_sizes, cp_sizes)
     activations = {split: activation_choices(config, device_type, fixed=checkpointing_fixed, prepared=prepared,
                                              seq_len=seq_len, **dict(split.settings))
                    for split in splits}
-    ep = config.ep_size
-    if ep > 1:  # expert parallelism: one shard group over every rank, no offload (sharding/expert_parallel.py)
-        offloads = [False]
     layouts = [(offload, split, choice, reshard, shard)
                for offload in offloads for split in splits
                for choice in activations[split] for reshard in (False, True)
                for shard in _shard_sizes(world_size // split.group_ranks, split.shard_multiple, mesh_shape)
-               if ep == 1 or (shard == world_size // split.group_ranks and shard % ep == 0)]
+               if shard_size_allowed(config, shard, world_size // split.group_ranks)]
     candidates = []
     for offload, split, choice, reshard, shard in layouts:
         replicate = world_size // split.group_ranks // shard

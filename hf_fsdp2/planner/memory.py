@@ -462,21 +462,25 @@ def _estimate(prepared: MetaTrainingModel, world_size: int, config: FSDP2Config,
         double_quant=quantization is not None and quantization.double_quant,
         keywords={"load_in_4bit": quantization is not None},
         dequantized_peak_bytes=dequantized,
-        **_model_parallel_words(config.tp_size, cp_size, shard), heap_kept_bytes=heap_kept,
-        loss_backward_bytes=loss_backward, head_grad_bytes=head_grad, all_to_all_bytes=all_to_all, ep_size=config.ep_size, copy_out_bytes=copy_out, grads_kept=accumulation is None or accumulation > 1,
+        **_model_parallel_words(config.tp_size, cp_size, config.ep_size, shard), heap_kept_bytes=heap_kept,
+        loss_backward_bytes=loss_backward, head_grad_bytes=head_grad, all_to_all_bytes=all_to_all,
+        copy_out_bytes=copy_out, grads_kept=accumulation is None or accumulation > 1,
         reduce_scatter_window_bytes=end_window,
     )
 
 
-def _model_parallel_words(tp: int, cp: int, shard: int) -> dict[str, Any]:
+def _model_parallel_words(tp: int, cp: int, ep: int, shard: int) -> dict[str, Any]:
     """The report's model-parallel fields (planner/memory_report.py words none of them): the sizes, what the
     parameters' shard is of (TP rank 0's block, the largest), how the activations are narrowed (TP: the heads and MLP
-    features; CP: the trace runs at seq_len / cp already) and the mesh line's parts."""
-    return {"model_parallel": {"tp_size": tp, "cp_size": cp},
+    features; CP: the trace runs at seq_len / cp already), the mesh line's parts (EP: the experts' own mesh) and the
+    row of EP's token exchange."""
+    return {"model_parallel": {"tp_size": tp, "cp_size": cp, "ep_size": ep},
             "shard_of": f" of the 1/{tp} TP block" if tp > 1 else "",
             "activation_split": f", the heads and MLP features 1/{tp}" if tp > 1 else "",
             "mesh_parts": tuple([f"tensor parallel over {tp}"] * (tp > 1)
-                                + [f"context parallel over {cp} (in the {shard} shards)"] * (cp > 1))}
+                                + [f"context parallel over {cp} (in the {shard} shards)"] * (cp > 1)
+                                + [f"experts over ep {ep} x efsdp {shard // ep} (in the {shard} shards)"] * (ep > 1)),
+            "exchange_words": f"EP dispatch: one layer's gathered tokens, pair rows and summed rows (ep {ep})"}
 
 
 def _ulysses_bytes(prepared: MetaTrainingModel, batch_size: int, seq_len: int, sp: int,
@@ -653,7 +657,7 @@ def _reduce_scatter_window(groups: list[GroupMemory], plan: ShardPlan, config: F
     1.52 GiB live). The whole window, as before, where more stays gathered: tied embeddings (the tied group runs
     first and last, gathered through all of backward: 2.23 GiB counted so, 2.26 live at the same shape tied), groups
     kept unsharded after forward (`reshard_after_forward` not True), expert groups, a model without decoder layers."""
-    if (config.reshard_after_forward is not True or plan.tied or not plan.layers or plan.experts
+    if (config.reshard_after_forward is not True or plan.tied or not plan.layers or plan.inner_groups
             or not plan.in_forward_order):
         return gathered_peak  # tied weights, expert groups, irregular stacks: the whole window (see the docstring)
     root = sum(g.gathered_bytes for g in groups if g.name == "<root>")
@@ -763,6 +767,49 @@ def parallel_sizes(prepared: MetaTrainingModel, world_size: int, seq_len: int) -
         tp_sizes += [t for t in divisors if 1 < t <= 8 and all(h % t == 0 for h in heads)]
     cp_sizes = [c for c in divisors if seq_len % (2 * c) == 0 or c == 1]
     return tp_sizes, cp_sizes
+
+
+def offload_choices(config: FSDP2Config, device_type: str) -> list[bool]:
+    """The `cpu_offload` values the layout planner tries: the one `config` sets when True; on CPU, where host and
+    device are one memory, none; else without, then with. Expert parallelism: never (one shard group over every
+    rank, no offload: sharding/expert_parallel.py refuses it)."""
+    if config.ep_size > 1:
+        return [False]
+    return [True] if config.cpu_offload else ([False] if device_type == "cpu" else [False, True])
+
+
+def shard_size_allowed(config: FSDP2Config, shard: int, data_parallel: int) -> bool:
+    """Whether the settings of `config` take a shard group of `shard` of the `data_parallel` ranks: expert
+    parallelism splits the experts over ep ranks of one shard group spanning every data-parallel rank."""
+    return config.ep_size == 1 or (shard == data_parallel and shard % config.ep_size == 0)
+
+
+def expert_parallel_options(prepared: MetaTrainingModel, plan: Any, base: FSDP2Config, *,
+                            batch_size: int, seq_len: int) -> list[tuple[int, MemoryEstimate]]:
+    """For a mixture-of-experts model, `plan`'s chosen layout (a planner/layout.py LayoutPlan) again with each
+    ep_size that could split its experts (dividing the shard group and the expert count; one replica, no TP, CP or
+    offload: what EP does), each with its estimate: what `hf-fsdp2 plan` proposes. Empty for a dense model or a
+    layout EP does not combine with."""
+    chosen = plan.chosen
+    if chosen is None or base.ep_size > 1 or chosen.replicate_size > 1 or chosen.parallel.splits or chosen.cpu_offload:
+        return []
+    config = getattr(prepared.base, "config", None)
+    experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None) or getattr(
+        config, "n_routed_experts", None)
+    if not experts or not (getattr(config, "base_model_ep_plan", None) or {}):
+        return []
+    out = []
+    for ep in range(2, chosen.shard_size + 1):
+        if chosen.shard_size % ep == 0 and experts % ep == 0:
+            try:
+                layout = plan.config(base).replace(ep_size=ep)
+                if chosen.activations not in activation_choices(layout, plan.device_type, prepared=prepared,
+                                                                 seq_len=seq_len):
+                    return []  # what EP does not do with activations (activation_choices)
+                out.append((ep, prepared.estimate(plan.world_size, layout, batch_size=batch_size, seq_len=seq_len)))
+            except ValueError:  # transformers without its EP machinery, a model without an EP plan
+                return []
+    return out
 
 
 @dataclass(frozen=True)

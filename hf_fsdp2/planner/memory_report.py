@@ -138,9 +138,9 @@ class MemoryEstimate:
     head_grad_bytes: int = 0
     # Of gathered_peak_bytes, the flat all-gather output alive only while a group is being gathered.
     copy_out_bytes: int = 0
-    # Expert parallelism: experts split over ep ranks of the shard group; one token exchange's send and receive.
-    ep_size: int = 1
+    # One token exchange's buffers between ranks in a layer's forward (memory.py's word for them: `exchange_words`).
     all_to_all_bytes: int = 0
+    exchange_words: str = ""
     # Gradients alive through forward (gradient accumulation, or unknown): the conservative default.
     grads_kept: bool = True
     # Unsharded parameters alive beside the largest reduce-scatter (memory.py `_reduce_scatter_window`); None: the
@@ -259,8 +259,7 @@ class MemoryEstimate:
             rows.append((f"activations: batch {a.batch_size} x seq {a.seq_len}{self.activation_split}, {ac}", a.peak_bytes,
                          a.host_bytes))
             if self.all_to_all_bytes:
-                rows.append((f"EP dispatch: one layer's gathered tokens, pair rows and summed rows (ep {self.ep_size})",
-                             self.all_to_all_bytes, 0))
+                rows.append((self.exchange_words, self.all_to_all_bytes, 0))
             if self.loss_backward_bytes:
                 rows.append(("loss backward: the logits' fp32 gradient (tokens x vocab) less the window's copy-out, "
                              "or the head's gradient less the loss's saved fp32", self.loss_step_bytes, 0))
@@ -272,9 +271,6 @@ class MemoryEstimate:
         mesh = (f"{self.world_size} ranks = {self.replicate_size} replicas x {self.shard_size} shards (HSDP)"
                 if self.replicate_size > 1 else f"{self.world_size} ranks")
         mesh += "".join(f", {part}" for part in self.mesh_parts)
-        if self.ep_size > 1:
-            mesh += (f", experts over ep {self.ep_size} x efsdp {self.shard_size // self.ep_size} (in the "
-                     f"{self.shard_size} shards)")
         lora = f", LoRA r={self.lora_r} on {','.join(self.lora_targets or ())}" if self.lora_r else ""
         if self.quantized_base:
             lora += f" over a {self.quantized_base} base{' (double quantization)' if self.double_quant else ''}"
@@ -311,7 +307,7 @@ class MemoryEstimate:
         out = asdict(self)
         out.update(out.pop("keywords"))
         out.update(out.pop("model_parallel"))
-        for worded in ("shard_of", "activation_split", "mesh_parts"):  # the table's words, not the estimate's
+        for worded in ("shard_of", "activation_split", "mesh_parts", "exchange_words"):  # the table's words, not the estimate's
             out.pop(worded)
         out["lora_targets"] = list(self.lora_targets) if self.lora_targets else None
         out["per_rank_max"] = {

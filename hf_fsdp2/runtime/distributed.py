@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from ..config import FSDP2Config
+from ..config import MODEL_SPLIT_DIMS, FSDP2Config
 from . import collectives
 
 
@@ -34,7 +34,6 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
 
 SHARD_DIM = "dp_shard"
 REPLICATE_DIM = "dp_replicate"
-TP_DIM = "tp"
 # A rank that dies inside a collective leaves the others waiting; this bounds the wait.
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
 _INIT_SCHEMES = ("env://", "tcp://", "file://")
@@ -157,8 +156,8 @@ def build_mesh(config: FSDP2Config | None = None) -> DeviceMesh:
     for name, size in config.sequence_split_dims():  # after dp_shard, before tp (Accelerate's order): neighbours
         at = names.index(SHARD_DIM)  # dp_shard splits into dp_shard x cp x sp, in that order
         shape, names = (*shape[:at], shape[at] // size, *shape[at + 1:], size), (*names, name)
-    if config.tp_size > 1:
-        shape, names = (*shape, config.tp_size), (*names, TP_DIM)
+    for name, size in config.model_split_dims():  # last: one machine's neighbouring devices split each layer
+        shape, names = (*shape, size), (*names, name)
     override = None
     if device not in collectives.default_group_devices():
         # The default group cannot carry this device's tensors (e.g. "cuda:gloo" or NCCL while sharding
@@ -202,7 +201,7 @@ def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
     `sequence_split_dims`, "sp"), FSDP2 shards over dp_shard x those flattened ("dp_shard_cp", as Accelerate's
     own FSDP2 path names it; "dp_shard_sp"), so their gradients are averaged with the data-parallel ones."""
     names = mesh.mesh_dim_names or ()
-    split = tuple(n for n in names if n not in (REPLICATE_DIM, SHARD_DIM, TP_DIM))
+    split = tuple(n for n in names if n not in (REPLICATE_DIM, SHARD_DIM, *MODEL_SPLIT_DIMS))
     if split:
         flat = "_".join((SHARD_DIM, *split))  # under CP: "dp_shard_cp", Accelerate's name
         try:
@@ -214,7 +213,7 @@ def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
             shard_split = mesh[tuple(n for n in (SHARD_DIM, *split) if n in names)]._flatten(flat,
                                                                                               backend_override=override)
         return shard_split if REPLICATE_DIM not in names else mesh[(REPLICATE_DIM, flat)]
-    if TP_DIM not in names:
+    rest = tuple(n for n in names if n not in MODEL_SPLIT_DIMS)
+    if rest == names:
         return mesh
-    rest = tuple(n for n in names if n != TP_DIM)
     return mesh[rest] if len(rest) > 1 else mesh[rest[0]]

@@ -23,9 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from ..config import SHARDING_FIELDS, FSDP2Config
-from ..runtime.distributed import REPLICATE_DIM, TP_DIM
-from .expert_parallel import EP_DIM
+from ..config import SHARDING_FIELDS, TRANSFORMERS_DIM_SETTINGS, FSDP2Config
 
 TRANSFORMERS_SHARD_DIM = "fsdp"  # transformers' name for the dimension FSDP2 shards over
 
@@ -41,13 +39,13 @@ def _parameter_mesh(model: nn.Module) -> DeviceMesh | None:
     return next((p.device_mesh for p in model.parameters() if isinstance(p, DTensor)), None)
 
 
-def _expert_parallel_size(model: nn.Module) -> int:
-    """The "ep" dimension of the experts' own mesh (`DistributedConfig(ep_size=...)`: transformers keeps a dense
-    and an expert mesh, transformers/distributed/utils.py TransformersDeviceMesh), 1 without one."""
+def _dimension_size(model: nn.Module, dim: str) -> int:
+    """The size of the mesh dimension `dim` in the first parameter mesh that has one, 1 without: transformers keeps
+    a dense and an expert mesh (transformers/distributed/utils.py TransformersDeviceMesh), the dense one first."""
     for p in model.parameters():
         names = p.device_mesh.mesh_dim_names or () if isinstance(p, DTensor) else ()
-        if EP_DIM in names:
-            return p.device_mesh.shape[names.index(EP_DIM)]
+        if dim in names:
+            return p.device_mesh.shape[names.index(dim)]
     return 1
 
 
@@ -67,8 +65,8 @@ def adopted_config(model: nn.Module, config: FSDP2Config) -> tuple[FSDP2Config, 
     e.g. `async_save`, kept) and the model's mesh; refuses what can no longer be applied."""
     mesh = _parameter_mesh(model)
     sizes = dict(zip(mesh.mesh_dim_names, mesh.shape))
-    actual = {"replicate_size": sizes.get(REPLICATE_DIM, 1), "shard_size": sizes[TRANSFORMERS_SHARD_DIM],
-              "tp_size": sizes.get(TP_DIM, 1), "ep_size": _expert_parallel_size(model)}
+    actual = {"shard_size": sizes[TRANSFORMERS_SHARD_DIM],  # and config.py's settings of transformers' other dims
+              **{name: _dimension_size(model, dim) for dim, name in TRANSFORMERS_DIM_SETTINGS.items()}}
     defaults = FSDP2Config()
     changed = [f"`{name}`={getattr(config, name)!r}" for name in SHARDING_FIELDS  # config.py's: they decide sharding
                if getattr(config, name) != getattr(defaults, name)]
@@ -79,7 +77,7 @@ def adopted_config(model: nn.Module, config: FSDP2Config) -> tuple[FSDP2Config, 
                                 for m in model.modules()):
             changed.append(f"`layer_cls_names`={config.layer_cls_names!r} (transformers grouped other modules)")
     changed += [f"`{name}`={getattr(config, name)!r} (the model's mesh has {actual[name]})"
-                for name in ("replicate_size", "tp_size", "ep_size") if getattr(config, name) not in (1, actual[name])]
+                for name in TRANSFORMERS_DIM_SETTINGS.values() if getattr(config, name) not in (1, actual[name])]
     if config.shard_size not in (None, actual["shard_size"]):
         changed.append(f"`shard_size`={config.shard_size!r} (the model's mesh has {actual['shard_size']})")
     if changed:

@@ -8,6 +8,7 @@ One small function per technique (torchtitan's `parallelize.py` is the model), c
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from typing import Any, Iterator, Mapping
 
@@ -21,10 +22,10 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from ..config import CP_DIM, SP_DIM, FSDP2Config, no_cp_mesh
+from ..config import CP_DIM, SP_DIM, TP_DIM, FSDP2Config, no_cp_mesh
 from ..quantization import fp8, quantized
 from ..runtime import collectives, host_allocator, upstream
-from ..runtime.distributed import (TP_DIM, build_mesh, data_parallel_mesh, default_device, flattened, local_tensor,
+from ..runtime.distributed import (build_mesh, data_parallel_mesh, default_device, flattened, local_tensor,
                                    refuse_accelerator_model_on_host_backend)
 from .compile import compile_layers, disable_cache_in_training, is_compiled
 from .groups import ShardPlan, apply_frozen_dtype, plan_groups, replicated_frozen_parameters
@@ -114,14 +115,13 @@ def apply_fsdp(model: nn.Module, plan: ShardPlan, config: FSDP2Config, mesh: Dev
     if ignored:
         kwargs["ignored_params"] = ignored
     reshard = config.reshard_after_forward
-    if plan.experts:  # inside the layers: sharded first, each its own group (sharding/expert_parallel.py)
+    if plan.inner_groups:  # inside the layers: sharded first, each its own group (EP's experts)
         # as its layer: the last one's backward runs right after forward, so its experts stay gathered too
         last = {id(m) for m in plan.layers[-1].modules()} if plan.layers and plan.in_forward_order else set()
-        for experts in plan.experts:
-            expert_parallel.shard_experts(experts, plan.experts_mesh, mesh.size(), fully_shard,
-                                          **{k: v for k, v in kwargs.items() if k != "mesh"},
-                                          reshard_after_forward=False if (id(experts) in last and reshard is True)
-                                          else reshard)
+        for inner in plan.inner_groups:
+            plan.shard_inner(inner, data_parallel_size=mesh.size(), fully_shard=fully_shard,
+                             **{k: v for k, v in kwargs.items() if k != "mesh"},
+                             reshard_after_forward=False if (id(inner) in last and reshard is True) else reshard)
     for index, layer in enumerate(plan.layers):
         # The last layer's backward runs right after forward: resharding it would only re-gather it.
         last = index == len(plan.layers) - 1 and plan.in_forward_order
@@ -324,7 +324,8 @@ def shard_planned(
         sequence_tiling.apply_sequence_tiling(parts, plan.layers, config)
     if config.ep_size > 1:
         expert_parallel.refuse_unsupported(model, config, mesh)
-        plan.experts, plan.experts_mesh = expert_parallel.apply_expert_parallel(parts, config, mesh)
+        plan.inner_groups, experts_mesh = expert_parallel.apply_expert_parallel(parts, config, mesh)
+        plan.shard_inner = functools.partial(expert_parallel.shard_experts, experts_mesh=experts_mesh)
     if config.fp8:
         apply_fp8(model, plan, record)
     apply_frozen_dtype(model, config.frozen_dtype)

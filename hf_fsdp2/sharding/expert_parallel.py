@@ -49,12 +49,13 @@ from __future__ import annotations
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from ..config import EP_DIM
 from ..runtime import collectives
 from . import expert_dispatch, expert_lora, grad_clip, parallel_plans
 from .groups import ignored_parameters
 from .model_parts import ModelParts
 
-EP_DIM, EFSDP_DIM = "ep", "efsdp"
+EFSDP_DIM = "efsdp"  # the expert mesh's other dimension: the ranks holding the same experts
 DISPATCH_STYLE = "ep_dispatch_experts"  # the module whose forward transformers replaces with the token exchange
 
 
@@ -63,7 +64,8 @@ def resolved_plan(base: nn.Module, shard_size: int, ep_size: int) -> dict[str, s
     `from_pretrained(distributed_config=...)` resolves it: `_resolve_parallel_plans`), named as they are under
     PEFT's `ParamWrapper`s where LoRA adapts the experts' parameters (sharding/expert_lora.py)."""
     ep_plan = {} if not getattr(base, "ep_plan", None) else parallel_plans.resolve(
-        base, "ep_size", ep_size, fsdp_size=shard_size, ep_size=ep_size)[1]
+        base, f"`ep_size`={ep_size}: {type(base).__name__} is not a transformers model with an expert-parallel plan.",
+        fsdp_size=shard_size, ep_size=ep_size)[1]
     if DISPATCH_STYLE not in ep_plan.values():
         raise ValueError(f"`ep_size`={ep_size}: {type(base).__name__} has no experts to split "
                          f"(its config's base_model_ep_plan names no '{DISPATCH_STYLE}' module); leave ep_size at 1.")

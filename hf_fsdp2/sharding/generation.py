@@ -51,9 +51,9 @@ def wrap_generate(model: nn.Module, record: ShardedModel) -> None:
 def _generate(model: nn.Module, record: ShardedModel, original):
     @functools.wraps(original)
     def generate(*args, **kwargs):
-        ep_size = _expert_parallel_size(record)
-        if ep_size > 1:  # before anything collective: a refusal leaves every rank where it was
-            kwargs["synced_gpus"] = _synced_for_experts(kwargs.get("synced_gpus"), ep_size)
+        exchanges = record.config.forward_exchanges() if record.config is not None else None
+        if exchanges:  # before anything collective: a refusal leaves every rank where it was
+            kwargs["synced_gpus"] = _synced_for_exchanges(kwargs.get("synced_gpus"), exchanges)
         with gathered_for_generation(model, record) as kept, compute_cast.cast_once(record), \
                 _traced_kept(model, record) as traced:
             if kwargs.get("synced_gpus") is None and len(kept) == len(_groups(model)) and traced is not False:
@@ -67,20 +67,16 @@ def _generate(model: nn.Module, record: ShardedModel, original):
     return generate
 
 
-def _expert_parallel_size(record: ShardedModel) -> int:
-    return record.config.ep_size if record.config is not None else 1
-
-
-def _synced_for_experts(synced_gpus: bool | None, ep_size: int) -> bool:
-    """Expert parallelism: every forward exchanges tokens with the other ranks of the EP group (two all-to-alls
-    per MoE layer, sharding/expert_parallel.py), so every rank must run as many forwards as the slowest. That is
+def _synced_for_exchanges(synced_gpus: bool | None, exchanges: str) -> bool:
+    """Every forward exchanges data with ranks that hold other batches (`exchanges`: what does, as
+    FSDP2Config.forward_exchanges names it), so every rank must run as many forwards as the slowest. That is
     transformers' `synced_gpus=True` (generation/utils.py `_has_unfinished_sequences`: a rank whose sequences
     ended keeps running forwards, its tokens not appended, until an all-reduce says every rank is done); each
     rank's tokens are those it would decode alone."""
     if synced_gpus is False:
-        raise ValueError(f"`synced_gpus`=False with expert parallelism (`ep_size`={ep_size}): a rank whose sequences "
-                         "end first would stop joining the experts' all-to-alls and the others would wait forever; "
-                         "leave `synced_gpus` unset (hf_fsdp2 sets it to True for this model).")
+        raise ValueError(f"`synced_gpus`=False with {exchanges}: a rank whose sequences end first would stop joining "
+                         "the exchanges of the other ranks' forwards and they would wait forever; leave `synced_gpus` "
+                         "unset (hf_fsdp2 sets it to True for this model).")
     return True
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -41,9 +42,11 @@ class ShardPlan:
     tied: bool
     in_forward_order: bool = True  # layers are a flat stack run one after another (prefetch chains)
     ignored_params: set = dataclasses.field(default_factory=set)  # kept out of FSDP (`ignored_modules`)
-    # Expert parallelism (sharding/expert_parallel.py): the experts modules, each its own group on this mesh
-    experts: list = dataclasses.field(default_factory=list)
-    experts_mesh: object = None
+    # Modules inside the layers that are FSDP2 groups of their own, sharded before their layers by the function the
+    # technique that made them hands along, `shard_inner(module, data_parallel_size=, fully_shard=, **kwargs)`
+    # (sharding/engine.py; expert parallelism's experts on their own mesh)
+    inner_groups: list = dataclasses.field(default_factory=list)
+    shard_inner: Callable | None = None
 
 
 def resolve_layer_class_names(parts: ModelParts, config: FSDP2Config) -> tuple[str, ...]:

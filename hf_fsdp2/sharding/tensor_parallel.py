@@ -53,7 +53,7 @@ from torch.distributed.tensor import DTensor
 from . import parallel_plans
 from .model_parts import ModelParts
 from ..quantization import quantized
-from ..runtime.distributed import TP_DIM
+from ..config import TP_DIM
 
 
 def is_tensor_parallel(model: nn.Module) -> bool:
@@ -151,7 +151,8 @@ def resolved_plan(base: nn.Module, tp_size: int) -> dict[str, str]:
     """The TP plan of `base` (the transformers model, under PEFT if wrapped) for `tp_size` ranks, one entry per
     module or parameter (as `from_pretrained(distributed_config=...)` resolves it: `_resolve_parallel_plans`, then
     `plan_with_lora`). Pure: the memory estimate reads it too (`tp_local_shapes`)."""
-    tp_plan, _ = parallel_plans.resolve(base, "tp_size", tp_size, tp_size=tp_size)
+    tp_plan = parallel_plans.resolve(base, f"`tp_size`={tp_size}: {type(base).__name__} is not a transformers model "
+                                           "with a tensor-parallel plan.", tp_size=tp_size)[0]
     return plan_with_lora(base, tp_plan)
 
 

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Literal, Mapping
 
 from ..runtime import user_files
-from ..config import FSDP2Config
+from ..config import ACCELERATE_PARALLEL_SIZES, FSDP2Config
 from ..integrations import accelerate_settings
 
 # ---------------------------------------------------------------------------------------------
@@ -573,8 +573,8 @@ def fsdp2_values(cfg: Mapping[str, Any]) -> dict[str, Any]:
         mixed_precision=str(mp),
         replicate_size=_int(sizes.get("parallelism_config_dp_replicate_size", 1)) or 1,
         shard_size=_int(sizes.get("parallelism_config_dp_shard_size", 1)) or 1,
-        tp_size=_int(sizes.get("parallelism_config_tp_size", 1)) or 1,
-        cp_size=_int(sizes.get("parallelism_config_cp_size", 1)) or 1))
+        parallel_sizes={name: _int(sizes.get(f"parallelism_config_{name}", 1)) or 1
+                        for name in ACCELERATE_PARALLEL_SIZES}))
 
 
 def _check_fsdp2_config(cfg: Mapping[str, Any], fsdp: _Fsdp, parallel: _Parallel, out: list[Finding],
