@@ -99,7 +99,7 @@ def test_prediction_arithmetic():
 def test_context_parallel_ranks_split_each_sequence(model_dir, capsys):
     """--cp-size runs as a launch runs it (Accelerate's mesh, torch's context_parallel around each step): the ring's
     K/V collectives are tallied in the cp group (DTensor issues them inside its dispatch), memory is within the
-    estimate's band as without CP, and rank 0 and N-1 agree."""
+    estimate's band as without CP, and rank 0 and N-1 agree. With --sp-size too: Ulysses x ring CP."""
     assert main(["simulate", "--model", str(model_dir), "--world-size", str(WORLD), "--cp-size", "2",
                  "--seq-len", "128", "--steps", "2", "--json"]) == 0
     first, last = json.loads(capsys.readouterr().out)
@@ -108,6 +108,12 @@ def test_context_parallel_ranks_split_each_sequence(model_dir, capsys):
         assert 0.9 <= r["heap_ratio"] <= 1.2, r  # 1.07 at seq 256 (as without CP)
         kinds = {(c["kind"], c["group_size"]) for c in r["collectives"]}
         assert {("all_gather", 2), ("all_to_all", 2), ("reduce_scatter", WORLD)} <= kinds, kinds
+    # Ring CP x Ulysses: hf_fsdp2's own dp_shard x cp x sp mesh, each rank fed its part by local_batch
+    assert main(["simulate", "--model", str(model_dir), "--world-size", str(WORLD), "--cp-size", "2", "--sp-size",
+                 "2", "--rank", str(WORLD - 1), "--seq-len", "128", "--steps", "2", "--json"]) == 0
+    (both,) = json.loads(capsys.readouterr().out)
+    assert 0.9 <= both["heap_ratio"] <= 1.2, both  # 1.10 at seq 256
+    assert {("all_gather", 2), ("all_to_all", 2)} <= {(c["kind"], c["group_size"]) for c in both["collectives"]}
 
 
 def test_refusals_name_the_setting(model_dir, capsys):

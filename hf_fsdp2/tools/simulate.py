@@ -83,9 +83,6 @@ class RankReport:
 
 def refuse_unsimulated(config: FSDP2Config) -> None:
     """Settings the fake group cannot run, refused by name before anything is built."""
-    if config.cp_size > 1 and config.sp_size > 1:
-        raise ValueError(f"`cp_size`={config.cp_size} with `sp_size`={config.sp_size}: not done under simulate "
-                         "(each rank's batch is cut for one of them).")
     if config.async_save:
         raise ValueError("`async_save`: simulate never saves (under the fake group rank 0 would create the files "
                          "the other ranks write); leave it off.")
@@ -185,7 +182,10 @@ def simulate_rank(
         # The meta model the estimate costs (a quantized base quantized on meta and prepared as from_pretrained's).
         module = prepare_meta_model(model, config, dtype=dtype, lora_r=lora_r, lora_targets=lora_targets,
                                     **quantization).model
-        mesh = context_parallel_mesh(config, world_size, device) if config.cp_size > 1 else None
+        # Ring CP alone: Accelerate's mesh, torch's context_parallel around each step. Ring CP x Ulysses is
+        # hf_fsdp2's own mesh (build_mesh: dp_shard x cp x sp), each rank fed its part by local_batch.
+        ring_only = config.cp_size > 1 and config.sp_size == 1
+        mesh = context_parallel_mesh(config, world_size, device) if ring_only else None
         layout = plan(module, config, mesh=mesh)
         refuse_reducer(layout.mesh, layout.config)
         estimate = estimate_memory(model, world_size, layout.config, dtype=dtype, lora_r=lora_r,
@@ -205,7 +205,7 @@ def simulate_rank(
             shard_model(module, layout.config, mesh=layout.mesh)
             step_s, last_step_calls, heap_peak_by_op = _train(module, layout.config, device, batch_size, seq_len, steps,
                                                     gradient_accumulation_steps, measure_heap=heap is not None,
-                                                    cp_mesh=mesh[CP_DIM] if mesh is not None else None)
+                                                    cp_mesh=mesh[CP_DIM] if ring_only else None)
         if device == "cuda":
             torch.cuda.synchronize()
         rss_peak = max(memory_probe.hwm_bytes(), sampler.max) - rss_base
@@ -213,7 +213,8 @@ def simulate_rank(
         cuda_peak = torch.cuda.max_memory_allocated() - cuda_base if device == "cuda" else None
         reserved_peak = torch.cuda.max_memory_reserved() - reserved_base if device == "cuda" else None
         # This rank's tokens per optimizer step: TP ranks share theirs, CP ranks split theirs.
-        tokens = batch_size * seq_len * gradient_accumulation_steps / max(config.tp_size, 1) / config.cp_size
+        tokens = (batch_size * seq_len * gradient_accumulation_steps / max(config.tp_size, 1) / config.cp_size
+                  / config.sp_size)
         # Timed: the steps after the first (which allocates the optimizer states) and before the last (which runs
         # the tally's dispatch hooks), as far as there are any.
         timed = sorted(step_s[1:-1] or step_s[1:] or step_s)
