@@ -8,10 +8,12 @@ one sequence per data-parallel group, FSDP2 over all ranks; each mode in its own
   ring_cp        cp_size = world: torch's context_parallel ring attention (labels shifted before the split)
   ulysses        sp_size = world (sharding/sequence_parallel.py, the batch split by hf_fsdp2.local_batch)
   ulysses_tiled  sp_size = world with loss_tile_size and mlp_tile_size (sharding/sequence_tiling.py)
+  ulysses_ring   sp_size = world / 2 within cp_size = 2 (Ulysses inside torch's ring attention; 4 ranks or more)
 For each mode the sequence doubles from --start until one training step (forward + backward) adds more than the
 budget to a rank's peak resident memory (VmHWM reset before the step, glibc's free memory trimmed); the longest
-that fit is reported, and the tokens/s of ring CP and Ulysses at the same length (--speed-len, median of
---steps, their steps alternating in the same ranks so that a shared machine's load falls on both alike).
+that fit is reported, and the tokens/s of ring CP and Ulysses (and Ulysses within ring CP, on 4 ranks or more) at
+the same length (--speed-len, median of --steps, their steps alternating in the same ranks so that a shared
+machine's load falls on all alike).
 Writes benchmarks/results/sequence-<stamp>.json.
 """
 
@@ -28,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import harness  # noqa: E402
 
-MODES = ("none", "ring_cp", "ulysses", "ulysses_tiled")
+MODES = ("none", "ring_cp", "ulysses", "ulysses_tiled", "ulysses_ring")
 
 
 def _model(args):
@@ -57,6 +59,8 @@ def run_job(rank: int, world: int, job: dict) -> dict:
 
         mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp_shard", "cp"))
         hf_fsdp2.shard_model(model, hf_fsdp2.FSDP2Config(cp_size=world), mesh=mesh)
+    elif mode == "ulysses_ring":
+        hf_fsdp2.shard_model(model, hf_fsdp2.FSDP2Config(sp_size=world // 2, cp_size=2))
     else:
         tiles = {"loss_tile_size": args.tile, "mlp_tile_size": args.tile} if mode == "ulysses_tiled" else {}
         hf_fsdp2.shard_model(model, hf_fsdp2.FSDP2Config(sp_size=1 if mode == "none" else world, **tiles))
@@ -119,7 +123,10 @@ def speed_job(rank: int, world: int, job: dict) -> dict:
     mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp_shard", "cp"))
     hf_fsdp2.shard_model(ring, hf_fsdp2.FSDP2Config(cp_size=world), mesh=mesh)
     hf_fsdp2.shard_model(ulysses, hf_fsdp2.FSDP2Config(sp_size=world))
-    times: dict[str, list[float]] = {"ring_cp": [], "ulysses": []}
+    models = {"ulysses": ulysses}
+    if world >= 4:
+        models["ulysses_ring"] = hf_fsdp2.shard_model(_model(args), hf_fsdp2.FSDP2Config(sp_size=world // 2, cp_size=2))
+    times: dict[str, list[float]] = {"ring_cp": [], **{mode: [] for mode in models}}
     g = torch.Generator().manual_seed(7)
     for _ in range(args.steps):
         ids = torch.randint(0, args.vocab, (1, seq), generator=g)
@@ -137,8 +144,9 @@ def speed_job(rank: int, world: int, job: dict) -> dict:
                          num_items_in_batch=(shift != -100).sum() / world).loss.backward()
                 ring.zero_grad(set_to_none=True)
             else:
-                ulysses(**hf_fsdp2.local_batch({"input_ids": ids, "labels": ids}, ulysses)).loss.backward()
-                ulysses.zero_grad(set_to_none=True)
+                model = models[mode]
+                model(**hf_fsdp2.local_batch({"input_ids": ids, "labels": ids}, model)).loss.backward()
+                model.zero_grad(set_to_none=True)
             times[mode].append(time.perf_counter() - start)
     return {mode: statistics.median(t[1:]) for mode, t in times.items()}
 
@@ -157,6 +165,8 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     args = ap.parse_args(argv)
+    if args.world_size < 4 and "ulysses_ring" in args.modes:  # sp x cp needs 2 x 2 ranks at least
+        args.modes.remove("ulysses_ring")
     threads = max(1, (os.cpu_count() or 1) // args.world_size)
     results = {}
     for mode in args.modes:

@@ -277,9 +277,11 @@ def _ulysses_with_ring_runs(rank, world):
     import hf_fsdp2
 
     report = []
-    for kind, tiles in (("llama", {}), ("llama_lora", {}), ("llama_kv1", {"loss_tile_size": 3}), ("qwen3_lora", {})):
+    for kind, tiles in (("llama", {}), ("llama_lora", {}), ("llama_kv1", {"loss_tile_size": 3}),
+                        ("qwen3_lora", {"activation_checkpointing": True})):
         batch = _batch(ROWS_PER_GROUP, padded=False)
-        batch["attention_mask"] = torch.ones_like(batch["input_ids"])  # a mask of ones (no padding) passes
+        if kind == "qwen3_lora":  # no mask: the packing check gathers the positions over cp x sp, in sequence order
+            del batch["attention_mask"]
         want_losses, want_grads = _reference(kind, batch, 1, tiles)
         model = hf_fsdp2.shard_model(BUILDERS[kind](), FSDP2Config(sp_size=2, cp_size=2, **tiles))
         model.train()
@@ -302,6 +304,10 @@ def _ulysses_with_ring_runs(rank, world):
     padded = _batch(ROWS_PER_GROUP, padded=True)  # padding under CP: refused by name on every rank (collective)
     with pytest.raises(ValueError, match="cp_size=2: the batch's attention_mask marks padding"):
         model(**hf_fsdp2.local_batch(padded, model))
+    # a second sequence from token 4: chunk 1's first token, on the other cp rank than chunk 0
+    packed = dict(batch, position_ids=torch.cat([torch.arange(4), torch.arange(12)]).expand(ROWS_PER_GROUP, -1))
+    with pytest.raises(ValueError, match="packs several sequences per row"):
+        model(**hf_fsdp2.local_batch(packed, model))
     model.eval()  # evaluation runs whole sequences on every rank, as one process does
     with torch.no_grad():
         assert model(**batch).loss.item() == pytest.approx(want_losses[0], rel=1e-4)
