@@ -234,5 +234,5 @@ def test_hf_fsdp2_config_writes_the_sp_size_the_launch_needs(tmp_path, capsys):
     assert check_accelerate_config(tmp_path / "sp.yaml", {"HF_FSDP2_SP_SIZE": "2"}) == []
     with pytest.raises(ValueError, match="`sp_size`=8 must divide the model's 4 attention heads"):
         write_config(tiny, sp_size=8, num_processes=8)
-    with pytest.raises(ValueError, match="`sp_size`=2 with `cp_size`=2 is not done"):
+    with pytest.raises(ValueError, match="`sp_size`=2 with `cp_size`=2 is not done under Accelerate"):
         write_config(tiny, sp_size=2, template="fsdp2_cp")

@@ -586,6 +586,12 @@ def _check_fsdp2_config(cfg: Mapping[str, Any], fsdp: _Fsdp, parallel: _Parallel
         overrides = accelerate_settings.env_overrides(environ)
         via = "".join(f" with {accelerate_settings.ENV_PREFIX}{k.upper()}={v}" for k, v in sorted(overrides.items()))
         config = FSDP2Config.from_dict({**fsdp2_values(cfg), **overrides}, source="the Accelerate config" + via)
+        if config.sp_size > 1 and config.cp_size > 1:  # the engine refuses it at prepare (the mesh has no "sp")
+            raise ValueError(f"`sp_size`={config.sp_size} with `cp_size`={config.cp_size} is not done under "
+                             "Accelerate: its parallelism_config builds the cp mesh without hf_fsdp2's sp dimension "
+                             "and maybe_context_parallel splits the batch for ring attention alone; Ulysses within "
+                             "ring CP runs with FSDP2Config(sp_size=..., cp_size=...) in a plain loop "
+                             "(hf_fsdp2.shard_model, hf_fsdp2.local_batch).")
         procs = _int(cfg.get("num_processes"))
         if procs and not config.is_auto_layout:  # an auto layout's shape is the planner's, at prepare
             config.mesh_shape(procs)
