@@ -255,12 +255,6 @@ def _try_meta(model_class, path, args: tuple, kwargs: dict) -> tuple[nn.Module |
     return model.eval(), ""  # from_pretrained returns the model in eval mode
 
 
-def deferred_checkpoint(model: nn.Module) -> Path | None:
-    """The checkpoint `load_on_meta` deferred for `model` (or the PEFT model around it), not loaded yet."""
-    record = record_of(model)
-    return getattr(record, "deferred_checkpoint", None)
-
-
 def optimizer_parameter_names(args: tuple, model: nn.Module) -> list[list[list[str]]]:
     """For each optimizer in `args`, each param group's parameter names in `model` (taken before `prepare`)."""
     names = {id(p): n for n, p in model.named_parameters()}
@@ -284,5 +278,5 @@ def repoint_optimizers(result: tuple, names: list[list[list[str]]]) -> None:
             group["params"] = [prepared[n] for n in canonical]
 
 
-__all__ = ["SEAM", "deferred_checkpoint", "filled", "keep_changes", "load_on_meta", "optimizer_parameter_names",
+__all__ = ["SEAM", "filled", "keep_changes", "load_on_meta", "optimizer_parameter_names",
            "ram_efficient_fsdp2", "repoint_optimizers"]
