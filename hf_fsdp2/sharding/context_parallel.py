@@ -143,14 +143,36 @@ def _kernels(device: torch.device) -> tuple:
             {"attn_bias": None, "dropout_p": 0.0, "grad_input_mask": (True, True, True, False)})
 
 
+def _grouped(forward_op, backward_op, groups: int):
+    """The kernels on key/value heads shared by `groups` query heads each: the ring passes the key/value heads
+    themselves (1/groups of the bytes), each step repeats them for the kernel (transformers' repeat_kv) and sums
+    their gradients back over the query heads that shared them."""
+    if groups == 1:
+        return forward_op, backward_op
+
+    def repeat(t: torch.Tensor) -> torch.Tensor:
+        return t.repeat_interleave(groups, dim=1)
+
+    def forward(query, key, value, **kwargs):
+        return forward_op(query, repeat(key), repeat(value), **kwargs)
+
+    def backward(*, key, value, **kwargs):
+        grad_query, grad_key, grad_value, *rest = backward_op(key=repeat(key), value=repeat(value), **kwargs)
+        fold = lambda g: g.unflatten(1, (key.shape[1], groups)).sum(2)  # noqa: E731
+        return grad_query, fold(grad_key), fold(grad_value), *rest
+    return forward, backward
+
+
 class _RingAttention(torch.autograd.Function):
     """Causal attention of [b, heads, part, d] tensors, each cp rank's part laid out by `load_balanced_order`: torch's
     ring forward and backward (`_templated_ring_attention` and `_templated_ring_attention_backward`) called on plain
-    tensors, as the DTensor handlers `context_parallel` installs call them on the local blocks."""
+    tensors, as the DTensor handlers `context_parallel` installs call them on the local blocks. Key and value may
+    have fewer heads than the query (grouped: `_grouped`)."""
 
     @staticmethod
     def forward(ctx, query, key, value, group, scale):
         forward_op, forward_args, *_ = _kernels(query.device)
+        forward_op, _ = _grouped(forward_op, None, query.shape[1] // key.shape[1])
         out, lse, *rest = _cp()._templated_ring_attention(group, _SEQ_DIM, forward_op, query=query, key=key,
                                                           value=value, is_causal=True, scale=scale, **forward_args)
         ctx.group, ctx.scale = group, scale
@@ -161,6 +183,7 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, grad_out):
         query, key, value, out, lse, *rest = ctx.saved_tensors
         _, _, backward_op, grad_name, backward_args = _kernels(query.device)
+        _, backward_op = _grouped(None, backward_op, query.shape[1] // key.shape[1])
         if rest:
             backward_args = {**backward_args, "philox_seed": rest[0], "philox_offset": rest[1]}
         grads = _cp()._templated_ring_attention_backward(
@@ -171,7 +194,8 @@ class _RingAttention(torch.autograd.Function):
 
 def ring_attention(group) -> Callable:
     """Causal attention over the cp ranks of `group` of an sp group's part of the sequence, laid out by
-    `load_balanced_order`: (query, key, value [b, heads, part, d], same heads; scale) -> out [b, heads, part, d]."""
+    `load_balanced_order`: (query [b, heads, part, d], key, value [b, heads / groups, part, d]; scale) -> out
+    [b, heads, part, d]."""
     def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale) -> torch.Tensor:
         _require_load_balance()
         return _RingAttention.apply(query.contiguous(), key.contiguous(), value.contiguous(), group, scale)

@@ -341,14 +341,14 @@ def _attention(state: _Ulysses, module: nn.Module, query: torch.Tensor, key: tor
     query, key, value = (_all_to_all(t, state, scatter_dim=1, gather_dim=2) for t in (query, key, value))
     groups = query.shape[1] // key.shape[1]
     if state.outer is not None:
-        return _outer_attention(state, module, query, key, value, attention_mask, groups, kwargs), None
+        return _outer_attention(state, module, query, key, value, attention_mask, kwargs), None
     target = module if groups == getattr(module, "num_key_value_groups", 1) else _Heads(module, groups)
     out, _ = core(target, query, key, value, attention_mask, **kwargs)
     # [b, s, heads/sp, d] -> [b, s/sp, heads, d], as the core returns it without SP
     return _all_to_all(out, state, scatter_dim=1, gather_dim=2), None
 
 
-def _outer_attention(state: _Ulysses, module: nn.Module, query, key, value, attention_mask, groups: int,
+def _outer_attention(state: _Ulysses, module: nn.Module, query, key, value, attention_mask,
                      kwargs: dict) -> torch.Tensor:
     """The outer split's causal attention of this sp group's part (all its tokens, 1/sp of the heads) instead of the
     core; what it would not honour refused by name. Returns [b, s/sp, heads, d] as the core's output comes back."""
@@ -359,8 +359,7 @@ def _outer_attention(state: _Ulysses, module: nn.Module, query, key, value, atte
     if ignored:
         raise ValueError(f"sp_size={state.size} with {state.outer.setting}: the attention is given `{ignored[0]}`, "
                          "which the ring attention (causal, no mask, no dropout) does not take; not done.")
-    if groups > 1:  # grouped key/value heads repeated to the query heads (transformers' repeat_kv)
-        key, value = (t.repeat_interleave(groups, dim=1) for t in (key, value))
+    # grouped key/value heads go around the ring as they are (the outer attention repeats them for its kernel)
     out = state.outer.attention(query, key, value, kwargs.get("scaling"))  # [b, heads/sp, s_part, d]
     return _all_to_all(out.transpose(1, 2), state, scatter_dim=1, gather_dim=2)
 
