@@ -6,8 +6,9 @@ GPU a device sync per MoE layer, no CUDA graph). Here every collective has a siz
 reading the router's choices, so the routing is dropless and stays on the device:
 
 - each rank's tokens, expert ids and router weights are all-gathered over the EP group (torch's functional
-  `all_gather_single`, differentiable: its backward reduce-scatters the gradients), in blocks of T_max rows, the
-  largest token count of the group (its ranks may hold batches of different lengths; padded rows pick no expert).
+  `all_gather_single`, differentiable: its backward reduce-scatters the gradients), in blocks of T_max + 1 rows,
+  T_max the largest token count of the group (its ranks may hold batches of different lengths; padded rows are
+  zero and pick no expert; the one more, always padding, is the zero row the unused pair rows read).
   T_max is exchanged as a host integer over a gloo group (`_HOST`), a CPU tensor that never was on the device: one
   small host collective per layer call, no device read.
 - each rank takes the (token, expert) pairs of its own experts, sorted by expert: a fixed number of them, ep x T_max
@@ -24,7 +25,13 @@ instead of ep x T_max x min(top_k, local); with top_k >= ep that is no more than
 (benchmarks/moe_bench.py: transformers' AllToAllEP side by side, and the numbers in benchmarks/README.md). The cost
 left is the fixed pair count: the experts' gathers and elementwise passes run over ep x T_max x min(top_k, local)
 rows (the grouped matmuls only over the used ones). Where the device has symmetric memory (all_to_all_vdev) an
-uneven exchange with device-side splits would avoid it: not done.
+uneven exchange with device-side splits would avoid it: not done. At ep 4 on CPU that fixed count (4x the used rows
+at top-2 with 4 local experts: the gate's and the gathers' passes, ~20 ms more of one layer's forward and backward
+than AllToAllEP's at moe_bench's shape, one thread) and twice the bytes are why AllToAllEP is faster there; one
+packed all-gather of tokens, ids and weights (7 collectives a layer to 4) changed nothing measurable: not kept.
+
+LoRA on the experts (PEFT's `target_parameters`) runs inside the grouped matmuls where the experts run here
+(`adapters`, set by sharding/expert_lora.py around the call): x @ W + (x @ A) @ (scaling B) per expert group.
 
 The implementation registers in transformers' `EPImplementationInterface` (its documented extension point) as
 `NAME`, and `apply_expert_parallelism(..., ep_implementation=NAME)` installs it; sharding/expert_parallel.py picks
@@ -155,12 +162,12 @@ def adapters(experts, terms: dict):
         del _ADAPTERS[experts]
 
 
-def local_pairs(expert_ids: torch.Tensor, rank: int, num_local: int, top_k: int, num_rows: int):
+def local_pairs(expert_ids: torch.Tensor, rank: int, num_local: int, top_k: int, num_rows: int, unused_token: int):
     """This rank's share of the gathered routing (`expert_ids`: flat, token-major, every rank's tokens), on the device
     (no host read), as `num_rows` rows sorted by local expert: a fixed count known on the host, at least one more than
     the pairs whose expert this rank holds, the rows past them unused (local id `num_local`, transformers' EP sentinel).
 
-    Returns each row's token (the token count for an unused row), its local expert id, the grouped matmuls' `offs`
+    Returns each row's token (`unused_token` for an unused row), its local expert id, the grouped matmuls' `offs`
     (per-expert ends, int32), and for each (token, top-k slot) the row of its pair (`num_rows` - 1, an unused row,
     where the expert is another rank's)."""
     device, num_pairs = expert_ids.device, expert_ids.numel()
@@ -171,7 +178,7 @@ def local_pairs(expert_ids: torch.Tensor, rank: int, num_local: int, top_k: int,
     order = torch.argsort(local, stable=True)[:num_rows]
     ids = local.index_select(0, order)
     used = ids < num_local
-    tokens = torch.where(used, torch.div(order, top_k, rounding_mode="floor"), num_pairs // top_k)
+    tokens = torch.where(used, torch.div(order, top_k, rounding_mode="floor"), unused_token)
     counts = torch.zeros(num_local + 1, dtype=torch.long, device=device).scatter_add_(0, local, torch.ones_like(local))
     rows = torch.full((num_pairs + 1,), num_rows - 1, dtype=torch.long, device=device).scatter_(
         0, torch.where(used, order, num_pairs), torch.arange(num_rows, device=device))
@@ -190,8 +197,9 @@ def grouped_experts(experts, rows: torch.Tensor, ids: torch.Tensor, offsets: tor
     `adapters`: {parameter name: [(lhs, rhs, scaling), ...]}, LoRA on those parameters of the local experts, each
     term's delta `scaling * lhs @ rhs` in the parameter's own layout (PEFT's `ParamWrapper.get_delta_factors`,
     sliced to the local experts by sharding/expert_lora.py). Applied inside the grouped matmuls, never folded into a
-    weight: x @ W + scaling * (x @ L1) @ L2 with two more grouped matmuls of rank r over the same `offs` (`_low_rank`),
-    so no [experts, out, in] delta or its gradient exists, and a frozen W gets no gradient."""
+    weight: x @ W + (x @ L1) @ (scaling L2) with two more grouped matmuls of rank r over the same `offs` (`_low_rank`;
+    the scaling on the small factor, not on the rows: one pass over them, the sum), so no [experts, out, in] delta or
+    its gradient exists, and a frozen W gets no gradient."""
     from transformers.integrations.moe import _grouped_mm
 
     adapters = adapters or {}
@@ -200,7 +208,7 @@ def grouped_experts(experts, rows: torch.Tensor, ids: torch.Tensor, offsets: tor
         weight = getattr(experts, name)
         out = _grouped_mm(x, weight if experts.is_transposed else weight.transpose(-2, -1), offsets)
         for lhs, rhs, scaling in adapters.get(name, ()):
-            out = out + scaling * _low_rank(x, lhs, rhs, experts.is_transposed, offsets)
+            out = out + _low_rank(x, lhs, rhs * scaling, experts.is_transposed, offsets)
         if bias is None:
             return out
         return out + torch.cat([bias, bias.new_zeros(1, bias.shape[-1])]).index_select(0, ids)
@@ -275,19 +283,18 @@ def _implementation() -> type:
                 return self.experts_rows(zero, zero.new_full((1,), num_local, dtype=torch.long),
                                          torch.zeros(num_local, dtype=torch.int32, device=zero.device)
                                          )[:0] + hidden_states.sum() * 0
-            padding = rows - num_tokens  # the gathers are even: each rank's block is the group's largest batch
-            no_expert = num_local * ep_size  # a padded row's expert: no rank's
-            tokens = funcol.all_gather_single(F.pad(hidden_states, (0, 0, 0, padding)), 0, self.group)
-            expert_ids = funcol.all_gather_single(F.pad(top_k_index, (0, 0, 0, padding), value=no_expert)
-                                                  .reshape(-1), 0, self.group)
-            weights = funcol.all_gather_single(F.pad(top_k_weights, (0, 0, 0, padding)), 0, self.group)
+            # the gathers are even: each rank's block is the group's largest batch and one row more, always padding
+            # (a zero token that picks no expert: the rows no pair uses read rank 0's, `unused_token`)
+            block = rows + 1
+            tokens, expert_ids, weights = self.gather(hidden_states, top_k_index, top_k_weights, block)
+            unused_token = rows
             # a token picks distinct experts: at most min(top_k, local experts) of its pairs are this rank's; one
             # row more, always unused, is where the other ranks' pairs point
             num_rows = ep_size * rows * min(top_k, num_local) + 1
             row_tokens, ids, offsets, pair_rows = local_pairs(expert_ids, self.ep_mesh.get_local_rank(), num_local,
-                                                              top_k, num_rows)
+                                                              top_k, num_rows, unused_token)
             # each row's token (embedding: its backward adds the used rows' gradients only), a zero row for unused
-            x = F.embedding(row_tokens, torch.cat([tokens, tokens.new_zeros(1, hidden)]), padding_idx=ep_size * rows)
+            x = F.embedding(row_tokens, tokens, padding_idx=unused_token)
             out = self.experts_rows(x, ids, offsets)
             # each token's pairs on this rank weighted by the router and summed, as grouped_mm_experts_forward weights
             # and sums its top-k (in the weights' and outputs' common dtype, as its product): one embedding_bag, which
@@ -297,7 +304,17 @@ def _implementation() -> type:
                                       per_sample_weights=weights.to(dtype), padding_idx=num_rows - 1)
             out = funcol.reduce_scatter_single(partial, "sum", 0, self.group)
             # not a view of it: FSDP2 warns on a module output that is one (in-place ops on it would skip its hook)
-            return out[:num_tokens].clone() if padding else out
+            return out[:num_tokens].clone()
+
+        def gather(self, hidden_states, top_k_index, top_k_weights, block: int):
+            """Every rank's tokens, expert ids (flat, token-major) and router weights, in blocks of `block` rows (the
+            padded rows: zero tokens and weights, the expert id no rank holds)."""
+            padding = block - hidden_states.shape[0]
+            no_expert = self.num_local_experts * self.ep_mesh.size()  # a padded row's expert: no rank's
+            return (funcol.all_gather_single(F.pad(hidden_states, (0, 0, 0, padding)), 0, self.group),
+                    funcol.all_gather_single(F.pad(top_k_index, (0, 0, 0, padding), value=no_expert).reshape(-1), 0,
+                                             self.group),
+                    funcol.all_gather_single(F.pad(top_k_weights, (0, 0, 0, padding)), 0, self.group))
 
     return GatherScatterEP
 
