@@ -106,8 +106,6 @@ class CollectiveTally(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if isinstance(func, torch._ops.HigherOrderOperator):
-            return func(*args, **kwargs)
         if any(issubclass(t, DTensor) for t in types):
             # A mode runs before tensor subclasses: returning NotImplemented lets DTensor dispatch with this mode
             # still on the stack, so the collectives it issues inside (TP's redistributions, context parallelism's

@@ -255,7 +255,7 @@ class _HeapPeak(TorchDispatchMode):
         self.max_live = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if not isinstance(func, torch._ops.HigherOrderOperator) and any(issubclass(t, DTensor) for t in types):
+        if any(issubclass(t, DTensor) for t in types):
             return NotImplemented  # DTensor's ops desugar into plain ones that come back here (collective_tally.py)
         out = func(*args, **(kwargs or {}))
         self.max_live = max(self.max_live, memory_probe.malloc_bytes()["live"])
