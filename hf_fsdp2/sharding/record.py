@@ -1,7 +1,9 @@
 """What hf_fsdp2 knows about a model it sharded, in one typed record attached in one place.
 
-`shard_model` attaches it; every other module reads it through `record_of` / `is_sharded`, never
-through attributes of its own on the user's model. Fields fill in as the model goes through
+`shard_model` attaches it; it is read through `record_of` / `is_sharded`, never through attributes of
+their own on the user's model: where a model comes in (shard.py, the engine, checkpoint's pretrained / loading /
+state, integrations/) it is looked up once, with the model's parts, and handed to what that entry calls (the checks
+here take the record and what they compare, not the model). Fields fill in as the model goes through
 sharding: the auto layout is chosen before the mesh exists, the mesh and config come with
 `fully_shard`. (Per-module facts stay with the module that owns them: a quantized layer's weight,
 `quantization.quantized.weights`.)
