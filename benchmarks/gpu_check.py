@@ -860,6 +860,15 @@ SIMULATIONS = {
                "--lora-targets", "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj", "--load-in-4bit",
                "--activation-checkpointing", "--batch-size", "1", "--seq-len", "4096"],
         needs="bitsandbytes", published={}),
+    # shard_size="auto" at the 8B shape with a budget below what the default layout needs (issue 61: the layout the
+    # planner picks fits the budget it was given, measured): the planner chooses, the run measures the peak.
+    "llama31_8b_auto_48gib": dict(
+        config=dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                    num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, rope_theta=500000.0,
+                    max_position_embeddings=8192, tie_word_embeddings=False),
+        flags=["--world-size", "8", "--dtype", "fp32", "--param-dtype", "bf16", "--reduce-dtype", "fp32",
+               "--memory-budget", "48GiB", "--replication", "fsdp2", "--batch-size", "1", "--seq-len", "8192"],
+        budget="48GiB", dry_budget="64MiB", published={}),
 }
 # Not run, and why (said in the results rather than left out).
 SIMULATIONS_NOT_DONE: dict[str, str] = {}
@@ -871,6 +880,8 @@ TINY_SIMULATIONS = {  # the dry run's: the same route on CPU, 4 ranks
                                    num_attention_heads=4, num_key_value_heads=2, head_dim=16),
     "llama31_70b_qlora": dict(model_type="llama", vocab_size=256, hidden_size=128, intermediate_size=256,
                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2),
+    "llama31_8b_auto_48gib": dict(model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128,
+                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2),
 }
 
 
@@ -895,6 +906,8 @@ def section_simulate(run: Run) -> dict:
             flags[flags.index("--seq-len") + 1] = "32"
             if "--ep-size" in flags:
                 flags[flags.index("--ep-size") + 1] = "4"
+            if "--memory-budget" in flags:
+                flags[flags.index("--memory-budget") + 1] = case["dry_budget"]
         command = [sys.executable, "-m", "hf_fsdp2.cli", "simulate", "--model", str(path), *flags, "--steps", "2" if run.dry else "3",
                    "--json"]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
@@ -920,6 +933,12 @@ def section_simulate(run: Run) -> dict:
             "predicted_tokens_per_s_per_gpu": first["prediction"]["tokens_per_s_per_gpu"],
             "published_tokens_per_s_per_gpu": case["published"],
         }
+        if "budget" in case:  # the auto layout's choice (in the notes) and the measured peaks against its budget
+            from hf_fsdp2.config import parse_bytes
+
+            limit = parse_bytes(case["dry_budget"] if run.dry else case["budget"], "memory_budget")
+            out[name]["measured_over_budget"] = [p / limit for p in peaks]
+            out[name]["chosen"] = [n for n in first["notes"] if n.startswith("shard_size='auto' chose")]
     return out
 
 

@@ -10,6 +10,10 @@ Cases (random weights, fp32 storage and compute, AdamW, batch 1):
   llama31_8b_64  Llama-3.1-8B's shape (8.03B) on 64 ranks, seq 256, 1 step.
   llama31_70b_qlora_8  Llama-3.1-70B's widths, 4 of its 80 layers (CPU time), QLoRA: NF4 base from bf16, LoRA r 16
                  on every projection, bf16 compute, on 8 ranks, seq 128, 2 steps (needs bitsandbytes).
+  llama31_8b_auto_8  shard_size="auto" with a 10 GiB budget per rank: Llama-3.1-8B's widths, 4 of its 32 layers,
+                 bf16 compute over fp32 master weights, 8 ranks, seq 1024, 2 steps; the layout the planner picks and
+                 the measured peak against the budget (issue 61: auto fits its budget at the 8B shape).
+  llama31_70b_qlora_auto_8  the same at Llama-3.1-70B's widths, 4 layers, QLoRA as above, budget 7 GiB, seq 512.
 Results: stdout and benchmarks/results/simulate-*.json.
 """
 
@@ -34,7 +38,32 @@ CASES = {
                                           intermediate_size=28672, num_hidden_layers=4, num_attention_heads=64,
                                           num_key_value_heads=8, tie_word_embeddings=False,
                                           max_position_embeddings=8192, rope_theta=500000.0)),
+    "llama31_8b_auto_8": dict(world=8, seq=1024, steps=2, config=dict(
+        param_dtype="bfloat16", shard_size="auto", memory_budget="10GiB", plan_seq_len=1024, plan_batch_size=1),
+        shape=dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                   num_hidden_layers=4, num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False,
+                   max_position_embeddings=8192, rope_theta=500000.0)),
+    "llama31_70b_qlora_auto_8": dict(world=8, seq=512, steps=2, dtype="bfloat16", config=dict(
+        param_dtype="bfloat16", shard_size="auto", memory_budget="7GiB", plan_seq_len=512, plan_batch_size=1),
+        setup=dict(lora_r=16, lora_targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                            "down_proj"), load_in_4bit=True),
+        shape=dict(model_type="llama", vocab_size=128256, hidden_size=8192, intermediate_size=28672,
+                   num_hidden_layers=4, num_attention_heads=64, num_key_value_heads=8, tie_word_embeddings=False,
+                   max_position_embeddings=8192, rope_theta=500000.0)),
 }
+
+
+def _budget_check(case: dict, reports) -> dict | None:
+    """For an auto layout: each rank's measured peaks (glibc's live heap, RSS) against the budget it was given."""
+    budget = case.get("config", {}).get("memory_budget")
+    if budget is None:
+        return None
+    from hf_fsdp2.config import parse_bytes
+
+    limit = parse_bytes(budget, "memory_budget")
+    rows = {r.rank: {"heap_over_budget": r.heap_live_peak / limit if r.heap_live_peak is not None else None,
+                     "rss_over_budget": r.rss_peak / limit} for r in reports}
+    return {"budget_bytes": limit, "ranks": rows}
 
 
 def main() -> None:
@@ -57,6 +86,12 @@ def main() -> None:
         print(f"== {name}\n{format_reports(reports)}", flush=True)
         results[name] = {"world": case["world"], "seq_len": case["seq"], "steps": case["steps"],
                          "ranks": [r.to_dict() for r in reports]}
+        check = _budget_check(case, reports)
+        if check is not None:
+            results[name]["budget"] = check
+            print("measured over the budget given to shard_size='auto': " + "; ".join(
+                f"rank {rank}: heap {row['heap_over_budget']:.2f}x, RSS {row['rss_over_budget']:.2f}x"
+                for rank, row in check["ranks"].items()), flush=True)
     path = harness.write_results("simulate", None, cases=results)
     print(f"results: {path}")
 
