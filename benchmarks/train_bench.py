@@ -41,7 +41,7 @@ CONTESTANTS
   deepspeed   opt-in peer (needs `pip install deepspeed`, see benchmarks/deepspeed_contestant.py): DeepSpeed
               ZeRO-3, fp32, the same torch AdamW handed to deepspeed.initialize, no gradient clipping.
   ours_compile_model  opt-in: ours with FSDP2Config(compile="model"): the whole training forward compiled with its
-              all-gathers/reduce-scatters in the graph, bucketed by inductor (sharding/compiled_collectives.py;
+              all-gathers/reduce-scatters in the graph, bucketed by inductor (sharding/compile/compiled_collectives.py;
               buckets of one decoder layer by default). The first warm-up step compiles. Compare its
               collectives per step and step time with `ours` (eager) and `ours_compile` (regional).
   ddp_bf16    opt-in: the `ddp` contestant with its forward under torch.autocast(bf16), as Accelerate runs

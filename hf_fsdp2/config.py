@@ -348,13 +348,13 @@ class FSDP2Config:
     """The sequence length the auto layout is planned for (activations); None: the model's
     max_position_embeddings, at most 2048."""
     compile: bool | Literal["model"] = False
-    """True: regional compilation (sharding/compile.py): each decoder layer is compiled with torch.compile
+    """True: regional compilation (sharding/compile/): each decoder layer is compiled with torch.compile
     before `fully_shard`, so FSDP2's hooks stay outside the graphs and layers of one class share the compiled
     code. `register(compile=True)`, HF_FSDP2_COMPILE=1, or Accelerate's `dynamo_config` with
     `dynamo_use_regional_compilation: true`.
 
     "model": the whole training forward compiled with its all-gathers and reduce-scatters in the graph,
-    bucketed by inductor (sharding/compiled_collectives.py; parameters stored as dim-0 DTensors, names and
+    bucketed by inductor (sharding/compile/compiled_collectives.py; parameters stored as dim-0 DTensors, names and
     checkpoints unchanged); activation checkpointing and reshard_after_forward become recompute tags of the
     graph. Not with fp8, cpu_offload, activation_offload, output_dtype, shard_size="auto", an integer
     reshard_after_forward, 4-bit weights or TP/CP (refused by name). `register(compile="model")`,

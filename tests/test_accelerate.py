@@ -330,7 +330,7 @@ def test_auto_layout_and_accelerate_regional_compilation(tmp_path):
 
 def test_compile_model_under_accelerate_launch(tmp_path):
     """HF_FSDP2_COMPILE=model under `accelerate launch`: the whole forward compiled with its collectives
-    (sharding/compiled_collectives.py), here with the gathered weights saved for backward
+    (sharding/compile/compiled_collectives.py), here with the gathered weights saved for backward
     (HF_FSDP2_RESHARD_AFTER_FORWARD=false: MUST_SAVE tags) and one bucket (HF_FSDP2_BUCKET_CAP_MB);
     Accelerate's gradient accumulation (`set_requires_gradient_sync`, which reduce-scatters anyway here),
     gradient clipping over DTensor gradients and `save_model` run on it: losses equal one process's, and

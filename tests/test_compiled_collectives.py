@@ -1,4 +1,4 @@
-"""`compile="model"` (sharding/compiled_collectives.py): the whole training forward compiled with its
+"""`compile="model"` (sharding/compile/compiled_collectives.py): the whole training forward compiled with its
 all-gathers and reduce-scatters in the graph, bucketed by inductor. Compared on 2 ranks with FSDP2 eager in
 the same processes: losses, collectives per step, what autograd saves for backward under
 activation checkpointing (joint-graph tags; `reshard_after_forward=False` under `accelerate launch`, in

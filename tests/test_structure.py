@@ -223,7 +223,7 @@ TECHNIQUES = {
     "selective checkpointing": ("sharding/selective_checkpoint.py", {
         "checkpoint_save_matmuls", "save_matmuls", "selective_checkpoint", "SAVED_OPS", "context_fn",
         "checkpoint_kwargs", "without_cache_in_training", "create_selective_checkpoint_contexts"}),
-    "compile": ("sharding/compile.py", {
+    "compile": ("sharding/compile/", {
         "compile", "compile_layers", "is_compiled", "disable_cache_in_training", "no_cache_in_training",
         "_compiled_call_impl", "compiled_collectives"}),
     "sequence parallelism": ("sharding/sequence_parallel.py", {
@@ -448,11 +448,11 @@ KNOWN_TECHNIQUE_SPREAD = {
     # none since: the trace and the report count what they are handed (the kept ops, the checkpointed layers and
     # what each keeps) by planner/memory.py, and the layout tries memory.activation_choices
     "selective checkpointing": set(),
-    # compile="model"'s own module, which compiles the training forward (torch.compile) with its collectives in the
-    # graph: compile's second mode, not moved. Since: adopt.py, expert_parallel.py and tensor_parallel.py ask
-    # config.py; generation.py asks the record's `gather` (a ParameterGather) to keep what it gathers; compile.py
-    # remembers the models it took the training cache from (no record field)
-    "compile": {"sharding/compiled_collectives.py"},
+    # none since: compile is the package sharding/compile/ (regional compilation in its __init__.py, compile="model"
+    # in compiled_collectives.py); adopt.py, expert_parallel.py and tensor_parallel.py ask config.py; generation.py
+    # asks the record's `gather` (a ParameterGather) to keep what it gathers; compile/ remembers the models it took
+    # the training cache from (no record field)
+    "compile": set(),
     # Accelerate's prepare: its own sp_size (DeepSpeed's) refused, the prepared model split in forward, the data
     # loader's Ulysses ranks (issue 63's)
     "sequence parallelism": {"integrations/accelerate.py"},

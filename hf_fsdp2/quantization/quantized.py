@@ -5,7 +5,7 @@ parameter, with per-row side data (scales) sharded beside it, so a rank's shard 
 quantize or dequantize its own rows alone. Sharding, the planner, loading and export reach a quantized
 base only through this module:
 
-- sharding (sharding/engine.py, tensor_parallel.py, compiled_collectives.py): `refuse_unsupported`,
+- sharding (sharding/engine.py, tensor_parallel.py, compile/compiled_collectives.py): `refuse_unsupported`,
   `prepare` (the row layout, before `fully_shard`), `has_quantized_layers` (a technique not done with a
   quantized base refuses it by name);
 - estimating (planner/memory.py): `for_estimate` (the base its keywords ask for, as a `MetaQuantization`:

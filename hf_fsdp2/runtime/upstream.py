@@ -152,7 +152,7 @@ SEAMS: tuple[Seam, ...] = (
     Seam("torch.distributed._composable.replicate.replicate", CLASS_SWAPPED, "checkpoint/key_conversion.py",
          "replicate (shard size 1, sharding/replication.py) makes the model a DDP<Name>(DDP, Name); as for "
          "fully_shard, transformers' conversion lookup is shown the original class"),
-    Seam("torch.nn.Module.__getattr__", CLASS_SWAPPED, "sharding/compiled_collectives.py",
+    Seam("torch.nn.Module.__getattr__", CLASS_SWAPPED, "sharding/compile/compiled_collectives.py",
          "compile='model' stores each parameter sharded and reads it gathered inside forward: every module "
          "holding parameters becomes a same-named subclass whose properties are found before "
          "nn.Module.__getattr__ would read _parameters (SimpleFSDP's form, torchtitan)"),
@@ -280,7 +280,7 @@ class Private:
 
 _FS = "torch.distributed.fsdp._fully_shard"
 _CP = "torch.distributed.tensor.experimental._context_parallel._attention"
-_CC = "sharding/compiled_collectives.py"
+_CC = "sharding/compile/compiled_collectives.py"
 _GEN = "sharding/generation.py"
 _REP = "sharding/replication.py"
 _FST = "runtime/fsdp_state.py"
@@ -306,7 +306,7 @@ PRIVATE: tuple[Private, ...] = (
             "checkpoint/pretrained.py, quantization/bnb_4bit.py, sharding/expert_lora.py", instance=True),
     Private("torch.nn", "Module._forward_pre_hooks", f"{_GEN}, {_REP}", instance=True),
     Private("torch.nn", "Module._non_persistent_buffers_set", "checkpoint/tensor_export.py", instance=True),
-    Private("torch.nn", "Module._compiled_call_impl", "sharding/compile.py"),
+    Private("torch.nn", "Module._compiled_call_impl", "sharding/compile/__init__.py"),
     Private(_CW, "CheckpointWrapper._checkpoint_wrapped_module", "sharding/compute_cast.py, sharding/groups.py, "
             "sharding/engine.py, planner/layout.py", instance=True),
     # torch: FSDP2 internals.

@@ -27,13 +27,13 @@ from ..quantization import fp8, quantized
 from ..runtime import collectives, host_allocator, upstream
 from ..runtime.distributed import (build_mesh, data_parallel_mesh, default_device, flattened, local_tensor,
                                    refuse_accelerator_model_on_host_backend)
-from .compile import compile_layers, disable_cache_in_training, is_compiled
+from .compile import compile_layers, compiled_collectives, disable_cache_in_training, is_compiled
 from .groups import ShardPlan, apply_frozen_dtype, plan_groups, replicated_frozen_parameters
 from .model_parts import ModelParts, model_parts
 from .generation import wrap_generate
 from .record import ShardedModel, note_parameters, record_of, refuse_parameters_added_after
-from . import (activation_offload, adopt, compiled_collectives, context_parallel, expert_parallel, grad_clip,
-               replication, selective_checkpoint, sequence_parallel, sequence_tiling, tensor_parallel)
+from . import (activation_offload, adopt, context_parallel, expert_parallel, grad_clip, replication,
+               selective_checkpoint, sequence_parallel, sequence_tiling, tensor_parallel)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -362,7 +362,7 @@ def _replicate_or_shard(model: nn.Module, plan: ShardPlan, config: FSDP2Config, 
                         record: ShardedModel) -> bool:
     """One-rank shard groups train with DDP's reducer (sharding/replication.py) unless the config asks for
     FSDP2 or needs what only FSDP2 has; everything else with FSDP2, or, under compile="model", with the
-    collectives in the compiled graph (sharding/compiled_collectives.py). True when the model was replicated."""
+    collectives in the compiled graph (sharding/compile/compiled_collectives.py). True when the model was replicated."""
     if config.compile == "model":
         checkpointed = (selective_checkpoint.checkpointed_layers(plan.layers, config.checkpoint_every)
                         if config.activation_checkpointing else [])

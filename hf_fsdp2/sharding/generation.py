@@ -82,9 +82,9 @@ def _synced_for_exchanges(synced_gpus: bool | None, exchanges: str) -> bool:
 
 @contextlib.contextmanager
 def _traced_kept(model: nn.Module, record: ShardedModel) -> Iterator[bool | None]:
-    """A model whose parameters are gathered where they are used (the record holds their `gather`: sharding/
-    compiled_collectives.py): every parameter gathered once per generate() call when the whole model fits
-    FREE_MEMORY_FRACTION of the free memory (smallest over ranks); yields whether it does (None for other
+    """A model whose parameters are gathered where they are used (the record holds their `gather`:
+    sharding/compile/compiled_collectives.py): every parameter gathered once per generate() call when the whole
+    model fits FREE_MEMORY_FRACTION of the free memory (smallest over ranks); yields whether it does (None for other
     models). Collective for those models: every rank calls generate()."""
     if record.gather is None:
         yield None

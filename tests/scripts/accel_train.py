@@ -48,7 +48,7 @@ args = parser.parse_args()
 import hf_fsdp2  # noqa: E402
 from hf_fsdp2.sharding import record_of  # noqa: E402
 from hf_fsdp2.sharding.replication import is_replicated  # noqa: E402
-from hf_fsdp2.sharding.compiled_collectives import is_traced  # noqa: E402
+from hf_fsdp2.sharding.compile.compiled_collectives import is_traced  # noqa: E402
 from tests import nccl_like  # noqa: E402
 
 nccl_like.init_if_asked()  # TEST_DEFAULT_BACKEND=cuda:gloo: GPU process-group semantics (tests/test_gpu_semantics.py)
@@ -202,7 +202,7 @@ report = {
     "expert_mesh": sorted({(p.device_mesh.mesh_dim_names, tuple(p.device_mesh.shape)) for p in model.parameters()
                            if isinstance(p, DTensor) and "ep" in (p.device_mesh.mesh_dim_names or ())}),
     "ddp_reducer": is_replicated(model),  # shard size 1: DDP's reducer (sharding/replication.py)
-    "compiled_collectives": is_traced(record_of(model)),  # compile="model" (sharding/compiled_collectives.py)
+    "compiled_collectives": is_traced(record_of(model)),  # compile="model" (sharding/compile/compiled_collectives.py)
     "compiled_modules": sum(getattr(m, "_compiled_call_impl", None) is not None for m in model.modules()),
     "reshard_after_forward": getattr(getattr(record_of(model), "config", None), "reshard_after_forward", None),
     "loaded_on_meta_everywhere": loaded_on_meta_everywhere if args.from_pretrained else None,

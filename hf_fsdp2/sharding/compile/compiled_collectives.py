@@ -40,11 +40,11 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
-from ..config import FSDP2Config
-from ..quantization import quantized
-from ..runtime import collectives, upstream
-from ..runtime.distributed import data_parallel_mesh
-from .record import ShardedModel
+from ...config import FSDP2Config
+from ...quantization import quantized
+from ...runtime import collectives, upstream
+from ...runtime.distributed import data_parallel_mesh
+from ..record import ShardedModel
 
 _inside = 0  # > 0 while a traced model's forward runs: properties gather
 

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch.nn as nn
 
-from .model_parts import ModelParts
+from ..model_parts import ModelParts
 
 # The transformers models whose training forwards run without a cache (`disable_cache_in_training` ran): weakly
 # held, so a model garbage-collected leaves.
