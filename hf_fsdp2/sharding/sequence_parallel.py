@@ -56,7 +56,11 @@ from .model_parts import ModelParts
 
 IGNORE_INDEX = -100  # transformers' ForCausalLMLoss default
 # The cores run (and tested) here. flash_attention_* read `position_ids` (packed sequences) that would need
-# gathering first, flex compiles its kernel: not done.
+# gathering first: not done. flex_attention: not done either. Its forward under Ulysses matched one process (tiny
+# Llama, sp 2, training mode under no_grad, with and without left padding: rel 1e-7; `_mask` already builds its
+# BlockMask for the whole sequence through transformers' flex_attention_mask), but torch 2.13's flex_attention
+# refuses backward on CPU (torch/nn/attention/flex_attention.py, _validate_device), so its gradients were never
+# compared, and its first compiled forwards took 25-45 s per process here, past the CI's budget.
 _CORES = ("sdpa", "eager")
 _PER_HEAD_ARGUMENTS = ("position_bias", "s_aux", "sinks")  # would need splitting by head too: not done
 _SPLIT_KEYS = ("input_ids", "labels", "shift_labels", "position_ids", "attention_mask", "inputs_embeds",
