@@ -68,7 +68,6 @@ def _probe_loss(model, rank, world) -> float:
 
 def _worker(rank, world, out):
     import hf_fsdp2
-    from hf_fsdp2.sharding import record_of
     from hf_fsdp2.quantization import fp8
 
     report = {}
@@ -84,7 +83,7 @@ def _worker(rank, world, out):
         report[name] = {"gathers": _gathered_bytes(model, rank, world),
                         "losses": sharded_train(model, batches(steps=STEPS), rank, world, opt=opt)}
         if fp8_on:
-            report["conversion"] = (record_of(model).fp8.converted, record_of(model).fp8.skipped)
+            report["conversion"] = (fp8.conversion(model).converted, fp8.conversion(model).skipped)
             layer = model.model.layers[0]
             report["types"] = [type(layer.self_attn.q_proj).__name__, type(layer.mlp.up_proj).__name__]
             report["scale_precomputed"] = layer.self_attn.q_proj.weight._local_tensor._precomputed_scale is not None
@@ -162,6 +161,19 @@ def test_fp8_all_gather_trains_like_bf16_with_ordinary_checkpoints(tmp_path):
     assert report["lora_types"] == ["Float8Linear", "Linear"]
     assert report["lora_losses"][-1] < report["lora_losses"][0]
     assert (tmp_path / "adapter" / "adapter_model.safetensors").exists()
+
+
+def test_the_conversion_report_is_kept_by_fp8():
+    """quantization/fp8.py keeps what it converted (the model's record names no technique): found from the
+    PeftModel it converted and from the base inside it, not from another model."""
+    from hf_fsdp2.quantization import fp8
+
+    peft_model = lora(build_model(**MODEL))
+    base = peft_model.get_base_model()
+    report = fp8.convert(peft_model, list(base.model.layers))
+    assert fp8.conversion(peft_model) is report and fp8.conversion(base) is report
+    assert fp8.conversion(build_model(**MODEL)) is None
+    assert any(".lora_A." in name for name in report.skipped) and report.converted
 
 
 def test_fp8_without_torchao_says_how_to_install(monkeypatch):

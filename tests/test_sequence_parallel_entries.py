@@ -200,10 +200,11 @@ def test_sp_size_settings_checked_and_refused_by_name(monkeypatch):
     from types import SimpleNamespace
 
     from hf_fsdp2.integrations import accelerate as backend
+    from hf_fsdp2.sharding import engine
     from hf_fsdp2.tools.check_config import check_accelerate_config_dict, load_config_file
 
     with pytest.raises(ValueError, match="sp_size=2.*DeepSpeed.*HF_FSDP2_SP_SIZE"):
-        backend._refuse_model_parallelism(SimpleNamespace(sp_size=2, cp_size=1))
+        engine.refuse_accelerate_parallelism(SimpleNamespace(sp_size=2, cp_size=1))
     cfg = load_config_file(ROOT / "accelerate_configs" / "fsdp2.yaml")  # num_processes: 2
 
     def errors(config, **environ):
@@ -217,7 +218,7 @@ def test_sp_size_settings_checked_and_refused_by_name(monkeypatch):
     assert any("parallelism_config_sp_size: 2" in e and "HF_FSDP2_SP_SIZE" in e for e in errors(deepspeed_sp))
     monkeypatch.setenv("HF_FSDP2_SP_SIZE", "2")
     with pytest.raises(ValueError, match="sp_size=2 .*needs FSDP2"):
-        backend._sequence_parallel_size(SimpleNamespace(is_fsdp2=False))
+        backend._ranks_sharing_rows(SimpleNamespace(is_fsdp2=False))
 
 
 def test_hf_fsdp2_config_writes_the_sp_size_the_launch_needs(tmp_path, capsys):

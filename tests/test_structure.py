@@ -413,14 +413,14 @@ KNOWN_TECHNIQUE_SPREAD = {
     # returns transformers' plans as it resolves them, the technique takes its own and words its refusal; Accelerate's
     # parallelism_config sizes are mapped by config.ACCELERATE_PARALLEL_SIZES (accelerate_settings.py, accelerate.py)
     "tensor parallelism": set(),
-    # Left: Accelerate's prepare hooks (accelerate.py refuses a CP backend other than torch's and wraps Accelerate's
-    # CP context with context_parallel.checked_context). Since: config.py holds CP_DIM and the refusal of a cp_size no
-    # mesh carries (build_mesh asks refuse_unbuilt_dims); presharded.py asks the engine (refuse_another_mesh,
+    # none since: Accelerate's prepare asks the engine (refuse_accelerate_settings: a CP backend other than torch's;
+    # prepare_accelerator: context_parallel.check_accelerate_context wraps Accelerate's CP context). config.py holds
+    # CP_DIM and the refusal of a cp_size no mesh carries (build_mesh asks refuse_unbuilt_dims); presharded.py asks the engine (refuse_another_mesh,
     # context_parallel's check); compile="model" refuses cp_size in config.py; the report says what memory.py words,
     # the layout tries memory.parallel_choices; Accelerate's cp_size mapped by config.ACCELERATE_PARALLEL_SIZES (with
     # its ranks in each shard group); upstream.py's PRIVATE entries (torch's ring attention) are declarations the
     # seams rule requires, not counted (its code is)
-    "context parallelism": {"integrations/accelerate.py"},
+    "context parallelism": set(),
     # Left: EP's own code in two more files, the token exchange (expert_dispatch.py, issue 64) and LoRA on the split
     # experts (expert_lora.py), each called from expert_parallel.py alone: EP's module once the three are the package
     # sharding/expert_parallel/ (technique_spread counts a package as the module; not moved while issue 64 edits
@@ -437,10 +437,10 @@ KNOWN_TECHNIQUE_SPREAD = {
     # checkpoint/weights_io.py no more: it asks the engine to recompute what the techniques derive from the weights
     # groups.py no more: the engine and the estimate leave FP8's frozen weights in FSDP2's groups themselves
     # accelerate_settings.py no more: `mixed_precision: fp8` stands for config.ACCELERATE_PRECISIONS' settings.
-    # Left: Accelerate's prepare (accelerate.py refuses a backend other than torchao's and attaches the scales'
-    # update to the prepared optimizers), the record's conversion report (record.py's `fp8` field: issue 62's
-    # record work)
-    "fp8": {"integrations/accelerate.py", "sharding/record.py"},
+    # record.py no more: quantization/fp8.py keeps its conversion report itself (fp8.conversion(model)).
+    # accelerate.py no more: Accelerate's prepare asks the engine (refuse_accelerate_settings: fp8's
+    # refuse_accelerate_backend; prepared_by_accelerate attaches the scales' update to the prepared optimizers)
+    "fp8": set(),
     "4-bit": set(),  # the report names a quantized base as its format does (MetaQuantization.name, .storage)
     # none since: the layout tries the activation choices its planner cost lists (memory.activation_choices);
     # adopt.py and expert_parallel.py ask config.py (SHARDING_FIELDS, FSDP2Config.not_done_with)
@@ -453,9 +453,10 @@ KNOWN_TECHNIQUE_SPREAD = {
     # asks the record's `gather` (a ParameterGather) to keep what it gathers; compile/ remembers the models it took
     # the training cache from (no record field)
     "compile": set(),
-    # Accelerate's prepare: its own sp_size (DeepSpeed's) refused, the prepared model split in forward, the data
-    # loader's Ulysses ranks (issue 63's)
-    "sequence parallelism": {"integrations/accelerate.py"},
+    # none since: Accelerate's prepare asks the engine: its own sp_size (DeepSpeed's) refused
+    # (refuse_accelerate_settings), the prepared model split in forward (prepared_by_accelerate), how many neighbouring
+    # ranks its data loader and gather_for_metrics give the same rows (ranks_sharing_rows, refuse_dispatched_rows)
+    "sequence parallelism": set(),
     "sequence tiling": set(),  # written in this shape (issue 63): its module, config.py, planner/memory.py, the engine
 }
 
@@ -603,6 +604,12 @@ def test_the_peft_rule_reports_a_new_call_site(tmp_path, line, name):
     ("checkpoint/header.py", "def f(module):\n    return type(module).__name__ == 'Linear4bit'", "4-bit"),
     # the seam table's declarations aside, its code still counts
     ("runtime/upstream.py", "def f(config):\n    return config.cp_size", "context parallelism"),
+    # the files issue 62 emptied: Accelerate's prepare, the record, a module outside compile's package
+    ("integrations/accelerate.py", "def f(config):\n    return config.sp_size", "sequence parallelism"),
+    ("integrations/accelerate.py", "def f(model):\n    from ..quantization import fp8\n    return fp8.has_fp8(model)",
+     "fp8"),
+    ("sharding/record.py", "def f(record):\n    return record.fp8", "fp8"),
+    ("sharding/generation.py", "def f():\n    from .compile import compiled_collectives", "compile"),
 ])
 def test_the_technique_rule_reports_a_new_file(tmp_path, file, line, technique):
     before = technique_spread()[technique]

@@ -32,9 +32,9 @@ from ..checkpoint import loading
 from . import accelerator_checkpoint, deferred_load, fsdp1_configs, presharded
 from . import trl as trl_backend
 from .accelerate_settings import ENV_PREFIX, AccelerateSettings, env_overrides, fsdp2_values, layer_names  # noqa: F401 (ENV_PREFIX: re-exported)
-from ..quantization import bnb_optimizers, fp8
+from ..quantization import bnb_optimizers
 from ..shard import shard_model
-from ..sharding import context_parallel, is_sharded, sequence_parallel
+from ..sharding import engine, is_sharded
 from ..sharding.record import ShardedModel, record_of, refuse_parameters_added_after, sharded
 from ..sharding.model_parts import ModelParts, model_parts
 from ..sharding.adopt import sharded_by_transformers
@@ -177,40 +177,15 @@ def _refuse_fsdp1_only(plugin) -> None:
                          "in-flight all-gathers by its forward_prefetch/backward_prefetch depths).")
 
 
-def _refuse_model_parallelism(pc) -> None:
-    """hf_fsdp2 shards over (dp_replicate, dp_shard[, cp]) and applies TP on "tp": Accelerate's sequence-parallel
-    size above 1 (DeepSpeed's Ulysses) would otherwise become a silent data-parallel run over those ranks, so it is
-    refused here, where the model is prepared, naming hf_fsdp2's own; so is a CP backend other than torch's
-    (sharding/context_parallel.py)."""
-    if pc is None:
-        return
-    if (getattr(pc, "sp_size", 1) or 1) > 1:
-        # Accelerate 1.15's ParallelismConfig accepts sp_backend "deepspeed" only (its __post_init__) and builds no
-        # mesh for it; the Trainer, seeing sp_size, multiplies its dataloader length by it (DeepSpeed's adapter runs
-        # each loaded batch as sp shards) and divides its token count by it. Naming hf_fsdp2 there would tell them
-        # something else than what runs: hf_fsdp2's Ulysses is its own setting, which they do not see.
-        raise ValueError(f"parallelism_config sp_size={pc.sp_size}: sequence parallelism through Accelerate is "
-                         "DeepSpeed's (sp_backend: deepspeed only), which hf_fsdp2 does not run. For hf_fsdp2's "
-                         "Ulysses x FSDP2 leave parallelism_config_sp_size at 1 and set HF_FSDP2_SP_SIZE (or "
-                         "hf_fsdp2.register(sp_size=...)): the prepared data loader gives the ranks of an sp group "
-                         "the same rows and the prepared model's training forward keeps each rank's slice of every "
-                         "sequence (docs/parallelism.md).")
-    context_parallel.refuse_other_backend(pc)
-
-
 def config_from_accelerator(accelerator) -> FSDP2Config:
     plugin = accelerator.state.fsdp_plugin
     from torch.distributed.fsdp import CPUOffloadPolicy
 
     _refuse_fsdp1_only(plugin)
-    if str(accelerator.mixed_precision) == "fp8":
-        # Accelerate's FP8 with the torchao backend is ours: the layers' linears in FP8, FP8 all-gather.
-        backend = str(getattr(accelerator, "fp8_backend", ""))
-        if not backend.endswith("AO"):
-            raise ValueError(f"`mixed_precision: fp8` with the {backend or 'default'} backend: hf_fsdp2 runs FP8 "
-                             "through torchao only; set `fp8_config: backend: AO` (or AORecipeKwargs).")
+    # what Accelerate's settings ask of a technique hf_fsdp2 runs otherwise (FP8's backend, parallelism_config's
+    # sequence-parallel size and CP backend), refused by name where the model is prepared, before being ignored
+    engine.refuse_accelerate_settings(accelerator)
     pc = getattr(accelerator, "parallelism_config", None)
-    _refuse_model_parallelism(pc)
     values = fsdp2_values(AccelerateSettings(
         **_wrap_policy(plugin),
         layer_names=plugin.transformer_cls_names_to_wrap,
@@ -382,11 +357,9 @@ def _prepare_fsdp2(self, *args):
     if prepared is not None and parts is None:  # not prepared in place: its own lookup
         parts = model_parts(prepared)
         record = record_of(parts)
-    if prepared is not None and sharded(record, id(prepared), parts.has_peft):
-        sequence_parallel.split_in_forward(parts)  # its Ulysses (sp_size) takes whole sequences from the loader
-    if prepared is not None and fp8.has_fp8(prepared):  # FP8 scales after every step of the prepared optimizers
-        for optimizer in (r for r in result if isinstance(r, torch.optim.Optimizer)):
-            fp8.attach_to_optimizer(prepared, optimizer)
+    if prepared is not None:  # what the techniques keep from prepare on (the loader's rows split in forward, ...)
+        engine.prepared_by_accelerate(prepared, parts, record,
+                                      [r for r in result if isinstance(r, torch.optim.Optimizer)])
     return result
 
 
@@ -461,49 +434,45 @@ def _regional_compilation_in_place():
 
 
 def _prepare_data_loader(self, data_loader, device_placement=None, slice_fn_for_dispatch=None):
-    """Accelerator.prepare_data_loader. Under Ulysses (sp_size > 1, hf_fsdp2's setting) the ranks of one sp group
-    must load the same rows, which the prepared model's training forward then splits along the sequence
-    (sequence_parallel.split_in_forward): Accelerate's loader is built for the data-parallel ranks only, world /
-    sp of them, rank // sp being a rank's data-parallel index (hf_fsdp2's mesh puts an sp group's ranks side by
-    side: runtime/distributed.build_mesh)."""
+    """Accelerator.prepare_data_loader. Where n neighbouring ranks must load the same rows (engine.ranks_sharing_rows:
+    the prepared model's training forward splits them), Accelerate's loader is built for the data-parallel ranks
+    only, world / n of them, rank // n being a rank's data-parallel index."""
     original = _original("Accelerator", "prepare_data_loader")
-    sp = _sequence_parallel_size(self)
-    if sp == 1:
+    shared = _ranks_sharing_rows(self)
+    if shared == 1:
         return original(self, data_loader, device_placement, slice_fn_for_dispatch)
     from accelerate.data_loader import DataLoaderDispatcher
 
     def data_parallel_only(prepare):
         def prepare_data_loader(*args, **kwargs):
-            kwargs.update(num_processes=kwargs["num_processes"] // sp, process_index=kwargs["process_index"] // sp,
-                          torch_device_mesh=None)
+            kwargs.update(num_processes=kwargs["num_processes"] // shared,
+                          process_index=kwargs["process_index"] // shared, torch_device_mesh=None)
             return prepare(*args, **kwargs)
         return prepare_data_loader
 
     with upstream.scoped("accelerate.accelerator.prepare_data_loader", data_parallel_only):
         prepared = original(self, data_loader, device_placement, slice_fn_for_dispatch)
     if isinstance(prepared, DataLoaderDispatcher):  # it slices rank 0's batches by the state's rank, not ours
-        raise ValueError(f"sp_size={sp} with Accelerate's batch dispatching (an IterableDataset, or "
-                         "dispatch_batches=True) is not done in hf_fsdp2: the dispatcher gives every rank rows of its "
-                         "own. Use a map-style dataset, or DataLoaderConfiguration(dispatch_batches=False).")
+        engine.refuse_dispatched_rows(shared)
     return prepared
 
 
 def _gather_for_metrics(self, input_data, use_gather_object=False):
-    """Accelerator.gather_for_metrics. Under Ulysses the ranks of an sp group hold the same rows (their loader's, and
-    evaluation runs whole sequences on each), so a gather over every rank would count each row sp times and cut the
-    last batch's remainder from the wrong ones: the gathered data keep one rank of each sp group (the group's first;
-    its ranks are neighbours), what the data-parallel ranks hold. Accelerate's own gather (the Trainer's token
-    count, its logged loss) is left as it is."""
+    """Accelerator.gather_for_metrics. Where n neighbouring ranks hold the same rows (engine.ranks_sharing_rows: their
+    loader's, and evaluation runs whole sequences on each), a gather over every rank would count each row n times and
+    cut the last batch's remainder from the wrong ones: the gathered data keep one rank of each group (its first),
+    what the data-parallel ranks hold. Accelerate's own gather (the Trainer's token count, its logged loss) is left
+    as it is."""
     original = _original("Accelerator", "gather_for_metrics")
-    sp = _registered_sp_size() if getattr(self, "is_fsdp2", False) else 1
-    if sp == 1:
+    shared = engine.ranks_sharing_rows(_user_config()) if getattr(self, "is_fsdp2", False) else 1
+    if shared == 1:
         return original(self, input_data, use_gather_object)
     from accelerate.utils import recursively_apply
 
     world = self.num_processes
 
     def one_per_group(tensor: torch.Tensor) -> torch.Tensor:  # each rank's equal block, in rank order
-        return tensor.reshape(world, -1, *tensor.shape[1:])[::sp].reshape(-1, *tensor.shape[1:])
+        return tensor.reshape(world, -1, *tensor.shape[1:])[::shared].reshape(-1, *tensor.shape[1:])
 
     def gather(original_gather):
         return lambda accelerator, data: recursively_apply(one_per_group, original_gather(accelerator, data))
@@ -512,7 +481,7 @@ def _gather_for_metrics(self, input_data, use_gather_object=False):
         def gathered(obj):  # as Accelerate's _gpu_gather_object: a list per rank, flattened
             per_rank = [None] * world
             torch.distributed.all_gather_object(per_rank, obj)
-            return [x for rank, items in enumerate(per_rank) if rank % sp == 0 for x in items]
+            return [x for rank, items in enumerate(per_rank) if rank % shared == 0 for x in items]
         return gathered
 
     with upstream.scoped("accelerate.accelerator.Accelerator.gather", gather), \
@@ -520,19 +489,16 @@ def _gather_for_metrics(self, input_data, use_gather_object=False):
         return original(self, input_data, use_gather_object)
 
 
-def _registered_sp_size() -> int:
-    """sp_size as register() and HF_FSDP2_SP_SIZE set it."""
-    return FSDP2Config.from_dict(_user_settings(), source="register() and HF_FSDP2_* variables").sp_size
+def _user_config() -> FSDP2Config:
+    """The settings register() and HF_FSDP2_* variables give, alone (what the loader needs before a model)."""
+    return FSDP2Config.from_dict(_user_settings(), source="register() and HF_FSDP2_* variables")
 
 
-def _sequence_parallel_size(accelerator) -> int:
-    """hf_fsdp2's sp_size for this accelerator (register() / HF_FSDP2_SP_SIZE), refused by name where Accelerate
-    does not hand the model to hf_fsdp2 (its training forward would not split the rows the ranks share)."""
-    sp = _registered_sp_size()
-    if sp > 1 and not getattr(accelerator, "is_fsdp2", False):
-        raise ValueError(f"sp_size={sp} (hf_fsdp2.register() / HF_FSDP2_SP_SIZE) needs FSDP2 (an FSDP config with "
-                         "fsdp_version: 2): hf_fsdp2's Ulysses runs in the models it shards.")
-    return config_from_accelerator(accelerator).sp_size if sp > 1 else 1
+def _ranks_sharing_rows(accelerator) -> int:
+    """engine.ranks_sharing_rows for this accelerator: as register() / HF_FSDP2_* set it, refused by name where
+    Accelerate does not hand the model to hf_fsdp2; then as the whole config (Accelerate's settings too) has it."""
+    shared = engine.ranks_sharing_rows(_user_config(), getattr(accelerator, "is_fsdp2", False))
+    return engine.ranks_sharing_rows(config_from_accelerator(accelerator)) if shared > 1 else 1
 
 
 def _prepare_tp(self, *args):
@@ -603,7 +569,6 @@ def _fsdp2_prepare_model(accelerator, model: nn.Module) -> nn.Module:
     # With rank-0 loading the other ranks hold the model on meta: the planner needs only its shapes
     # (it costs a meta copy), so every rank makes the same plan.
     from_rank0 = getattr(accelerator.state.fsdp_plugin, "cpu_ram_efficient_loading", False)
-    cp_size = config.cp_size  # Accelerate's parallelism_config cp_size (accelerate_settings.fsdp2_values)
     # With TP, the accelerator's own mesh ("dp_replicate", "dp_shard", "tp"): a model transformers split
     # at load (`device_mesh=accelerator.torch_device_mesh`) is on its "tp" dimension already. With CP,
     # too: `maybe_context_parallel` splits sequences over its "cp" dimension, FSDP2 shards over
@@ -615,9 +580,7 @@ def _fsdp2_prepare_model(accelerator, model: nn.Module) -> nn.Module:
     else:  # fsdp_cpu_ram_efficient_loading: rank 0's weights; else the model's own
         fill = loading.FromRank0() if from_rank0 else loading.INITIALISE
     layout = loading.plan_for(state.parts, config, fill, mesh=given, record=record)
-    if cp_size > 1 and getattr(accelerator, "_cp_context", None) is not None:
-        upstream.wrap_instance_method(accelerator, "_cp_context", "accelerate.accelerator.Accelerator._prepare_cp",
-                                      lambda original: context_parallel.checked_context(original, cp_size))
+    engine.prepare_accelerator(accelerator, config)  # the accelerator's own contexts checked (CP's sequence lengths)
     model = loading.shard_and_fill(model, layout, fill)
     if directory is not None:
         deferred_load.filled(record)  # loads and forwards from now on are torch's own

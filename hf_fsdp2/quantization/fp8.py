@@ -14,8 +14,8 @@ collective per linear); `precompute_scales` does all of them in one all-reduce. 
 sharding and after every optimizer step (`attach_to_optimizer`; the Accelerate backend hooks the
 prepared optimizer, so a plain loop needs no extra line).
 
-Not converted (reported by `convert`): modules outside the decoder layers (embeddings, the output
-head: their precision matters most and they are not gathered per layer), LoRA's own adapter
+Not converted (reported by `convert`, kept for `conversion(model)`): modules outside the decoder layers
+(embeddings, the output head: their precision matters most and they are not gathered per layer), LoRA's own adapter
 layers (they train in bf16/fp32), 4-bit layers, and linears whose dimensions are not multiples of
 16 (`torch._scaled_mm` needs them). LoRA base layers are converted: frozen base weights gather in
 float8 with their scales in the same group as the adapters.
@@ -24,6 +24,7 @@ float8 with their scales in the same group as the adapters.
 from __future__ import annotations
 
 import dataclasses
+import weakref
 
 import torch
 import torch.nn as nn
@@ -41,6 +42,16 @@ def import_torchao():
     except ImportError as error:
         raise ImportError(f"`fp8=True` needs torchao: {INSTALL_HINT}") from error
     return torchao.float8
+
+
+def refuse_accelerate_backend(accelerator) -> None:
+    """Accelerate's FP8 (`mixed_precision: fp8`) with the torchao backend is this module's: the layers' linears in
+    FP8, FP8 all-gather. Another backend (Transformer Engine, MS-AMP) is refused by name."""
+    if str(accelerator.mixed_precision) == "fp8":
+        backend = str(getattr(accelerator, "fp8_backend", ""))
+        if not backend.endswith("AO"):
+            raise ValueError(f"`mixed_precision: fp8` with the {backend or 'default'} backend: hf_fsdp2 runs FP8 "
+                             "through torchao only; set `fp8_config: backend: AO` (or AORecipeKwargs).")
 
 
 @dataclasses.dataclass
@@ -86,6 +97,11 @@ def plan(model: nn.Module, layers: list[nn.Module]) -> tuple[dict[str, nn.Module
     return chosen, skipped
 
 
+# What `convert` did to each model, kept here (the model's record names no technique): weakly, under the model and
+# its decoder layers, so the model, a PeftModel around it or the base inside one finds it (`conversion`).
+_CONVERSIONS: "weakref.WeakKeyDictionary[nn.Module, Fp8Conversion]" = weakref.WeakKeyDictionary()
+
+
 def convert(model: nn.Module, layers: list[nn.Module]) -> Fp8Conversion:
     """Convert the eligible linears of `layers` (modules of `model`) in place; before `fully_shard`."""
     float8 = import_torchao()
@@ -93,7 +109,20 @@ def convert(model: nn.Module, layers: list[nn.Module]) -> Fp8Conversion:
     wanted = {id(m) for m in chosen.values()}
     config = float8.Float8LinearConfig(enable_fsdp_float8_all_gather=True)
     float8.convert_to_float8_training(model, config=config, module_filter_fn=lambda m, fqn: id(m) in wanted)
-    return Fp8Conversion(list(chosen), skipped)
+    report = Fp8Conversion(list(chosen), skipped)
+    for module in (model, *layers):
+        _CONVERSIONS[module] = report
+    return report
+
+
+def conversion(model: nn.Module) -> Fp8Conversion | None:
+    """What `convert` converted in `model` (or in a model inside it) and why it kept the rest; None when it never
+    ran on it."""
+    for module in model.modules():
+        report = _CONVERSIONS.get(module)
+        if report is not None:
+            return report
+    return None
 
 
 def has_fp8(model: nn.Module) -> bool:

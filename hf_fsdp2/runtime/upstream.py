@@ -102,7 +102,7 @@ SEAMS: tuple[Seam, ...] = (
     Seam("accelerate.utils.dataclasses.FullyShardedDataParallelPlugin.set_auto_wrap_policy", SCOPED, _ACC,
          "a model transformers sharded at load shows FSDP<Name> classes, so Accelerate's wrap-class lookup "
          "fails; during _prepare_fsdp2 of such a model it is skipped (sharding/adopt.py checks the names)"),
-    Seam("accelerate.accelerator.Accelerator._prepare_cp", INSTANCE_WRAPPED, _ACC,
+    Seam("accelerate.accelerator.Accelerator._prepare_cp", INSTANCE_WRAPPED, "sharding/context_parallel.py",
          "the `_cp_context` it sets (torch's context_parallel on the cp mesh, what maybe_context_parallel enters) is "
          "wrapped on the prepared accelerator: a sequence length cp_size does not divide is refused by name (torch "
          "would split it unevenly and its ring attention would fail inside)"),
@@ -390,7 +390,7 @@ PRIVATE: tuple[Private, ...] = (
     # accelerate.
     *[Private("accelerate.accelerator", f"Accelerator.{name}", "integrations/accelerator_checkpoint.py", instance=True)
       for name in ("_models", "_optimizers", "_schedulers", "_custom_objects", "_dataloaders")],
-    Private("accelerate.accelerator", "Accelerator._cp_context", _ACC, instance=True),
+    Private("accelerate.accelerator", "Accelerator._cp_context", "sharding/context_parallel.py", instance=True),
     # transformers.
     Private("transformers.modeling_utils", "PreTrainedModel._no_split_modules", f"{_ACC}, sharding/groups.py"),
     Private("transformers.modeling_utils", "PreTrainedModel._init_weights", "sharding/engine.py"),

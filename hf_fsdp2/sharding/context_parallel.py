@@ -282,7 +282,7 @@ def refuse_another_mesh(mesh, cp_size: int) -> None:
 
 def checked_context(original, cp_size: int):
     """Accelerate's `maybe_context_parallel` context (torch's `context_parallel`, `original`), refusing by name
-    the buffers it cannot split evenly over the cp ranks (integrations/accelerate.py wraps the accelerator's)."""
+    the buffers it cannot split evenly over the cp ranks (`check_accelerate_context` wraps the accelerator's)."""
     def context(buffers=None, buffer_seq_dims=None, no_restore_buffers=None, **kwargs):
         lengths = {int(b.shape[d]) for b, d in zip(buffers or [], buffer_seq_dims or [])}
         if len(lengths) > 1 or any(length % cp_size for length in lengths):
@@ -293,3 +293,11 @@ def checked_context(original, cp_size: int):
         return original(buffers=buffers, buffer_seq_dims=buffer_seq_dims, no_restore_buffers=no_restore_buffers,
                         **kwargs)
     return context
+
+
+def check_accelerate_context(accelerator, cp_size: int) -> None:
+    """The prepared accelerator's CP context (what `maybe_context_parallel` enters, set by Accelerate's
+    `_prepare_cp`) wrapped with `checked_context`, on this accelerator only (runtime/upstream.py's seam)."""
+    if getattr(accelerator, "_cp_context", None) is not None:
+        upstream.wrap_instance_method(accelerator, "_cp_context", "accelerate.accelerator.Accelerator._prepare_cp",
+                                      lambda original: checked_context(original, cp_size))

@@ -31,7 +31,7 @@ from .compile import compile_layers, compiled_collectives, disable_cache_in_trai
 from .groups import ShardPlan, apply_frozen_dtype, plan_groups, replicated_frozen_parameters
 from .model_parts import ModelParts, model_parts
 from .generation import wrap_generate
-from .record import ShardedModel, note_parameters, record_of, refuse_parameters_added_after
+from .record import ShardedModel, note_parameters, record_of, refuse_parameters_added_after, sharded
 from . import (activation_offload, adopt, context_parallel, expert_parallel, grad_clip, replication,
                selective_checkpoint, sequence_parallel, sequence_tiling, tensor_parallel)
 
@@ -48,13 +48,12 @@ def weights_replaced(model: nn.Module) -> None:
     fp8.precompute_scales(model)
 
 
-def apply_fp8(model: nn.Module, plan: ShardPlan, record: ShardedModel) -> fp8.Fp8Conversion:
+def apply_fp8(model: nn.Module, plan: ShardPlan) -> fp8.Fp8Conversion:
     """The decoder layers' linears to torchao Float8Linear with FP8 all-gather; what was kept and why
-    is logged on rank 0 and kept in the model's record (`record.fp8`)."""
+    is logged on rank 0 and kept by quantization/fp8.py (`fp8.conversion(model)`)."""
     conversion = fp8.convert(model, plan.layers)
     if collectives.rank() == 0:
         logging.getLogger("hf_fsdp2").warning(conversion.summary())
-    record.fp8 = conversion
     return conversion
 
 
@@ -327,7 +326,7 @@ def shard_planned(
         plan.inner_groups, experts_mesh = expert_parallel.apply_expert_parallel(parts, config, mesh)
         plan.shard_inner = functools.partial(expert_parallel.shard_experts, experts_mesh=experts_mesh)
     if config.fp8:
-        apply_fp8(model, plan, record)
+        apply_fp8(model, plan)
     apply_frozen_dtype(model, config.frozen_dtype)
     if config.activation_checkpointing and config.compile != "model":  # compile="model": a graph pass
         plan.layers = apply_activation_checkpointing(model, plan.layers, config.checkpoint_every,
@@ -515,3 +514,58 @@ def no_sync(model: nn.Module) -> Iterator[None]:
         yield
     finally:
         model.set_requires_gradient_sync(True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Accelerate's prepare (integrations/accelerate.py): each technique's part, called from here so the integration
+# names none. Accelerate's objects are read by duck type (sharding/ imports no integration).
+
+
+def refuse_accelerate_settings(accelerator) -> None:
+    """What Accelerate's own settings ask of a technique hf_fsdp2 does not run that way, refused by name where the
+    model is prepared (the backend's config step): FP8 through a backend other than torchao's, then the
+    accelerator's parallelism_config (`refuse_accelerate_parallelism`)."""
+    fp8.refuse_accelerate_backend(accelerator)
+    refuse_accelerate_parallelism(getattr(accelerator, "parallelism_config", None))
+
+
+def refuse_accelerate_parallelism(parallelism_config) -> None:
+    """hf_fsdp2 shards over (dp_replicate, dp_shard[, cp]) and applies TP on "tp": Accelerate's sequence-parallel
+    size above 1 (DeepSpeed's Ulysses) is refused naming hf_fsdp2's own, and a CP backend other than torch's."""
+    if parallelism_config is None:
+        return
+    sequence_parallel.refuse_accelerate_sp_size(parallelism_config)
+    context_parallel.refuse_other_backend(parallelism_config)
+
+
+def prepare_accelerator(accelerator, config: FSDP2Config) -> None:
+    """Before Accelerate's prepare shards the model: under CP, the accelerator's context (`maybe_context_parallel`)
+    refuses by name the sequence lengths the cp ranks cannot split evenly."""
+    if config.cp_size > 1:
+        context_parallel.check_accelerate_context(accelerator, config.cp_size)
+
+
+def prepared_by_accelerate(model: nn.Module, parts: ModelParts, record: ShardedModel,
+                           optimizers: list[torch.optim.Optimizer]) -> None:
+    """After Accelerate's prepare: a model sharded here takes whole sequences from the loader under Ulysses (its
+    training forward keeps this rank's slice, sequence_parallel.split_in_forward); FP8's scales are precomputed
+    after every step of the prepared optimizers."""
+    if sharded(record, id(model), parts.has_peft):
+        sequence_parallel.split_in_forward(parts)
+    if fp8.has_fp8(model):
+        for optimizer in optimizers:
+            fp8.attach_to_optimizer(model, optimizer)
+
+
+def ranks_sharing_rows(config: FSDP2Config, is_fsdp2: bool = True) -> int:
+    """How many neighbouring ranks load the same rows in a loop Accelerate prepares (1: each rank its own): an sp
+    group under Ulysses, whose model's training forward then splits them (`prepared_by_accelerate`); hf_fsdp2's mesh
+    puts such a group's ranks side by side (runtime/distributed.build_mesh), so rank // n is a rank's data-parallel
+    index. Refused by name where Accelerate does not hand the model to hf_fsdp2 (`is_fsdp2` False)."""
+    sequence_parallel.refuse_without_fsdp2(config.sp_size, is_fsdp2)
+    return config.sp_size
+
+
+def refuse_dispatched_rows(shared: int) -> None:
+    """Accelerate's batch dispatcher gives each rank rows of its own: not the rows `shared` ranks must share."""
+    sequence_parallel.refuse_dispatched_loader(shared)

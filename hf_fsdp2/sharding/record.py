@@ -26,7 +26,6 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
     from ..config import FSDP2Config
-    from ..quantization.fp8 import Fp8Conversion
 
 
 # The shapes of what modules that import this one keep here (importing them back would be a cycle, and planner/
@@ -57,7 +56,7 @@ class ComputeCast(Protocol):
 
 
 class ParameterGather(Protocol):
-    """sharding/compiled_collectives.py's gather of the stored parameters (compile="model"), which generation
+    """sharding/compile/compiled_collectives.py's gather of the stored parameters (compile="model"), which generation
     asks to keep what it gathers."""
 
     kept: dict[int, torch.Tensor] | None  # inside generation: gathered weights by id
@@ -77,7 +76,6 @@ class ShardedModel:
     # sharding is not sharded (its adapters are in no group), though it finds the same record.
     sharded_object: int | None = None
     layout: LayoutChoice | None = None  # when shard_size="auto" chose the layout (hf_fsdp2/shard.py keeps it)
-    fp8: Fp8Conversion | None = None  # when config.fp8: what was converted and why not
     generating: bool = False  # inside generation.gathered_for_generation
     compute_cast: ComputeCast | None = None  # when DDP's reducer trains with a param_dtype cast
     gather: ParameterGather | None = None  # compile="model": the parameters' gather (its generation cache)

@@ -180,6 +180,38 @@ def split_in_forward(parts: ModelParts) -> None:
         state.splits_inputs = True
 
 
+def refuse_accelerate_sp_size(parallelism_config) -> None:
+    """Accelerate's own sequence-parallel size above 1 (DeepSpeed's Ulysses) would otherwise become a silent
+    data-parallel run over those ranks: refused where the model is prepared, naming hf_fsdp2's own setting."""
+    pc = parallelism_config
+    if (getattr(pc, "sp_size", 1) or 1) > 1:
+        # Accelerate 1.15's ParallelismConfig accepts sp_backend "deepspeed" only (its __post_init__) and builds no
+        # mesh for it; the Trainer, seeing sp_size, multiplies its dataloader length by it (DeepSpeed's adapter runs
+        # each loaded batch as sp shards) and divides its token count by it. Naming hf_fsdp2 there would tell them
+        # something else than what runs: hf_fsdp2's Ulysses is its own setting, which they do not see.
+        raise ValueError(f"parallelism_config sp_size={pc.sp_size}: sequence parallelism through Accelerate is "
+                         "DeepSpeed's (sp_backend: deepspeed only), which hf_fsdp2 does not run. For hf_fsdp2's "
+                         "Ulysses x FSDP2 leave parallelism_config_sp_size at 1 and set HF_FSDP2_SP_SIZE (or "
+                         "hf_fsdp2.register(sp_size=...)): the prepared data loader gives the ranks of an sp group "
+                         "the same rows and the prepared model's training forward keeps each rank's slice of every "
+                         "sequence (docs/parallelism.md).")
+
+
+def refuse_without_fsdp2(sp_size: int, is_fsdp2: bool) -> None:
+    """hf_fsdp2's sp_size where Accelerate does not hand the model to hf_fsdp2: its training forward would not split
+    the rows the ranks share."""
+    if sp_size > 1 and not is_fsdp2:
+        raise ValueError(f"sp_size={sp_size} (hf_fsdp2.register() / HF_FSDP2_SP_SIZE) needs FSDP2 (an FSDP config "
+                         "with fsdp_version: 2): hf_fsdp2's Ulysses runs in the models it shards.")
+
+
+def refuse_dispatched_loader(sp_size: int) -> None:
+    """Accelerate's batch dispatcher slices rank 0's batches by the state's rank, not by the sp group."""
+    raise ValueError(f"sp_size={sp_size} with Accelerate's batch dispatching (an IterableDataset, or "
+                     "dispatch_batches=True) is not done in hf_fsdp2: the dispatcher gives every rank rows of its "
+                     "own. Use a map-style dataset, or DataLoaderConfiguration(dispatch_batches=False).")
+
+
 def splits_in_forward(parts: ModelParts) -> bool:
     """Whether `split_in_forward` was asked for this model (its batches must not be split before the forward)."""
     state = _STATES.get(parts.model)
@@ -445,4 +477,5 @@ def split_batch(batch: Mapping[str, Any], rank: int, size: int,
 
 
 __all__ = ["Outer", "apply_sequence_parallel", "heads", "rank_batch", "refuse_unsupported", "split_batch",
-           "split_in_forward", "splits_in_forward"]
+           "split_in_forward", "splits_in_forward", "refuse_accelerate_sp_size", "refuse_without_fsdp2",
+           "refuse_dispatched_loader"]
