@@ -15,7 +15,9 @@ traceback and the rest go on) and each skipped once the time budget (--budget-s)
   simulate     one rank of an 8-rank job on this GPU (`hf-fsdp2 simulate`, torch's fake process group), ranks 0
                and 7: Llama 3.1 8B full fine-tune (1 x 8192) and Qwen3-30B-A3B LoRA with ep 8 (1 x 4096): peak
                CUDA memory per rank vs the estimate, and a PREDICTED tokens/s per GPU beside the published
-               8 x H100 numbers (torchtitan, NeMo AutoModel); 70B QLoRA said not done.
+               8 x H100 numbers (torchtitan, NeMo AutoModel); Llama 3.1 70B QLoRA (1 x 4096; needs the carried
+               bitsandbytes wheel, else said not done); the 8B shape under shard_size="auto" with a 48 GiB budget:
+               the layout the planner picks and the measured peak over the budget.
   throughput   a 1B Llama-shaped model (Llama 3.2 1B's shape, random init, bf16 compute, fp32 master weights),
                seq 2048: tokens/s, MFU and peak CUDA memory of plain PyTorch (autocast), hf_fsdp2 (default and
                FSDP2 groups) and Accelerate's own FSDP2 prepare, full fine-tune and LoRA, side by side; peak
