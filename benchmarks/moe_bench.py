@@ -6,9 +6,9 @@
 Contestants, side by side in one run, each loading the same hub-format checkpoint:
   fsdp2            hf_fsdp2.from_pretrained, FSDP2Config()            every expert all-gathered by every rank
   ep2, ep4         hf_fsdp2.from_pretrained, FSDP2Config(ep_size=E)   E/ep experts per rank, tokens by hf_fsdp2's
-                   dispatch (sharding/expert_dispatch.py: fixed-size gathers and reduce-scatters, no host read per
+                   dispatch (sharding/expert_parallel/dispatch.py: fixed-size gathers and reduce-scatters, no host read per
                    layer)
-  ep2_all_to_all,  the same with transformers' AllToAllEP as the dispatch (expert_dispatch.set_dispatch): what
+  ep2_all_to_all,  the same with transformers' AllToAllEP as the dispatch (expert_parallel.dispatch.set_dispatch): what
   ep4_all_to_all   hf_fsdp2 ran before issue 64 (split sizes read to the host each layer, no padding)
   transformers,    from_pretrained(distributed_config=DistributedConfig(fsdp_size=4, ep_size=2 or 4)), adopted by
   transformers_ep4 hf_fsdp2.shard_model: transformers' own EP x FSDP2
@@ -80,7 +80,7 @@ def run_rank(rank: int, world: int, job: dict) -> dict:
     import sys
 
     sys.path.insert(0, str(harness.REPO))
-    from hf_fsdp2.sharding import expert_dispatch
+    from hf_fsdp2.sharding.expert_parallel import dispatch as expert_dispatch
     from tests.host_reads import HostReads
 
     name = job["contestant"]

@@ -16,7 +16,7 @@ import torch
 SP_DIM = "sp"  # the mesh dimension of Ulysses sequence parallelism (Accelerate's name)
 TP_DIM = "tp"  # the mesh dimension of tensor parallelism: its ranks hold the same batch (model_split_dims)
 MODEL_SPLIT_DIMS = (TP_DIM,)  # mesh dimensions whose ranks hold the same batch and split the model
-EP_DIM = "ep"  # the expert mesh's dimension of expert parallelism (sharding/expert_parallel.py builds that mesh)
+EP_DIM = "ep"  # the expert mesh's dimension of expert parallelism (sharding/expert_parallel/ builds that mesh)
 # The setting each mesh dimension's size is, by the names transformers' DistributedConfig gives its dimensions (a dense
 # mesh, and an expert one with "ep"): sharding/adopt.py reads them back from a model transformers sharded at load
 TRANSFORMERS_DIM_SETTINGS = {"dp_replicate": "replicate_size", TP_DIM: "tp_size", EP_DIM: "ep_size"}
@@ -322,7 +322,7 @@ class FSDP2Config:
     tile recomputed in backward, so one tile's intermediate activations live at once. None: off, unless
     shard_size="auto" turns it on as what fits (docs/planner.md; a size you set is kept)."""
     ep_size: int = 1
-    """Expert parallelism for mixture-of-experts models (sharding/expert_parallel.py): the model's own EP plan
+    """Expert parallelism for mixture-of-experts models (sharding/expert_parallel/): the model's own EP plan
     (transformers' `base_model_ep_plan`), each layer's experts split over `ep_size` ranks of the shard group
     (tokens sent to them by all-to-all) and FSDP-sharded over the shard size / ep_size ranks that hold the
     same ones; the rest sharded as without EP. Must divide the shard size; not with HSDP, TP, CP, 4-bit, fp8,
@@ -510,7 +510,7 @@ class FSDP2Config:
 
     def forward_exchanges(self) -> str | None:
         """What makes every forward exchange data with ranks that hold other batches, as a refusal names it (None
-        when nothing does): expert parallelism's token exchange in each MoE layer (sharding/expert_parallel.py), so
+        when nothing does): expert parallelism's token exchange in each MoE layer (sharding/expert_parallel/), so
         every rank must run as many forwards as the slowest (generate()'s `synced_gpus`, sharding/generation.py)."""
         return f"expert parallelism (`ep_size`={self.ep_size})" if self.ep_size > 1 else None
 

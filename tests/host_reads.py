@@ -5,7 +5,7 @@ seen by a TorchFunctionMode (on a CPU tensor `tolist` and `numpy` reach no dispa
 read the device or size their output by its values: `_local_scalar_dense` (what item/bool/int call inside),
 `nonzero`, `is_nonzero`, `masked_select`, the `unique`s, `bincount`, `repeat_interleave` without `output_size`,
 indexing by a boolean mask (a nonzero inside), seen by a TorchDispatchMode. Reads of tensors in `exempt` (host
-buffers that never were on the device, e.g. sharding/expert_dispatch.py's token counts) are counted apart.
+buffers that never were on the device, e.g. sharding/expert_parallel/dispatch.py's token counts) are counted apart.
 
 `windows(modules)` opens the window around each module's forward (hooks), so only reads inside them count.
 `ops` counts the matrix multiplications run in the windows too (`_grouped_mm`, `mm`, `bmm`, ...): a Python loop over

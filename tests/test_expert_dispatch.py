@@ -1,4 +1,4 @@
-"""Expert parallelism's token dispatch without a host read per MoE layer (issue 64, sharding/expert_dispatch.py):
+"""Expert parallelism's token dispatch without a host read per MoE layer (issue 64, sharding/expert_parallel/dispatch.py):
 no device value read by the MoE layers of a training step (transformers' AllToAllEP reads its split sizes in each),
 one process's losses and gradients with ranks holding batches of different lengths (Qwen3-MoE at ep 4, gpt-oss at
 ep 2), and the MoE settings it cannot honour refused by name. tests/test_expert_parallel.py runs its equality
@@ -33,7 +33,7 @@ def _adapted(module):
 
 def _step_reads(model, ids) -> tuple[HostReads, HostReads]:
     """One training step: reads inside the MoE blocks' forwards, and over the whole step."""
-    from hf_fsdp2.sharding import expert_dispatch
+    from hf_fsdp2.sharding.expert_parallel import dispatch as expert_dispatch
 
     moe, step = HostReads(expert_dispatch.host_buffers()), HostReads(expert_dispatch.host_buffers())
     with moe.counting(), moe.windows(_moe_blocks(model)), step.counting(), step.window():
@@ -42,7 +42,7 @@ def _step_reads(model, ids) -> tuple[HostReads, HostReads]:
 
 
 def _reads_rank(rank, world):
-    from hf_fsdp2.sharding import expert_dispatch
+    from hf_fsdp2.sharding.expert_parallel import dispatch as expert_dispatch
 
     ids = local_rows(batches(1)[0], rank, world)
     out = {}
@@ -111,8 +111,8 @@ def test_lora_inside_the_grouped_matmuls_is_peft_s():
     ([E, in, out] with biases)."""
     from peft import LoraConfig, get_peft_model
 
-    from hf_fsdp2.sharding import expert_lora
-    from hf_fsdp2.sharding.expert_dispatch import grouped_experts
+    from hf_fsdp2.sharding.expert_parallel import lora as expert_lora
+    from hf_fsdp2.sharding.expert_parallel.dispatch import grouped_experts
 
     for arch in ("qwen3_moe", "gpt_oss"):
         model = get_peft_model(build_moe(arch=arch), LoraConfig(r=3, lora_alpha=8, target_parameters=EXPERT_TARGETS,

@@ -502,7 +502,7 @@ def test_estimate_counts_each_ranks_experts_and_the_token_exchange(tmp_path, cap
     layer = next(g for g in plain.groups if g.name.endswith("layers.0"))
     layer_ep = next(g for g in ep2.groups if g.name.endswith("layers.0"))
     assert layer.gathered_bytes - layer_ep.gathered_bytes == expert_bytes // 2
-    # sharding/expert_dispatch.py: ep 2 x batch 2 x 16 tokens gathered and summed back, and as many x top-2 pair rows
+    # sharding/expert_parallel/dispatch.py: ep 2 x batch 2 x 16 tokens gathered and summed back, and as many x top-2 pair rows
     top_k = config.num_experts_per_tok
     assert ep2.all_to_all_bytes == 2 * 2 * 16 * (2 + top_k) * hidden * 4 and plain.all_to_all_bytes == 0
     assert ep2.backward_start_bytes - plain.backward_start_bytes == ep2.all_to_all_bytes

@@ -208,7 +208,7 @@ TECHNIQUES = {
         "cp_size", "CP_DIM", "context_parallel", "enable_cpu_ring_attention", "require_context_parallel",
         "context_parallel_active", "refuse_padding", "_templated_ring_attention", "context_parallel_unshard",
         "maybe_context_parallel"}),
-    "expert parallelism": ("sharding/expert_parallel.py", {
+    "expert parallelism": ("sharding/expert_parallel/", {
         "ep_size", "EP_DIM", "EFSDP_DIM", "expert_parallel", "expert_lora", "expert_dispatch", "apply_expert_parallel",
         "shard_experts", "expert_mesh", "experts_mesh", "DISPATCH_STYLE", "ep_plan", "_ep_plan", "base_model_ep_plan",
         "apply_expert_parallelism"}),
@@ -394,7 +394,7 @@ def shared_record_fields(root: Path = SOURCE) -> dict[str, str]:
 
 KNOWN_PEFT_UNWRAPPING = collections.Counter({
     # the tuner (PeftModel.base_model) whose merge methods are refused on split experts (issue 62)
-    ("sharding/expert_lora.py", "base_model"): 1,
+    ("sharding/expert_parallel/lora.py", "base_model"): 1,
 })
 
 # Files naming a technique beyond its four places, measured at de2aec5 (73 files of hf_fsdp2/ besides cli.py and
@@ -421,17 +421,15 @@ KNOWN_TECHNIQUE_SPREAD = {
     # its ranks in each shard group); upstream.py's PRIVATE entries (torch's ring attention) are declarations the
     # seams rule requires, not counted (its code is)
     "context parallelism": set(),
-    # Left: EP's own code in two more files, the token exchange (expert_dispatch.py, issue 64) and LoRA on the split
-    # experts (expert_lora.py), each called from expert_parallel.py alone: EP's module once the three are the package
-    # sharding/expert_parallel/ (technique_spread counts a package as the module; not moved while issue 64 edits
-    # them: test_a_package_is_one_module). Since (9 -> 2): the layout asks memory.py (EP's planner cost) which
+    # none since: EP is the package sharding/expert_parallel/ (its __init__.py, the token exchange dispatch.py, LoRA
+    # on the split experts lora.py). Before (9 -> 2 -> 0): the layout asks memory.py (EP's planner cost) which
     # offloads and shard sizes the settings allow (offload_choices, shard_size_allowed) and memory.py proposes the EP
     # sizes (expert_parallel_options); the report's EP words come from memory.py (model_parallel's ep_size, a mesh
     # part, exchange_words); generate() asks FSDP2Config.forward_exchanges whether ranks must step together;
     # ShardPlan holds inner groups and the function that shards them (the engine hands EP's shard_experts);
     # adopt.py reads TRANSFORMERS_DIM_SETTINGS; presharded.py skips config.UNSET_AGREES_AT_PREPARE;
     # parallel_plans.py returns transformers' plans unopened
-    "expert parallelism": {"sharding/expert_dispatch.py", "sharding/expert_lora.py"},
+    "expert parallelism": set(),
     # adopt.py, expert_parallel.py, tensor_parallel.py, replication.py no more: config.py holds the fields that
     # decide sharding (SHARDING_FIELDS) and what TP, EP and DDP's reducer are not done with (not_done_with)
     # checkpoint/weights_io.py no more: it asks the engine to recompute what the techniques derive from the weights
@@ -618,20 +616,16 @@ def test_the_technique_rule_reports_a_new_file(tmp_path, file, line, technique):
 
 
 def test_a_package_is_one_module(tmp_path):
-    """A technique's module may be a package: every file under it is the module. EP's three files (its module, the
-    token exchange, LoRA on the split experts: each EP's own, called from expert_parallel.py alone) as the package
-    sharding/expert_parallel/ leave EP named nowhere beyond its places, and a new file naming it outside still counts
-    (the move itself is not done: issue 64 edits two of the files)."""
+    """A technique's module may be a package: every file under it is the module. EP's package
+    (sharding/expert_parallel/: its __init__.py, the token exchange dispatch.py, LoRA on the split experts lora.py)
+    leaves EP named nowhere beyond its places; counted as its __init__.py alone, the other two count, and a new
+    file naming EP outside the package counts either way."""
     tree = _violated(tmp_path, "checkpoint/header.py", "def f(config):\n    return config.ep_size")
-    package = tree / "hf_fsdp2" / "sharding" / "expert_parallel"
-    package.mkdir()
-    for name in ("expert_parallel.py", "expert_dispatch.py", "expert_lora.py"):
-        (tree / "hf_fsdp2" / "sharding" / name).rename(package / ("__init__.py" if name == "expert_parallel.py"
-                                                                     else name))
-    as_package = {**TECHNIQUES, "expert parallelism": ("sharding/expert_parallel/",
-                                                       TECHNIQUES["expert parallelism"][1])}
-    assert technique_spread(tree, as_package)["expert parallelism"] == {"checkpoint/header.py"}
-    assert technique_spread(tree)["expert parallelism"] >= {"checkpoint/header.py", "sharding/expert_parallel/__init__.py"}
+    assert technique_spread(tree)["expert parallelism"] == {"checkpoint/header.py"}
+    as_one_file = {**TECHNIQUES, "expert parallelism": ("sharding/expert_parallel/__init__.py",
+                                                        TECHNIQUES["expert parallelism"][1])}
+    assert technique_spread(tree, as_one_file)["expert parallelism"] == {
+        "checkpoint/header.py", "sharding/expert_parallel/dispatch.py", "sharding/expert_parallel/lora.py"}
 
 
 @pytest.mark.parametrize("line", [

@@ -213,7 +213,7 @@ class MetaTrainingModel:
     _tp_shapes: dict = field(default_factory=dict)
 
     def expert_params(self, shard_size: int, ep_size: int) -> dict[int, int]:
-        """id(param) -> ep_size for the expert tensors the model's EP plan splits (sharding/expert_parallel.py)."""
+        """id(param) -> ep_size for the expert tensors the model's EP plan splits (sharding/expert_parallel/)."""
         if ep_size == 1:
             return {}
         from ..sharding import expert_parallel
@@ -359,8 +359,8 @@ def _estimate(prepared: MetaTrainingModel, world_size: int, config: FSDP2Config,
     # stored as above, never all-gathered; not under FP8, whose weights FSDP2 gathers in float8 (as the engine).
     outside = set() if config.fp8 else replicated_frozen_parameters(model, config, shard)
     # EP: an expert tensor's rank holds rows / ep of it, FSDP-sharded over shard / ep ranks: the same bytes per
-    # rank at rest (rows / shard), but its group gathers only the rank's experts (sharding/expert_parallel.py).
-    if config.ep_size > 1 and (config.tp_size > 1 or cp_size > 1):  # as sharding/expert_parallel.py refuses it
+    # rank at rest (rows / shard), but its group gathers only the rank's experts (sharding/expert_parallel/).
+    if config.ep_size > 1 and (config.tp_size > 1 or cp_size > 1):  # as sharding/expert_parallel/ refuses it
         raise ValueError(f"`ep_size`={config.ep_size} with {'`tp_size`' if config.tp_size > 1 else '`cp_size`'} > 1 "
                          "is not done in hf_fsdp2 (expert parallelism within one data-parallel shard group only).")
     experts = prepared.expert_params(shard, config.ep_size)
@@ -513,7 +513,7 @@ def _loss_backward_bytes(base: nn.Module, batch_size: int, seq_len: int, cp_size
 
 def _all_to_all_bytes(prepared: MetaTrainingModel, batch_size: int, tokens: int, compute: torch.dtype | None,
                       ep_size: int) -> int:
-    """One EP layer's token dispatch (sharding/expert_dispatch.py): the tokens gathered from the ep ranks, the rows
+    """One EP layer's token dispatch (sharding/expert_parallel/dispatch.py): the tokens gathered from the ep ranks, the rows
     summed back (each ep x tokens), and the pair rows the experts read (ep x tokens x min(top-k, E/ep): the dropless
     bound they are sized by, whatever the routing), of the hidden size in the compute dtype."""
     config = getattr(prepared.base, "config", None)
@@ -772,7 +772,7 @@ def parallel_sizes(prepared: MetaTrainingModel, world_size: int, seq_len: int) -
 def offload_choices(config: FSDP2Config, device_type: str) -> list[bool]:
     """The `cpu_offload` values the layout planner tries: the one `config` sets when True; on CPU, where host and
     device are one memory, none; else without, then with. Expert parallelism: never (one shard group over every
-    rank, no offload: sharding/expert_parallel.py refuses it)."""
+    rank, no offload: sharding/expert_parallel/ refuses it)."""
     if config.ep_size > 1:
         return [False]
     return [True] if config.cpu_offload else ([False] if device_type == "cpu" else [False, True])
@@ -887,7 +887,7 @@ def activation_choices(config: FSDP2Config, device_type: str, fixed: bool = Fals
     keep its matmul and attention outputs (op-level selective checkpointing: only the cheap ops are
     recomputed); checkpoint every other layer (half the recomputation of every layer); every layer; or, on an
     accelerator, move them to the host (activation offload: on a CPU host and device are one memory; not with
-    expert parallelism, sharding/expert_parallel.py). Checkpointing or offload `config` sets (or layers
+    expert parallelism, sharding/expert_parallel/). Checkpointing or offload `config` sets (or layers
     already wrapped, `fixed`: every one) is kept as it is.
 
     Sequence tiling (sharding/sequence_tiling.py), given the meta model and the planned `seq_len` (per rank: / cp):

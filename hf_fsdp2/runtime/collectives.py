@@ -29,9 +29,9 @@ tensors, as NCCL does):
 | checkpoint/loading.py rank 0's 4-bit dtype      | all-reduce MAX   | host_group()           | CPU    |
 | checkpoint/full_weights.py (vLLM weight sync)   | all-reduce SUM   | the mesh, dim by dim   | mesh   |
 | quantization/bnb_4bit.py double-quant absmax    | all-gather       | the mesh's shard dim   | mesh   |
-| sharding/expert_dispatch.py tokens per MoE call | all-reduce MAX   | ep ranks' gloo group   | CPU    |
-| sharding/expert_dispatch.py tokens, expert ids, router weights | all-gather | the expert mesh's "ep" | mesh |
-| sharding/expert_dispatch.py experts' weighted sums | reduce-scatter | the expert mesh's "ep" | mesh |
+| sharding/expert_parallel/dispatch.py tokens per MoE call | all-reduce MAX   | ep ranks' gloo group   | CPU    |
+| sharding/expert_parallel/dispatch.py tokens, expert ids, router weights | all-gather | the expert mesh's "ep" | mesh |
+| sharding/expert_parallel/dispatch.py experts' weighted sums | reduce-scatter | the expert mesh's "ep" | mesh |
 
 Relies on `ProcessGroup._device_types` (torch >= 2.6; checked in tests/test_gpu_semantics.py).
 """

@@ -164,17 +164,17 @@ SEAMS: tuple[Seam, ...] = (
     Seam("transformers.modeling_utils.PreTrainedModel.save_pretrained", INSTANCE_WRAPPED,
          "integrations/deferred_load.py",
          "a model whose weights load at prepare (deferred loading) refuses saving by name: it would write no weights"),
-    Seam("peft.tuners.lora.layer.ParamWrapper.forward", INSTANCE_WRAPPED, "sharding/expert_lora.py",
+    Seam("peft.tuners.lora.layer.ParamWrapper.forward", INSTANCE_WRAPPED, "sharding/expert_parallel/lora.py",
          "LoRA on experts transformers split over ranks (ep_size > 1): PEFT's parametrization would fold every "
          "expert's delta into weights that are each rank's rows; the wrapper calls the experts, which add their own"),
     Seam("transformers.distributed.expert_parallel.EpDispatchExpertsParallel.install_forward", INSTANCE_WRAPPED,
-         "sharding/expert_lora.py",
+         "sharding/expert_parallel/lora.py",
          "the EP forward that transformers installs on split experts runs, with LoRA, on each rank's rows plus the "
          "delta of those experts only", where_present=True),
-    Seam("peft.tuners.tuners_utils.BaseTuner.merge_and_unload", INSTANCE_WRAPPED, "sharding/expert_lora.py",
+    Seam("peft.tuners.tuners_utils.BaseTuner.merge_and_unload", INSTANCE_WRAPPED, "sharding/expert_parallel/lora.py",
          "on a model whose split experts (ep_size > 1) carry LoRA, refused by name before PEFT merges a module: "
          "each rank holds only its experts' rows (save_pretrained(merge_adapters=True) writes the merged model)"),
-    Seam("peft.tuners.tuners_utils.BaseTuner.merge_adapter", INSTANCE_WRAPPED, "sharding/expert_lora.py",
+    Seam("peft.tuners.tuners_utils.BaseTuner.merge_adapter", INSTANCE_WRAPPED, "sharding/expert_parallel/lora.py",
          "the same for merge_adapter()"),
     Seam("transformers.generation.utils.GenerationMixin.generate", INSTANCE_WRAPPED, "sharding/generation.py",
          "on a model hf_fsdp2 sharded, each group is gathered once per generate() call, not once per token"),
@@ -184,7 +184,7 @@ SEAMS: tuple[Seam, ...] = (
          "gets the same ring attention, through torch's own templated forward/backward",
          reader="torch.distributed.tensor.experimental._context_parallel._attention._enable_cp_dtensor_dispatcher"),
     Seam("transformers.distributed.expert_parallel.EPImplementationInterface._global_mapping", REGISTERED,
-         "sharding/expert_dispatch.py",
+         "sharding/expert_parallel/dispatch.py",
          "expert parallelism's token dispatch without a host read per layer (even all-to-alls), registered as "
          "transformers documents (`EPImplementationInterface.register`) and named in apply_expert_parallelism",
          where_present=True,
@@ -208,7 +208,7 @@ SEAMS: tuple[Seam, ...] = (
     # Private state written in place (PRIVATE_STATE).
     Seam("torch.nn.Module._parameters", PRIVATE_STATE,
          "sharding/engine.py, checkpoint/loading.py, checkpoint/pretrained.py, quantization/bnb_4bit.py, "
-         "sharding/expert_lora.py",
+         "sharding/expert_parallel/lora.py",
          "a registered parameter swapped in place, without register_parameter's checks: tied weights tied again, "
          "meta copies before loading, a 4-bit weight replaced by its packed rows, split experts' rows plus their "
          "LoRA delta for one forward"),
@@ -295,15 +295,15 @@ PRIVATE: tuple[Private, ...] = (
     # the memory estimate's shapes-only stand-in intercepts it where F.grouped_mm is absent (MoE layers)
     Private("torch", "_grouped_mm", "planner/activation_trace.py", optional=True),
     Private("torch.distributed.tensor._utils", "compute_local_shape_and_global_offset", "checkpoint/tensor_export.py"),
-    Private("transformers.distributed.parallel_utils", "_get_parameter_plan", "sharding/expert_lora.py",
-            since=(5, 23)),  # with transformers' EP (sharding/expert_parallel.py require_available)
+    Private("transformers.distributed.parallel_utils", "_get_parameter_plan", "sharding/expert_parallel/lora.py",
+            since=(5, 23)),  # with transformers' EP (sharding/expert_parallel/ require_available)
     Private("torch.distributed.tensor.placement_types", "_StridedShard", "checkpoint/tensor_export.py"),
     Private("torch.distributed.checkpoint.filesystem", "_StorageInfo", "checkpoint/convert.py"),
     # torch: a tensor's version counter (bumped by every in-place op, on meta too): a deferred model's lost change
     Private("torch", "Tensor._version", "integrations/deferred_load.py"),
     # torch: nn.Module internals.
     Private("torch.nn", "Module._parameters", f"sharding/engine.py, {_CC}, checkpoint/loading.py, "
-            "checkpoint/pretrained.py, quantization/bnb_4bit.py, sharding/expert_lora.py", instance=True),
+            "checkpoint/pretrained.py, quantization/bnb_4bit.py, sharding/expert_parallel/lora.py", instance=True),
     Private("torch.nn", "Module._forward_pre_hooks", f"{_GEN}, {_REP}", instance=True),
     Private("torch.nn", "Module._non_persistent_buffers_set", "checkpoint/tensor_export.py", instance=True),
     Private("torch.nn", "Module._compiled_call_impl", "sharding/compile/__init__.py"),
@@ -403,19 +403,19 @@ PRIVATE: tuple[Private, ...] = (
     # differentiable collectives of Ulysses and of the EP dispatch (torch.distributed.nn.functional's are deprecated)
     *[Private("torch.distributed._functional_collectives", name, "sharding/sequence_parallel.py")
       for name in ("all_reduce", "all_to_all_single_autograd", "all_gather_tensor_autograd")],
-    *[Private("torch.distributed._functional_collectives", name, "sharding/expert_dispatch.py")
+    *[Private("torch.distributed._functional_collectives", name, "sharding/expert_parallel/dispatch.py")
       for name in ("all_gather_single", "reduce_scatter_single")],
     # the EP dispatch's experts on rows it sorted itself: transformers' grouped matmul dispatcher and the experts'
     # gate (use_experts_implementation gives classes without their own gate integrations/moe.py's default)
-    Private("transformers.integrations.moe", "_grouped_mm", "sharding/expert_dispatch.py"),
-    *[Private(module, f"{cls}._apply_gate", "sharding/expert_dispatch.py")
+    Private("transformers.integrations.moe", "_grouped_mm", "sharding/expert_parallel/dispatch.py"),
+    *[Private(module, f"{cls}._apply_gate", "sharding/expert_parallel/dispatch.py")
       for module, cls in (("transformers.models.qwen3_moe.modeling_qwen3_moe", "Qwen3MoeExperts"),
                           ("transformers.models.gpt_oss.modeling_gpt_oss", "GptOssExperts"))],
     # the implementation a model's attention looks up (Ulysses wraps it: sharding/sequence_parallel.py)
     Private("transformers.configuration_utils", "PreTrainedConfig._attn_implementation",
             "sharding/sequence_parallel.py"),
     Private("transformers.configuration_utils", "PreTrainedConfig._experts_implementation",
-            "sharding/expert_dispatch.py"),
+            "sharding/expert_parallel/dispatch.py"),
     # A keyword the Auto classes may pass on, which from_pretrained reads: the contract is its name in that source
     # (integrations/deferred_load.py's _HUB_ONLY accepts it on the deferred path).
     Private("transformers.modeling_utils", "PreTrainedModel.from_pretrained._commit_hash",
@@ -424,7 +424,7 @@ PRIVATE: tuple[Private, ...] = (
     Private("peft.peft_model", "PeftModel._get_base_model_class", "sharding/model_parts.py"),
     Private("peft.tuners.lora.layer", "_ConvNd", "checkpoint/lora_merge.py"),
     Private("peft.tuners.lora.layer", "ParamWrapper._did_swap_in_out_features",
-            "checkpoint/lora_merge.py, sharding/expert_lora.py",
+            "checkpoint/lora_merge.py, sharding/expert_parallel/lora.py",
             instance=True, optional=True),  # PEFT >= 0.19
     # bitsandbytes.
     Private("bitsandbytes.nn.modules", "_convert_weight_packed_for_cpu_inverse", "quantization/bnb_4bit.py"),

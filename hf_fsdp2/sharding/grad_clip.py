@@ -2,7 +2,7 @@
 
 torch's `clip_grad_norm_` stacks the norms of all gradients into one tensor, which DTensor refuses for norms on
 different meshes ("All operands in aten.stack.default must have the same mesh"): an expert-parallel model has
-its experts on the ("efsdp", "ep") mesh and the rest on the data-parallel mesh (sharding/expert_parallel.py).
+its experts on the ("efsdp", "ep") mesh and the rest on the data-parallel mesh (sharding/expert_parallel/).
 `clip_grad_norm_` here takes the norm per mesh, combines the full norms (what Accelerate's
 `Accelerator.clip_grad_norm_` does for FSDP2, `_clip_grad_norm_dtensor_aware`) and scales each gradient on its
 own mesh with torch's `clip_grads_with_norm_`.

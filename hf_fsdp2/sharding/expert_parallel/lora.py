@@ -14,7 +14,7 @@ So, for each experts module transformers split:
 - the experts' forward (transformers' EP forward) gets PEFT's own factors (`get_delta_factors`) sliced to the
   experts this rank holds: where hf_fsdp2's dispatch runs the experts in its grouped matmuls (transformers'
   default `grouped_mm`), the adapters run inside them, x @ W + scaling * (x @ A) @ B over the same groups
-  (sharding/expert_dispatch.py `grouped_experts`: no merged weight, no gradient of one, none to a frozen W);
+  (sharding/expert_parallel/dispatch.py `grouped_experts`: no merged weight, no gradient of one, none to a frozen W);
   otherwise (transformers' AllToAllEP, batched_mm) each adapted parameter is replaced, for the call, by its local
   rows plus their delta: the same `baddbmm` PEFT folds.
 
@@ -35,8 +35,8 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from ..runtime import upstream
-from . import expert_dispatch
+from ...runtime import upstream
+from . import dispatch
 
 WRAPPER_FORWARD = "peft.tuners.lora.layer.ParamWrapper.forward"
 EP_FORWARD = "transformers.distributed.expert_parallel.EpDispatchExpertsParallel.install_forward"
@@ -180,13 +180,13 @@ def _local_terms(chain: list[nn.Module], experts: nn.Module, ep_rank: int) -> di
 
 def _with_local_adapters(chain: list[nn.Module], experts: nn.Module, ep_rank: int, ep_forward, *args, **kwargs):
     """transformers' EP forward with this rank's share of the adapters: inside hf_fsdp2's grouped matmuls where its
-    dispatch runs the experts (`expert_dispatch.adapters`: x @ W + scaling * (x @ A) @ B, no merged weight), else
+    dispatch runs the experts (`dispatch.adapters`: x @ W + scaling * (x @ A) @ B, no merged weight), else
     each adapted parameter, for this call, its local rows plus their delta (PEFT's fold)."""
     terms = _local_terms(chain, experts, ep_rank)
     if not terms:
         return ep_forward(*args, **kwargs)
-    if expert_dispatch.takes_adapters(experts):
-        with expert_dispatch.adapters(experts, {name: factors for name, (_, factors) in terms.items()}):
+    if dispatch.takes_adapters(experts):
+        with dispatch.adapters(experts, {name: factors for name, (_, factors) in terms.items()}):
             return ep_forward(*args, **kwargs)
     swapped = {}
     try:

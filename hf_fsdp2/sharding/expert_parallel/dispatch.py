@@ -31,10 +31,10 @@ than AllToAllEP's at moe_bench's shape, one thread) and twice the bytes are why 
 packed all-gather of tokens, ids and weights (7 collectives a layer to 4) changed nothing measurable: not kept.
 
 LoRA on the experts (PEFT's `target_parameters`) runs inside the grouped matmuls where the experts run here
-(`adapters`, set by sharding/expert_lora.py around the call): x @ W + (x @ A) @ (scaling B) per expert group.
+(`adapters`, set by sharding/expert_parallel/lora.py around the call): x @ W + (x @ A) @ (scaling B) per expert group.
 
 The implementation registers in transformers' `EPImplementationInterface` (its documented extension point) as
-`NAME`, and `apply_expert_parallelism(..., ep_implementation=NAME)` installs it; sharding/expert_parallel.py picks
+`NAME`, and `apply_expert_parallelism(..., ep_implementation=NAME)` installs it; sharding/expert_parallel/ picks
 it, or transformers' `all_to_all` where `set_dispatch("all_to_all")` asks (benchmarks/moe_bench.py's side-by-side).
 
 Refused by name (`refuse_unsupported`): a capacity factor in the model's config (this dispatch is dropless; a
@@ -56,7 +56,7 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from ..runtime import collectives, upstream
+from ...runtime import collectives, upstream
 
 NAME = "hf_fsdp2_even_gather_scatter"
 REGISTRY = "transformers.distributed.expert_parallel.EPImplementationInterface._global_mapping"
@@ -69,7 +69,7 @@ SENTINEL_AWARE = ("grouped_mm", "batched_mm", "deepgemm")
 CAPACITY_FIELDS = ("expert_capacity", "capacity_factor", "moe_eval_capacity_token_fraction")
 _dispatch = "even"
 # experts modules this dispatch runs (one GatherScatterEP each), and the LoRA terms of the call in progress of those
-# whose adapters run inside the grouped matmuls (`adapters`: set by sharding/expert_lora.py around the EP forward)
+# whose adapters run inside the grouped matmuls (`adapters`: set by sharding/expert_parallel/lora.py around the EP forward)
 _OURS: weakref.WeakSet = weakref.WeakSet()
 _ADAPTERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -133,12 +133,12 @@ def refuse_unsupported(config, ep_size: int, experts: dict | None = None) -> Non
                          f"implementations ({type((experts or {})[own[0]]).__name__} at {own[0]}: a loop of its own, "
                          "which reads the host per layer and ignores `experts_implementation`) is not done in "
                          "hf_fsdp2's EP dispatch; transformers' AllToAllEP runs it: "
-                         "hf_fsdp2.sharding.expert_dispatch.set_dispatch('all_to_all').")
+                         "hf_fsdp2.sharding.expert_parallel.dispatch.set_dispatch('all_to_all').")
     if _dispatch == "even" and implementation not in SENTINEL_AWARE:
         raise ValueError(f"`experts_implementation`={implementation!r} with `ep_size`={ep_size}: its experts are not "
                          "known to skip the rows another EP rank holds in hf_fsdp2's EP dispatch; not done. Use "
                          f"one of {', '.join(repr(n) for n in SENTINEL_AWARE)} (grouped_mm: transformers' default), "
-                         "or transformers' AllToAllEP: hf_fsdp2.sharding.expert_dispatch.set_dispatch('all_to_all').")
+                         "or transformers' AllToAllEP: hf_fsdp2.sharding.expert_parallel.dispatch.set_dispatch('all_to_all').")
 
 
 def takes_adapters(experts) -> bool:
@@ -196,7 +196,7 @@ def grouped_experts(experts, rows: torch.Tensor, ids: torch.Tensor, offsets: tor
 
     `adapters`: {parameter name: [(lhs, rhs, scaling), ...]}, LoRA on those parameters of the local experts, each
     term's delta `scaling * lhs @ rhs` in the parameter's own layout (PEFT's `ParamWrapper.get_delta_factors`,
-    sliced to the local experts by sharding/expert_lora.py). Applied inside the grouped matmuls, never folded into a
+    sliced to the local experts by sharding/expert_parallel/lora.py). Applied inside the grouped matmuls, never folded into a
     weight: x @ W + (x @ L1) @ (scaling L2) with two more grouped matmuls of rank r over the same `offs` (`_low_rank`;
     the scaling on the small factor, not on the rows: one pass over them, the sum), so no [experts, out, in] delta or
     its gradient exists, and a frozen W gets no gradient."""

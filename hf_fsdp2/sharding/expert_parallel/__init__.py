@@ -5,10 +5,10 @@ transformers 5 ships each MoE model's EP plan (`base_model_ep_plan`, e.g. Qwen3-
 `"grouped_gemm"`) and applies it with `transformers.distributed.expert_parallel.apply_expert_parallelism`:
 each expert tensor becomes a `Shard(0)` DTensor on the "ep" mesh (E / ep experts per rank, no
 communication: every rank keeps its own rows of the same full weights), and the experts' forward brings each
-(token, expert) pair to the expert's rank and the result back: hf_fsdp2's dispatch (sharding/expert_dispatch.py,
+(token, expert) pair to the expert's rank and the result back: hf_fsdp2's dispatch (sharding/expert_parallel/dispatch.py,
 registered with transformers as an `EPImplementation`: fixed-size all-gathers and reduce-scatters), which reads
 nothing back to the host per layer, where transformers' `AllToAllEP` reads its split sizes
-(`expert_dispatch.set_dispatch` picks that one for a side-by-side). The experts run in transformers' grouped matmul
+(`dispatch.set_dispatch` picks that one for a side-by-side). The experts run in transformers' grouped matmul
 (`grouped_mm`, its default: one per projection for all local experts).
 
 On top, as `from_pretrained(distributed_config=DistributedConfig(ep_size=...))` composes them
@@ -31,14 +31,14 @@ expert, and a training state resumes on plain FSDP and on another ep size).
 
 PEFT LoRA on the linear layers (attention, a shared expert, dense MLPs) trains with the experts frozen
 in their own groups; LoRA on the fused experts themselves (`target_parameters`) is applied on each rank's
-rows by sharding/expert_lora.py (EP is applied to the module PEFT's wrappers adapt).
+rows by sharding/expert_parallel/lora.py (EP is applied to the module PEFT's wrappers adapt).
 
 Every forward exchanges tokens, so `generate()` keeps the ranks stepping together (`synced_gpus`,
 sharding/generation.py). The experts' gradients are on the expert mesh, the rest on the dense one: torch's
 `clip_grad_norm_` cannot combine them and refuses by name; `hf_fsdp2.clip_grad_norm_` does (sharding/grad_clip.py).
 
 Not done, refused by name when asked for: a capacity in the model's config (the dispatch is dropless), an experts
-implementation not known to skip other ranks' rows (sharding/expert_dispatch.py), HSDP replicas, tensor or context parallelism, 4-bit or FP8
+implementation not known to skip other ranks' rows (sharding/expert_parallel/dispatch.py), HSDP replicas, tensor or context parallelism, 4-bit or FP8
 experts, compile, CPU or activation offload, `ignored_modules` that take in experts.
 A model on the meta device (`hf_fsdp2.from_pretrained`) is split the same way before anything is
 allocated, and each rank reads its experts' rows only.
@@ -49,11 +49,12 @@ from __future__ import annotations
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from ..config import EP_DIM
-from ..runtime import collectives
-from . import expert_dispatch, expert_lora, grad_clip, parallel_plans
-from .groups import ignored_parameters
-from .model_parts import ModelParts
+from ...config import EP_DIM
+from ...runtime import collectives
+from .. import grad_clip, parallel_plans
+from . import dispatch, lora
+from ..groups import ignored_parameters
+from ..model_parts import ModelParts
 
 EFSDP_DIM = "efsdp"  # the expert mesh's other dimension: the ranks holding the same experts
 DISPATCH_STYLE = "ep_dispatch_experts"  # the module whose forward transformers replaces with the token exchange
@@ -62,14 +63,14 @@ DISPATCH_STYLE = "ep_dispatch_experts"  # the module whose forward transformers 
 def resolved_plan(base: nn.Module, shard_size: int, ep_size: int) -> dict[str, str]:
     """The EP plan of `base` (a transformers model) for `ep_size` ranks, one entry per module or parameter (as
     `from_pretrained(distributed_config=...)` resolves it: `_resolve_parallel_plans`), named as they are under
-    PEFT's `ParamWrapper`s where LoRA adapts the experts' parameters (sharding/expert_lora.py)."""
+    PEFT's `ParamWrapper`s where LoRA adapts the experts' parameters (sharding/expert_parallel/lora.py)."""
     ep_plan = {} if not getattr(base, "ep_plan", None) else parallel_plans.resolve(
         base, f"`ep_size`={ep_size}: {type(base).__name__} is not a transformers model with an expert-parallel plan.",
         fsdp_size=shard_size, ep_size=ep_size)[1]
     if DISPATCH_STYLE not in ep_plan.values():
         raise ValueError(f"`ep_size`={ep_size}: {type(base).__name__} has no experts to split "
                          f"(its config's base_model_ep_plan names no '{DISPATCH_STYLE}' module); leave ep_size at 1.")
-    return expert_lora.plan_through_adapters(base, ep_plan)
+    return lora.plan_through_adapters(base, ep_plan)
 
 
 def require_available(ep_size: int) -> None:
@@ -94,7 +95,7 @@ def check_shard_group(config, shard_size: int) -> None:
 
 def refuse_unsupported(model: nn.Module, config, mesh: DeviceMesh) -> None:
     """What EP does not cover yet, refused by name before anything changes."""
-    from ..quantization import quantized
+    from ...quantization import quantized
 
     require_available(config.ep_size)
     names = mesh.mesh_dim_names or ()
@@ -133,23 +134,23 @@ def _batch_mesh(mesh: DeviceMesh) -> DeviceMesh:
 def apply_expert_parallel(parts: ModelParts, config, mesh: DeviceMesh) -> tuple[list[nn.Module], DeviceMesh]:
     """The model's EP plan applied by transformers on a new expert mesh; the experts modules (each to become
     an FSDP2 group on the mesh's "efsdp" dimension, `shard_experts`) and that mesh. LoRA on the experts'
-    parameters then runs on each rank's rows (sharding/expert_lora.py)."""
+    parameters then runs on each rank's rows (sharding/expert_parallel/lora.py)."""
     from transformers.distributed.expert_parallel import apply_expert_parallelism
 
     plan = resolved_plan(parts.base, mesh.size(), config.ep_size)
     names = [name for name, style in plan.items() if style == DISPATCH_STYLE]
     split = {name: parts.base.get_submodule(name) for name in names}
     _refuse_ignored_experts(parts, config, split)
-    expert_dispatch.refuse_unsupported(parts.base.config, config.ep_size, split)
+    dispatch.refuse_unsupported(parts.base.config, config.ep_size, split)
     experts_mesh = expert_mesh(mesh, config.ep_size)
-    expert_dispatch.prepare(experts_mesh, EP_DIM)
+    dispatch.prepare(experts_mesh, EP_DIM)
     apply_expert_parallelism(parts.base, experts_mesh[EP_DIM], _batch_mesh(mesh), plan,
-                             ep_implementation=expert_dispatch.implementation_name())
+                             ep_implementation=dispatch.implementation_name())
     experts = [parts.base.get_submodule(name) for name in names]
-    expert_lora.install(experts, [parts.base.get_submodule(expert_lora.unwrapped_name(name)) for name in names],
+    lora.install(experts, [parts.base.get_submodule(lora.unwrapped_name(name)) for name in names],
                         experts_mesh[EP_DIM])
     if parts.has_peft:
-        expert_lora.refuse_merging(parts.model, parts.base, [expert_lora.unwrapped_name(name) for name in names],
+        lora.refuse_merging(parts.model, parts.base, [lora.unwrapped_name(name) for name in names],
                                    config.ep_size)
     grad_clip.refuse_in_torch()  # torch's clip_grad_norm_ cannot combine the expert and dense meshes' gradients
     return experts, experts_mesh
