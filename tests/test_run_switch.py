@@ -50,8 +50,11 @@ def _shell_status(cmd: list[str]) -> str:
 
 def _signalled(cmd: list[str], sig: int, group: bool) -> tuple[int, str]:
     """(status, output) of `cmd` running WAITER, sent `sig` once ready (to its process group: Ctrl-C)."""
+    # Started with SIGINT at its default, as a terminal's foreground job is: a test run launched in the background
+    # of a non-interactive shell (`... &`, as CI may be) ignores SIGINT, every child inherits that, and Python then
+    # installs no KeyboardInterrupt handler: the Ctrl-C case would wait out its timeout, bare as under the switch.
     proc = subprocess.Popen(cmd + [PY, "-c", WAITER], stdout=subprocess.PIPE, text=True, env=_env(),
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         ready = proc.stdout.readline()
         assert ready.startswith("ready"), ready
