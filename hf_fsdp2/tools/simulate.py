@@ -107,15 +107,15 @@ def context_parallel_mesh(config: FSDP2Config, world_size: int, device: str):
     built under the fake group. An auto layout keeps its data-parallel shape as under Accelerate."""
     from accelerate.parallelism_config import ParallelismConfig
 
-    if config.is_auto_layout:
-        replicate, shard = 1, world_size
-    else:
-        replicate, shard = config.mesh_shape(world_size)
-    if shard % config.cp_size:
-        raise ValueError(f"`cp_size`={config.cp_size} must divide the shard size {shard}: FSDP2 shards over "
-                         "dp_shard x cp.")
+    if not config.is_auto_layout:
+        replicate, shard = config.mesh_shape(world_size)  # the ranks beside tp; refuses a cp_size not dividing shard
+    else:  # the planner keeps a given mesh's data-parallel shape: one shard group of the ranks beside tp
+        replicate, shard = 1, world_size // config.tp_size
+        if shard % config.cp_size:
+            raise ValueError(f"`cp_size`={config.cp_size} must divide the shard size {shard}: FSDP2 shards over "
+                             "dp_shard x cp.")
     return ParallelismConfig(dp_replicate_size=replicate, dp_shard_size=shard // config.cp_size,
-                             cp_size=config.cp_size).build_device_mesh(device)
+                             cp_size=config.cp_size, tp_size=config.tp_size).build_device_mesh(device)
 
 
 @contextlib.contextmanager
