@@ -492,12 +492,13 @@ def local_batch(batch: Mapping[str, Any], model: nn.Module) -> dict[str, Any]:
     sp group (neighbouring ranks: rank // sp_size is the data-parallel index under hf_fsdp2.build_mesh) pass the
     same batch. Otherwise the batch as it is. A model prepared by Accelerate (or the Trainer) splits the whole
     sequences in its training forward itself (sequence_parallel.split_in_forward): its batch is returned as it is."""
-    record = record_of(model)
+    parts = model_parts(model)  # an entry, called every micro-batch: PEFT unwrapped once
+    record = record_of(parts)
     if record is None or record.mesh is None:
         raise ValueError("local_batch: the model is not sharded; call hf_fsdp2.shard_model first.")
-    if SP_DIM not in (record.mesh.mesh_dim_names or ()) or sequence_parallel.splits_in_forward(model_parts(model)):
+    if SP_DIM not in (record.mesh.mesh_dim_names or ()) or sequence_parallel.splits_in_forward(parts):
         return dict(batch)
-    return sequence_parallel.rank_batch(model_parts(model), batch)
+    return sequence_parallel.rank_batch(parts, batch)
 
 
 @contextlib.contextmanager
