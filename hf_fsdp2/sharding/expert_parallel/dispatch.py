@@ -72,6 +72,8 @@ _dispatch = "even"
 # whose adapters run inside the grouped matmuls (`adapters`: set by sharding/expert_parallel/lora.py around the EP forward)
 _OURS: weakref.WeakSet = weakref.WeakSet()
 _ADAPTERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# experts whose projections another module multiplies (`use_matmul`): experts -> (matmul, the setting that asked)
+_MATMULS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 # by the EP group: the gloo group over its ranks that carries the token counts, and the CPU tensor they are
 # all-reduced in (one per group: its layers run one after another). Keyed by the group itself, not its name: ranks
@@ -162,6 +164,13 @@ def adapters(experts, terms: dict):
         del _ADAPTERS[experts]
 
 
+def use_matmul(experts, matmul, setting: str) -> None:
+    """`matmul(rows, weight [E, in, out], offsets)` in place of transformers' `_grouped_mm` for the projections of
+    `experts` in `grouped_experts` (not the LoRA terms), e.g. sharding/expert_parallel/low_precision.py's quantized
+    grouped matmul; `setting` names what asked for it where it cannot run (another experts implementation)."""
+    _MATMULS[experts] = (matmul, setting)
+
+
 def local_pairs(expert_ids: torch.Tensor, rank: int, num_local: int, top_k: int, num_rows: int, unused_token: int):
     """This rank's share of the gathered routing (`expert_ids`: flat, token-major, every rank's tokens), on the device
     (no host read), as `num_rows` rows sorted by local expert: a fixed count known on the host, at least one more than
@@ -206,7 +215,8 @@ def grouped_experts(experts, rows: torch.Tensor, ids: torch.Tensor, offsets: tor
 
     def linear(x, name, bias):
         weight = getattr(experts, name)
-        out = _grouped_mm(x, weight if experts.is_transposed else weight.transpose(-2, -1), offsets)
+        matmul = _MATMULS[experts][0] if experts in _MATMULS else _grouped_mm
+        out = matmul(x, weight if experts.is_transposed else weight.transpose(-2, -1), offsets)
         for lhs, rhs, scaling in adapters.get(name, ()):
             out = out + _low_rank(x, lhs, rhs * scaling, experts.is_transposed, offsets)
         if bias is None:
@@ -271,6 +281,9 @@ def _implementation() -> type:
             """The local experts' outputs of rows sorted by local expert (`ids`, sentinel rows last)."""
             if self.experts.config._experts_implementation == "grouped_mm":
                 return grouped_experts(self.experts, x, ids, offsets, _ADAPTERS.get(self.experts))
+            if self.experts in _MATMULS:  # set_experts_implementation after sharding: that matmul would not run
+                raise ValueError(f"{_MATMULS[self.experts][1]} runs in the grouped_mm experts implementation, not "
+                                 f"{self.experts.config._experts_implementation!r}; set it back to 'grouped_mm'.")
             # the experts' own implementation (batched_mm, deepgemm): top-1, unit weights, sentinel rows
             return self.experts_forward(x, ids.unsqueeze(-1), x.new_ones(x.shape[0], 1))
 
@@ -320,4 +333,4 @@ def _implementation() -> type:
 
 
 __all__ = ["DISPATCHES", "NAME", "adapters", "grouped_experts", "host_buffers", "implementation_name", "local_pairs",
-           "prepare", "refuse_unsupported", "set_dispatch", "takes_adapters"]
+           "prepare", "refuse_unsupported", "set_dispatch", "takes_adapters", "use_matmul"]
