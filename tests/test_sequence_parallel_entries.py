@@ -189,6 +189,9 @@ def test_trainer_with_hf_fsdp2_sp_size_2_equals_one_process(tmp_path):
                      *args)
     want = run_script(forked_torchrun(1), tmp_path / "one.json", tmp_path / "one", 1, 3, *args)
     assert out["world"] == 2 and out["mesh"] == {"dp_shard": 1, "sp": 2} and out["embedded_lengths"] == [8]
+    # the sp pair's shared rows count once: the Trainer's total batch size (its log, its sample count and
+    # train_samples_per_second under max_steps) as on one process
+    assert out["total_train_batch_size"] == want["total_train_batch_size"] == 8
     assert out["losses"] == pytest.approx(want["losses"], rel=1e-4)
     assert out["eval_losses"].keys() == {"3"} and out["eval_losses"] == pytest.approx(want["eval_losses"], rel=1e-4)
 
@@ -218,7 +221,7 @@ def test_sp_size_settings_checked_and_refused_by_name(monkeypatch):
     assert any("parallelism_config_sp_size: 2" in e and "HF_FSDP2_SP_SIZE" in e for e in errors(deepspeed_sp))
     monkeypatch.setenv("HF_FSDP2_SP_SIZE", "2")
     with pytest.raises(ValueError, match="sp_size=2 .*needs FSDP2"):
-        backend._ranks_sharing_rows(SimpleNamespace(is_fsdp2=False))
+        backend.ranks_sharing_rows(SimpleNamespace(is_fsdp2=False))
 
 
 def test_hf_fsdp2_config_writes_the_sp_size_the_launch_needs(tmp_path, capsys):

@@ -555,7 +555,7 @@ def test_trainer_seams_wait_for_the_trainer_import():
                          cwd=PACKAGE.parent)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.strip().splitlines()
-    assert lines == ["[] []", "['transformers.TrainingArguments.__post_init__']", "8 SourceFileLoader []",
+    assert lines == ["[] []", "['transformers.TrainingArguments.__post_init__']", "9 SourceFileLoader []",
                      "[] [] transformers.trainer"]
 
 

@@ -438,7 +438,7 @@ def _prepare_data_loader(self, data_loader, device_placement=None, slice_fn_for_
     the prepared model's training forward splits them), Accelerate's loader is built for the data-parallel ranks
     only, world / n of them, rank // n being a rank's data-parallel index."""
     original = _original("Accelerator", "prepare_data_loader")
-    shared = _ranks_sharing_rows(self)
+    shared = ranks_sharing_rows(self)
     if shared == 1:
         return original(self, data_loader, device_placement, slice_fn_for_dispatch)
     from accelerate.data_loader import DataLoaderDispatcher
@@ -494,7 +494,7 @@ def _user_config() -> FSDP2Config:
     return FSDP2Config.from_dict(_user_settings(), source="register() and HF_FSDP2_* variables")
 
 
-def _ranks_sharing_rows(accelerator) -> int:
+def ranks_sharing_rows(accelerator) -> int:
     """engine.ranks_sharing_rows for this accelerator: as register() / HF_FSDP2_* set it, refused by name where
     Accelerate does not hand the model to hf_fsdp2; then as the whole config (Accelerate's settings too) has it."""
     shared = engine.ranks_sharing_rows(_user_config(), getattr(accelerator, "is_fsdp2", False))

@@ -11,6 +11,7 @@ hf_fsdp2 sharded; everything else goes to the original.
 from __future__ import annotations
 
 import functools
+import logging
 import os
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from ..runtime import import_hooks, upstream
 from ..sharding import is_sharded, record_of
 
 GROUP = "trainer"
+logger = logging.getLogger(__name__)
 
 
 def _original(name: str):
@@ -75,7 +77,8 @@ def _install_trainer() -> None:
                     "_load_from_checkpoint": _load_from_checkpoint,
                     "_load_optimizer_and_scheduler": _load_optimizer_and_scheduler,
                     "_load_rng_state": _load_rng_state, "_load_scaler": _load_scaler,
-                    "_load_best_model": _load_best_model}
+                    "_load_best_model": _load_best_model,
+                    "get_total_train_batch_size": _get_total_train_batch_size}
     for name, replacement in replacements.items():
         upstream.replace(f"transformers.Trainer.{name}", functools.wraps(getattr(Trainer, name))(replacement),
                          GROUP)
@@ -112,6 +115,25 @@ def _post_init(self):
         if not is_xpu_available():
             self.use_cpu = True
     return _original("TrainingArguments.__post_init__")(self)
+
+
+def _get_total_train_batch_size(self, args) -> int:
+    """Trainer.get_total_train_batch_size, divided by hf_fsdp2's Ulysses sp_size where it is set.
+
+    The Trainer counts world size / (its tp, cp and Accelerate's own sp_size) data-parallel ranks; under
+    hf_fsdp2's sp_size (HF_FSDP2_SP_SIZE / register(sp_size=...), which Accelerate does not see) the ranks of an
+    sp group load the same rows (integrations/accelerate.py's prepared data loader), so they count once: without
+    this the total batch size it logs, its sample count under max_steps and `train_samples_per_second` are
+    sp_size times too high. This changes what the Trainer's own method returns: logged where it happens."""
+    from .accelerate import ranks_sharing_rows
+
+    total = _original("get_total_train_batch_size")(self, args)
+    shared = ranks_sharing_rows(self.accelerator)
+    if shared == 1:
+        return total
+    logger.warning(f"hf_fsdp2: the Trainer's total train batch size {total} divided by hf_fsdp2's sp_size={shared} "
+                   f"(the {shared} ranks of each Ulysses group load the same rows): {total // shared}")
+    return total // shared
 
 
 def _ours(trainer) -> bool:

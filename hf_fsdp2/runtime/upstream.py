@@ -136,6 +136,9 @@ SEAMS: tuple[Seam, ...] = (
     Seam("transformers.Trainer._load_rng_state", PATCHED, _TR, "RNG state from our training state"),
     Seam("transformers.Trainer._load_scaler", PATCHED, _TR, "the grad scaler from our training state"),
     Seam("transformers.Trainer._load_best_model", PATCHED, _TR, "load_best_model_at_end without gathering"),
+    Seam("transformers.Trainer.get_total_train_batch_size", PATCHED, _TR,
+         "under hf_fsdp2's Ulysses (sp_size, which Accelerate's parallelism_config does not carry) the sp ranks "
+         "sharing rows count once: divided by sp_size, logged where it happens"),
     # torch.
     Seam("torch.distributed.destroy_process_group", PATCHED, "checkpoint/async_save.py",
          "a background save still needs its agreement group: wait for it before the groups go"),
@@ -164,9 +167,11 @@ SEAMS: tuple[Seam, ...] = (
     Seam("transformers.modeling_utils.PreTrainedModel.save_pretrained", INSTANCE_WRAPPED,
          "integrations/deferred_load.py",
          "a model whose weights load at prepare (deferred loading) refuses saving by name: it would write no weights"),
-    Seam("peft.tuners.lora.layer.ParamWrapper.forward", INSTANCE_WRAPPED, "sharding/expert_parallel/lora.py",
+    Seam("peft.tuners.lora.layer.ParamWrapper.forward", INSTANCE_WRAPPED,
+         "sharding/expert_parallel/lora.py, sharding/expert_parallel/grouped.py",
          "LoRA on experts transformers split over ranks (ep_size > 1): PEFT's parametrization would fold every "
-         "expert's delta into weights that are each rank's rows; the wrapper calls the experts, which add their own"),
+         "expert's delta into weights that are each rank's rows; the wrapper calls the experts, which add their own. "
+         "Whole experts (ep_size 1) on transformers' grouped_mm: the adapters inside the grouped matmuls, no fold"),
     Seam("transformers.distributed.expert_parallel.EpDispatchExpertsParallel.install_forward", INSTANCE_WRAPPED,
          "sharding/expert_parallel/lora.py",
          "the EP forward that transformers installs on split experts runs, with LoRA, on each rank's rows plus the "
@@ -415,7 +420,7 @@ PRIVATE: tuple[Private, ...] = (
     Private("transformers.configuration_utils", "PreTrainedConfig._attn_implementation",
             "sharding/sequence_parallel.py"),
     Private("transformers.configuration_utils", "PreTrainedConfig._experts_implementation",
-            "sharding/expert_parallel/dispatch.py"),
+            "sharding/expert_parallel/dispatch.py, sharding/expert_parallel/grouped.py"),
     # A keyword the Auto classes may pass on, which from_pretrained reads: the contract is its name in that source
     # (integrations/deferred_load.py's _HUB_ONLY accepts it on the deferred path).
     Private("transformers.modeling_utils", "PreTrainedModel.from_pretrained._commit_hash",

@@ -81,6 +81,7 @@ def main():
             "trainable_dtensor": all(isinstance(p, DTensor) for p in model.parameters() if p.requires_grad),
             "frozen_plain": all(not isinstance(p, DTensor) for p in model.parameters() if not p.requires_grad),
             "world": trainer.args.world_size, "embedded_lengths": sorted(lengths),
+            "total_train_batch_size": trainer.get_total_train_batch_size(trainer.args),
             "mesh": dict(zip(mesh.mesh_dim_names, mesh.shape)) if mesh is not None else None,
             "expert_mesh": sorted({(p.device_mesh.mesh_dim_names, tuple(p.device_mesh.shape)) for p in model.parameters()
                                    if isinstance(p, DTensor) and "ep" in (p.device_mesh.mesh_dim_names or ())}),
