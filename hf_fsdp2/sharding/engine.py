@@ -325,6 +325,8 @@ def shard_planned(
         expert_parallel.refuse_unsupported(model, config, mesh)
         plan.inner_groups, experts_mesh = expert_parallel.apply_expert_parallel(parts, config, mesh)
         plan.shard_inner = functools.partial(expert_parallel.shard_experts, experts_mesh=experts_mesh)
+    else:  # LoRA on whole fused experts inside the grouped matmuls, not folded into them each forward
+        expert_parallel.apply_grouped_lora(parts)
     if config.fp8:
         apply_fp8(model, plan)
     apply_frozen_dtype(model, config.frozen_dtype)

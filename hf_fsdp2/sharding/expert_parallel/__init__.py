@@ -31,7 +31,9 @@ expert, and a training state resumes on plain FSDP and on another ep size).
 
 PEFT LoRA on the linear layers (attention, a shared expert, dense MLPs) trains with the experts frozen
 in their own groups; LoRA on the fused experts themselves (`target_parameters`) is applied on each rank's
-rows by sharding/expert_parallel/lora.py (EP is applied to the module PEFT's wrappers adapt).
+rows by sharding/expert_parallel/lora.py (EP is applied to the module PEFT's wrappers adapt). Without EP (ep_size 1)
+the same LoRA runs inside transformers' grouped matmuls on the whole experts instead of PEFT's fold of every expert's
+delta into the weights (sharding/expert_parallel/grouped.py, `apply_grouped_lora`).
 
 Every forward exchanges tokens, so `generate()` keeps the ranks stepping together (`synced_gpus`,
 sharding/generation.py). The experts' gradients are on the expert mesh, the rest on the dense one: torch's
@@ -52,7 +54,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from ...config import EP_DIM
 from ...runtime import collectives
 from .. import grad_clip, parallel_plans
-from . import dispatch, lora
+from . import dispatch, grouped, lora
 from ..groups import ignored_parameters
 from ..model_parts import ModelParts
 
@@ -156,6 +158,12 @@ def apply_expert_parallel(parts: ModelParts, config, mesh: DeviceMesh) -> tuple[
     return experts, experts_mesh
 
 
+def apply_grouped_lora(parts: ModelParts) -> list[str]:
+    """Without expert parallelism: PEFT LoRA on whole fused experts run inside transformers' grouped matmuls, not
+    folded into the weights each forward (sharding/expert_parallel/grouped.py); the experts modules it applies to."""
+    return grouped.install(parts.base) if parts.has_peft else []
+
+
 def _refuse_ignored_experts(parts: ModelParts, config, experts: dict[str, nn.Module]) -> None:
     """`ignored_modules` keeps modules out of FSDP2 whole on every rank; experts that EP splits cannot be: refused
     by name before the split (transformers' `apply_expert_parallelism` would split them all the same)."""
@@ -179,5 +187,5 @@ def shard_experts(experts: nn.Module, experts_mesh: DeviceMesh, data_parallel_si
         experts.set_force_sum_reduction_for_comms(True)
 
 
-__all__ = ["DISPATCH_STYLE", "EFSDP_DIM", "EP_DIM", "apply_expert_parallel", "check_shard_group", "expert_mesh",
-           "refuse_unsupported", "require_available", "resolved_plan", "shard_experts"]
+__all__ = ["DISPATCH_STYLE", "EFSDP_DIM", "EP_DIM", "apply_expert_parallel", "apply_grouped_lora", "check_shard_group",
+           "expert_mesh", "refuse_unsupported", "require_available", "resolved_plan", "shard_experts"]
