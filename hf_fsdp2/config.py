@@ -316,7 +316,7 @@ class FSDP2Config:
     cross-entropy run over this many tokens at a time, their gradients computed as each tile goes, so the logits
     of the whole sequence never exist (the forward's `logits` are the last position's only). None: off, unless
     shard_size="auto" turns it on as what fits (docs/planner.md; a size you set is kept). Usable with or without
-    sp_size."""
+    sp_size, under cp_size, and under tp_size (each rank computes its vocabulary rows of the colwise head)."""
     mlp_tile_size: int | None = None
     """Sequence tiling of each decoder layer's MLP (sharding/sequence_tiling.py): this many tokens at a time, each
     tile recomputed in backward, so one tile's intermediate activations live at once. None: off, unless

@@ -315,3 +315,49 @@ def test_peft_lora_options_under_tp_train_as_one_process():
 
     with pytest.raises(NotImplementedError, match=r"`lora_bias` \(on .*q_proj; set lora_bias=False\)"):
         tensor_parallel.refuse_unsupported(model_parts(lora(build_model(), lora_bias=True)), TP, on_meta=False)
+
+
+def _tiled_under_tp(rank, world):
+    """tp 2 x dp_shard 2 with the loss and MLP tiled: the losses of 3 steps, and the lm_head's logits per tile as
+    this rank computed them (its vocabulary rows only)."""
+    from hf_fsdp2.sharding import sequence_tiling
+
+    model = build_model()
+    shard_model(model, FSDP2Config(tp_size=2, loss_tile_size=5, mlp_tile_size=4))
+    widths = []
+    split_loss = sequence_tiling._split_vocabulary_loss_
+
+    def counted(logits, *args):
+        widths.append(logits.shape[-1])
+        return split_loss(logits, *args)
+
+    sequence_tiling._split_vocabulary_loss_ = counted
+    try:
+        losses = _steps(model, optimizer(model), batches(3))
+    finally:
+        sequence_tiling._split_vocabulary_loss_ = split_loss
+    return losses, sorted(set(widths))
+
+
+def test_sequence_tiling_under_tp_trains_like_one_process():
+    """The tiled loss under TP: transformers' plan splits the lm_head along the vocabulary (colwise), so each rank
+    computes its rows' logits per tile and the softmax's max, sum and target logit are all-reduced over the tp group
+    (no rank holds the whole head's logits: 128 / tp 2 = 64 columns); with the tiled MLP too, losses equal one
+    process's over 3 steps (so do the gradients the later steps are built on)."""
+    want = reference_train(build_model(), batches(3))
+    losses, widths = run_ranks(_tiled_under_tp, 4)[0]
+    assert widths == [64]
+    assert losses == pytest.approx(want, rel=1e-5)
+
+
+def test_planner_counts_the_tiled_loss_on_this_ranks_vocabulary_rows():
+    """estimate-memory under TP with the tiled loss: one tile's two fp32 [tile, vocab] buffers hold this rank's
+    vocabulary rows (the plan splits the lm_head colwise), half of them at tp 2."""
+    from hf_fsdp2.planner.memory import estimate_memory
+
+    def loss_bytes(**fields):
+        return estimate_memory(build_model(), 4, FSDP2Config(loss_tile_size=5, **fields), batch_size=2,
+                               seq_len=16).loss_backward_bytes
+
+    assert loss_bytes() == 2 * 5 * 128 * 4
+    assert loss_bytes(tp_size=2) == 2 * 5 * 64 * 4

@@ -393,8 +393,8 @@ def _estimate(prepared: MetaTrainingModel, world_size: int, config: FSDP2Config,
 
     if activations is not None and activations.saved_bytes:  # the heap-served share of what the step saves
         heap_kept += activations.peak_bytes * activations.heap_saved_bytes // activations.saved_bytes
-    loss_backward = (_loss_backward_bytes(prepared.base, batch_size, seq_len, cp_size * sp, config.loss_tile_size)
-                     if activations is not None else 0)
+    loss_backward = (_loss_backward_bytes(prepared.base, batch_size, seq_len, cp_size * sp, config.loss_tile_size,
+                                          tp_shapes) if activations is not None else 0)
     all_to_all = (_all_to_all_bytes(prepared, batch_size, seq_len // cp_size, config.param_dtype, config.ep_size)
                   if experts and batch_size is not None else 0)
     # The head's own backward receives the logits' gradient in the logits' (compute) dtype.
@@ -496,7 +496,7 @@ def _ulysses_bytes(prepared: MetaTrainingModel, batch_size: int, seq_len: int, s
 
 
 def _loss_backward_bytes(base: nn.Module, batch_size: int, seq_len: int, cp_size: int,
-                         tile: int | None = None) -> int:
+                         tile: int | None = None, split_shapes: dict | None = None) -> int:
     """The fp32 gradient of the logits, [tokens, vocab], made as backward starts while the saved fp32
     log-probabilities still live: transformers' causal-LM loss upcasts the logits (`ForCausalLMLoss`:
     `logits = logits.float()`). Not a saved tensor, so the meta trace cannot see it; on the first GPU run it
@@ -506,8 +506,10 @@ def _loss_backward_bytes(base: nn.Module, batch_size: int, seq_len: int, cp_size
     if weight is None:
         return 0
     tokens = batch_size * (seq_len // cp_size)
-    if tile is not None:  # sharding/sequence_tiling.py: one tile's fp32 logits and their softmax gradient at a time
-        return 2 * min(tile, tokens) * weight.shape[0] * 4
+    if tile is not None:  # sharding/sequence_tiling.py: one tile's fp32 logits and their softmax gradient at a time,
+        # of this rank's vocabulary rows where the model's plan splits the head (`split_shapes`: its local shapes)
+        rows = (split_shapes or {}).get(id(weight), (weight.shape,))[0][0]
+        return 2 * min(tile, tokens) * rows * 4
     return tokens * weight.shape[0] * 4
 
 

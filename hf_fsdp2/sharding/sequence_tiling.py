@@ -22,8 +22,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import ActivationWrapper
 from torch.utils.checkpoint import checkpoint
 
@@ -41,42 +43,60 @@ _LOGIT_CHANGES = ("final_logit_softcapping", "logit_scale", "logits_scaling", "o
 
 class _LinearCrossEntropy(torch.autograd.Function):
     """sum over valid tokens of cross_entropy(hidden @ weight.T + bias, targets) / divisor, a tile of tokens at a
-    time; the gradients are computed in forward, tile by tile, and only scaled in backward."""
+    time; the gradients are computed in forward, tile by tile, and only scaled in backward. A weight (and bias) split
+    along the vocabulary over a mesh dimension (`_vocabulary_split`: a column-wise parallel head) is computed on each
+    rank's rows, the softmax's max, sum and target logit all-reduced over that dimension's group per tile (the
+    vocabulary-parallel cross-entropy of Megatron-LM and torch's `loss_parallel`), so no rank holds the whole head."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, divisor, tile):  # noqa: D102
         flat, labels = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
+        weight_rows, first, group = _vocabulary_split(weight)
+        bias_rows = bias.to_local() if group is not None and bias is not None else bias
         wants = ctx.needs_input_grad
         grad_hidden = torch.zeros_like(flat) if wants[0] else None
         # Summed over the tiles in the weight's dtype, as autograd sums a gradient; kept from here to backward
         # (the price of no recomputation: the planner counts it, it is a saved tensor)
-        grad_weight = torch.zeros_like(weight) if wants[1] else None
-        grad_bias = torch.zeros_like(bias) if wants[2] else None
+        grad_weight = torch.zeros_like(weight_rows) if wants[1] else None
+        grad_bias = torch.zeros_like(bias_rows) if wants[2] else None
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         for start in range(0, flat.shape[0], tile):
             h, t = flat[start:start + tile], labels[start:start + tile]
-            logits = F.linear(h, weight, bias).float()  # the model's dtype, upcast as ForCausalLMLoss does
-            total += F.cross_entropy(logits, t, ignore_index=IGNORE_INDEX, reduction="sum")
-            if not any(wants[:3]):
-                del logits
-                continue
+            logits = F.linear(h, weight_rows, bias_rows).float()  # the model's dtype, upcast as ForCausalLMLoss does
             valid = (t != IGNORE_INDEX).unsqueeze(1)
-            # At most two [tile, vocab] fp32 buffers live at once, as the planner counts (_loss_backward_bytes): the
-            # logits go once their softmax exists, the gradient is made in place, and both names are dropped before
-            # the next tile's logits (a rebinding would hold the old ones while the new are made: 3, measured 1.12x).
-            grad = torch.softmax(logits, dim=-1)  # d sum / d logits = softmax - one hot, 0 on ignored tokens
-            del logits
-            grad.scatter_add_(1, t.clamp(min=0).unsqueeze(1), -valid.to(grad.dtype))  # no data-dependent shape:
+            if group is None:
+                total += F.cross_entropy(logits, t, ignore_index=IGNORE_INDEX, reduction="sum")
+                if not any(wants[:3]):
+                    del logits
+                    continue
+                # At most two [tile, vocab] fp32 buffers live at once, as the planner counts (_loss_backward_bytes):
+                # the logits go once their softmax exists, the gradient is made in place, and both names are dropped
+                # before the next tile's logits (a rebinding would hold the old ones while the new are made: 3,
+                # measured 1.12x).
+                grad = torch.softmax(logits, dim=-1)  # d sum / d logits = softmax - one hot, 0 on ignored tokens
+                del logits
+                index, hit = t.clamp(min=0).unsqueeze(1), valid
+            else:
+                total += _split_vocabulary_loss_(logits, t, valid, first, group)  # logits -> their softmax, in place
+                grad = logits
+                del logits
+                index = (t - first).clamp(0, grad.shape[1] - 1).unsqueeze(1)
+                hit = valid & ((t >= first) & (t < first + grad.shape[1])).unsqueeze(1)  # the target is in our rows
+            grad.scatter_add_(1, index, -hit.to(grad.dtype))  # no data-dependent shape:
             grad = grad.mul_(valid).to(h.dtype)  # the planner traces it on the meta device
             if grad_hidden is not None:
-                grad_hidden[start:start + tile] = grad @ weight
+                grad_hidden[start:start + tile] = grad @ weight_rows
             if grad_weight is not None:
                 grad_weight += grad.t() @ h
             if grad_bias is not None:
                 grad_bias += grad.sum(0)
             del grad
+        if grad_hidden is not None and group is not None:  # each rank's rows gave part of every token's gradient
+            dist.all_reduce(grad_hidden, group=group)
         ctx.divisor = divisor
         ctx.shape = hidden.shape
+        ctx.weights = tuple((p.device_mesh, p.placements, p.shape, p.stride()) if isinstance(p, DTensor) else None
+                            for p in (weight, bias))
         ctx.save_for_backward(*(g if g is not None else torch.empty(0) for g in (grad_hidden, grad_weight, grad_bias)))
         return total / divisor
 
@@ -85,12 +105,51 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
         scale = grad_out / ctx.divisor
         wants = ctx.needs_input_grad
+
+        def like_parameter(grad, spec):  # a split weight's gradient: its rows, as the same DTensor layout
+            return grad if spec is None else DTensor.from_local(grad, spec[0], spec[1], shape=spec[2], stride=spec[3])
+
         return (
             (grad_hidden * scale.to(grad_hidden.dtype)).reshape(ctx.shape) if wants[0] else None,
-            grad_weight * scale.to(grad_weight.dtype) if wants[1] else None,
-            grad_bias * scale.to(grad_bias.dtype) if wants[2] else None,
+            like_parameter(grad_weight * scale.to(grad_weight.dtype), ctx.weights[0]) if wants[1] else None,
+            like_parameter(grad_bias * scale.to(grad_bias.dtype), ctx.weights[1]) if wants[2] else None,
             None, None, None,
         )
+
+
+def _vocabulary_split(weight: torch.Tensor):
+    """(this rank's rows, the first row's index in the vocabulary, the group of ranks holding the others) of an
+    output layer's weight: a DTensor sharded along dim 0 over one mesh dimension (a column-wise parallel head,
+    after FSDP2 gathered its other dimension) is split, (weight, 0, None) is whole. Rows as torch.chunk gives them
+    (DTensor's Shard: ceil(vocab / n) a rank, the last ones fewer)."""
+    if not isinstance(weight, DTensor):
+        return weight, 0, None
+    split = [dim for dim, placement in enumerate(weight.placements) if placement.is_shard(0)]
+    rest = [placement for dim, placement in enumerate(weight.placements) if dim not in split]
+    if len(split) != 1 or not all(placement.is_replicate() for placement in rest):
+        raise ValueError(f"`loss_tile_size`: the output layer's weight is laid out as {weight.placements} on its "
+                         "mesh; the tiled loss computes a whole head, or one split along the vocabulary over one mesh "
+                         "dimension (a column-wise parallel lm_head), not this one.")
+    mesh, dim = weight.device_mesh, split[0]
+    rows = -(-weight.shape[0] // mesh.size(dim))
+    return weight.to_local(), mesh.get_local_rank(dim) * rows, mesh.get_group(dim)
+
+
+def _split_vocabulary_loss_(logits: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor, first: int,
+                            group) -> torch.Tensor:
+    """The cross-entropy summed over the valid tokens of a tile whose logits are this rank's vocabulary rows
+    [first, first + n): max, sum of exponentials and the target's logit all-reduced over `group`. `logits` becomes
+    their softmax (this rank's columns of it), in place: one [tile, n] buffer."""
+    mine = valid.squeeze(1) & (targets >= first) & (targets < first + logits.shape[1])
+    target = logits.gather(1, (targets - first).clamp(0, logits.shape[1] - 1).unsqueeze(1)).squeeze(1) * mine
+    top = logits.amax(dim=1)
+    dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+    logits.sub_(top.unsqueeze(1)).exp_()
+    total = logits.sum(dim=1)
+    dist.all_reduce(total, group=group)
+    dist.all_reduce(target, group=group)
+    logits.div_(total.unsqueeze(1))
+    return ((top + total.log() - target) * valid.squeeze(1)).sum()
 
 
 def tiled_causal_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
