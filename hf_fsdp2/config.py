@@ -140,6 +140,18 @@ def _parse_replication(value: Any) -> str:
     return key
 
 
+FP8_EXPERT_MODES = ("rowwise", "mxfp8", "mxfp8_emulated")  # sharding/expert_parallel/low_precision.py's
+
+
+def _parse_fp8_experts(value: Any) -> str | None:
+    key = value.strip().lower() if isinstance(value, str) else value
+    if key in (None, "", "none", "no", "false", "0"):
+        return None
+    if key not in FP8_EXPERT_MODES:
+        raise ValueError(f"`fp8_experts`={value!r} is not one of {', '.join(map(repr, FP8_EXPERT_MODES))} or None.")
+    return key
+
+
 def _parse_shard_size(value: Any) -> int | str | None:
     if isinstance(value, str) and value.strip().lower() == "auto":
         return "auto"
@@ -189,7 +201,7 @@ def _parse_int(value: Any, field_name: str, minimum: int) -> int:
 SHARDING_FIELDS = ("wrap_policy", "min_num_params", "ignored_modules", "param_dtype", "reduce_dtype", "output_dtype",
                    "reshard_after_forward", "forward_prefetch", "backward_prefetch", "activation_checkpointing",
                    "checkpoint_every", "activation_offload", "cpu_offload", "frozen_dtype", "fp8", "compile",
-                   "memory_budget")
+                   "memory_budget", "fp8_experts")
 
 # Accelerate's settings that stand for settings here (integrations/accelerate_settings.py maps them, for prepare and
 # check-config alike): its ParallelismConfig sizes of the same names, each with whether its ranks are part of every
@@ -202,7 +214,7 @@ ACCELERATE_PRECISIONS = {"bf16": {"param_dtype": "bf16"}, "fp16": {"param_dtype"
 
 # Settings Accelerate has none of its own for (HF_FSDP2_* variables or register() set them): left unset there, they
 # agree with whatever a model sharded before prepare has (integrations/presharded.py)
-UNSET_AGREES_AT_PREPARE = ("ep_size",)
+UNSET_AGREES_AT_PREPARE = ("ep_size", "fp8_experts")
 
 # What a technique is not done with yet, refused by name where it is applied (`FSDP2Config.not_done_with`, from
 # sharding/tensor_parallel.py, expert_parallel.py; replication.py keeps FSDP2 for them instead of DDP's reducer): its
@@ -339,6 +351,18 @@ class FSDP2Config:
     compute in float8 and their weights are all-gathered in float8 (1 byte a value); weights stay in their
     dtype, checkpoints are unchanged. `register(fp8=True)`, HF_FSDP2_FP8=1, or Accelerate's
     `mixed_precision: fp8` with the AO backend."""
+    fp8_experts: Literal["rowwise", "mxfp8", "mxfp8_emulated"] | None = None
+    """The experts' grouped matmuls in FP8 through torchao's MoE training (sharding/expert_parallel/low_precision.py):
+    each projection of the local experts quantizes its rows and weights dynamically and runs one scaled grouped
+    matmul (forward, input gradient, weight gradient); weights, adapters, optimizer states and checkpoints stay in
+    their dtype. "rowwise": FP8 with rowwise scales (`torch._scaled_grouped_mm`, CUDA compute capability >= 9.0:
+    H100/H200); "mxfp8": MXFP8, blocks of 32 (compute capability >= 10.0); "mxfp8_emulated": MXFP8's numbers computed
+    by dequantizing into a bf16 grouped matmul (any device, slow: for CPU tests and debugging). Transformers'
+    `grouped_mm` experts, with `ep_size` >= 2 in the EP dispatch's grouped matmuls, at ep_size 1 in the same ones on
+    whole experts; LoRA on the experts keeps its factors in their dtype beside the FP8 base (frozen or not). Refused
+    by name where the device or torchao (>= 0.17) cannot run it, another experts implementation, dimensions that are
+    not multiples of 16 (rowwise) or 32 (MXFP8), fp16 weights, a model without experts, and `compile`.
+    `register(fp8_experts="rowwise")` or HF_FSDP2_FP8_EXPERTS=rowwise."""
     memory_budget: int | None = None
     """Bytes per rank the auto layout must fit (an int or "80GB", "12GiB"); None: the device's memory x 0.85
     (CUDA), or the machine's RAM x 0.75 / local ranks (CPU). Needs shard_size="auto"."""
@@ -407,6 +431,7 @@ class FSDP2Config:
             "memory_budget": None if self.memory_budget is None else parse_bytes(self.memory_budget, "memory_budget"),
             "compile": _parse_compile(self.compile),
             "replication": _parse_replication(self.replication),
+            "fp8_experts": _parse_fp8_experts(self.fp8_experts),
         }
 
     def _check_activations(self) -> None:
@@ -438,6 +463,9 @@ class FSDP2Config:
                              f"it needs `wrap_policy`='transformer', not {self.wrap_policy!r}.")
 
     def _check_layout(self) -> None:
+        if self.fp8_experts is not None and self.compile:
+            raise ValueError(f"`fp8_experts`={self.fp8_experts!r} with `compile`={self.compile!r} is not done in "
+                             "hf_fsdp2 (torchao's grouped matmuls under torch.compile are not tested here).")
         if self.ep_size > 1 and (self.tp_size > 1 or self.cp_size > 1):
             raise ValueError(f"`ep_size`={self.ep_size} with `{'tp_size' if self.tp_size > 1 else 'cp_size'}`="
                              f"{self.tp_size if self.tp_size > 1 else self.cp_size} is not done in hf_fsdp2: expert "

@@ -172,6 +172,10 @@ SEAMS: tuple[Seam, ...] = (
          "LoRA on experts transformers split over ranks (ep_size > 1): PEFT's parametrization would fold every "
          "expert's delta into weights that are each rank's rows; the wrapper calls the experts, which add their own. "
          "Whole experts (ep_size 1) on transformers' grouped_mm: the adapters inside the grouped matmuls, no fold"),
+    Seam("transformers.integrations.moe.grouped_mm_experts_forward", INSTANCE_WRAPPED,
+         "sharding/expert_parallel/low_precision.py",
+         "fp8_experts without EP (ep_size 1): the experts' forward is its steps (sharding/expert_parallel/grouped.py) "
+         "with torchao's FP8 grouped matmuls in place of transformers' _grouped_mm, which has no matmul to hand in"),
     Seam("transformers.distributed.expert_parallel.EpDispatchExpertsParallel.install_forward", INSTANCE_WRAPPED,
          "sharding/expert_parallel/lora.py",
          "the EP forward that transformers installs on split experts runs, with LoRA, on each rank's rows plus the "
@@ -416,11 +420,18 @@ PRIVATE: tuple[Private, ...] = (
     *[Private(module, f"{cls}._apply_gate", "sharding/expert_parallel/dispatch.py")
       for module, cls in (("transformers.models.qwen3_moe.modeling_qwen3_moe", "Qwen3MoeExperts"),
                           ("transformers.models.gpt_oss.modeling_gpt_oss", "GptOssExperts"))],
+    # FSDP2Config.fp8_experts: torchao's MoE training grouped matmul (dynamic quantization, one config per mode), and
+    # whether its build has the SM100 MXFP8 kernels (sharding/expert_parallel/low_precision.py)
+    Private("torchao.prototype.moe_training.utils", "_quantize_then_scaled_grouped_mm",
+            "sharding/expert_parallel/low_precision.py", since=(0, 17)),
+    Private("torchao.prototype.moe_training.mxfp8_grouped_mm", "_SM100_KERNELS_AVAILABLE",
+            "sharding/expert_parallel/low_precision.py", optional=True),
     # the implementation a model's attention looks up (Ulysses wraps it: sharding/sequence_parallel.py)
     Private("transformers.configuration_utils", "PreTrainedConfig._attn_implementation",
             "sharding/sequence_parallel.py"),
     Private("transformers.configuration_utils", "PreTrainedConfig._experts_implementation",
-            "sharding/expert_parallel/dispatch.py, sharding/expert_parallel/grouped.py"),
+            "sharding/expert_parallel/dispatch.py, sharding/expert_parallel/grouped.py, "
+            "sharding/expert_parallel/low_precision.py"),
     # A keyword the Auto classes may pass on, which from_pretrained reads: the contract is its name in that source
     # (integrations/deferred_load.py's _HUB_ONLY accepts it on the deferred path).
     Private("transformers.modeling_utils", "PreTrainedModel.from_pretrained._commit_hash",

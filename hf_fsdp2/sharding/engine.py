@@ -327,6 +327,7 @@ def shard_planned(
         plan.shard_inner = functools.partial(expert_parallel.shard_experts, experts_mesh=experts_mesh)
     else:  # LoRA on whole fused experts inside the grouped matmuls, not folded into them each forward
         expert_parallel.apply_grouped_lora(parts)
+        expert_parallel.apply_low_precision(parts, config, mesh.device_type)  # fp8_experts: the experts' matmuls
     if config.fp8:
         apply_fp8(model, plan)
     apply_frozen_dtype(model, config.frozen_dtype)

@@ -40,8 +40,9 @@ sharding/generation.py). The experts' gradients are on the expert mesh, the rest
 `clip_grad_norm_` cannot combine them and refuses by name; `hf_fsdp2.clip_grad_norm_` does (sharding/grad_clip.py).
 
 Not done, refused by name when asked for: a capacity in the model's config (the dispatch is dropless), an experts
-implementation not known to skip other ranks' rows (sharding/expert_parallel/dispatch.py), HSDP replicas, tensor or context parallelism, 4-bit or FP8
-experts, compile, CPU or activation offload, `ignored_modules` that take in experts.
+implementation not known to skip other ranks' rows (sharding/expert_parallel/dispatch.py), HSDP replicas, tensor or context parallelism, 4-bit
+experts, the linears' FP8 (`fp8`), compile, CPU or activation offload, `ignored_modules` that take in experts. The experts'
+grouped matmuls in FP8 through torchao: `fp8_experts` (sharding/expert_parallel/low_precision.py).
 A model on the meta device (`hf_fsdp2.from_pretrained`) is split the same way before anything is
 allocated, and each rank reads its experts' rows only.
 """
@@ -54,7 +55,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from ...config import EP_DIM
 from ...runtime import collectives
 from .. import grad_clip, parallel_plans
-from . import dispatch, grouped, lora
+from . import dispatch, grouped, lora, low_precision
 from ..groups import ignored_parameters
 from ..model_parts import ModelParts
 
@@ -151,6 +152,7 @@ def apply_expert_parallel(parts: ModelParts, config, mesh: DeviceMesh) -> tuple[
     experts = [parts.base.get_submodule(name) for name in names]
     lora.install(experts, [parts.base.get_submodule(lora.unwrapped_name(name)) for name in names],
                         experts_mesh[EP_DIM])
+    low_precision.install(experts, config.fp8_experts, mesh.device_type)  # FP8 grouped matmuls (torchao)
     if parts.has_peft:
         lora.refuse_merging(parts.model, parts.base, [lora.unwrapped_name(name) for name in names],
                                    config.ep_size)
@@ -162,6 +164,12 @@ def apply_grouped_lora(parts: ModelParts) -> list[str]:
     """Without expert parallelism: PEFT LoRA on whole fused experts run inside transformers' grouped matmuls, not
     folded into the weights each forward (sharding/expert_parallel/grouped.py); the experts modules it applies to."""
     return grouped.install(parts.base) if parts.has_peft else []
+
+
+def apply_low_precision(parts: ModelParts, config, device_type: str) -> list[str]:
+    """Without expert parallelism: `fp8_experts` on every experts module, each run through the grouped matmuls of
+    sharding/expert_parallel/grouped.py (with EP, `apply_expert_parallel` installs it on the dispatch's experts)."""
+    return low_precision.install_whole(parts.base, config.fp8_experts, device_type)
 
 
 def _refuse_ignored_experts(parts: ModelParts, config, experts: dict[str, nn.Module]) -> None:
@@ -187,5 +195,6 @@ def shard_experts(experts: nn.Module, experts_mesh: DeviceMesh, data_parallel_si
         experts.set_force_sum_reduction_for_comms(True)
 
 
-__all__ = ["DISPATCH_STYLE", "EFSDP_DIM", "EP_DIM", "apply_expert_parallel", "apply_grouped_lora", "check_shard_group",
-           "expert_mesh", "refuse_unsupported", "require_available", "resolved_plan", "shard_experts"]
+__all__ = ["DISPATCH_STYLE", "EFSDP_DIM", "EP_DIM", "apply_expert_parallel", "apply_grouped_lora",
+           "apply_low_precision", "check_shard_group", "expert_mesh", "refuse_unsupported", "require_available",
+           "resolved_plan", "shard_experts"]
