@@ -31,6 +31,7 @@ BUILDERS = {
     "llama_kv1": lambda: build_model(0, num_key_value_heads=1),  # fewer key/value heads than sp: repeated
     "llama_lora": lambda: lora(build_model(0)),
     "llama_eager": lambda: build_model(0, attn_implementation="eager"),
+    "llama_tied": lambda: build_model(0, tie_word_embeddings=True),  # [embedding, norm, head] resharded after forward
     "qwen3": lambda: _qwen3(0),
     "qwen3_lora": lambda: lora(_qwen3(0)),  # at sp 4 its 2 key/value heads are repeated too
 }
@@ -76,6 +77,7 @@ def _sequence_parallel_runs(rank, world):
              ("qwen3", 2, True, {}), ("llama", 2, False, {"replicate_size": 2}),
              ("qwen3_lora", 4, True, {}), ("llama_lora", 2, True, {}), ("llama_eager", 2, True, {}),
              ("llama", 2, True, {"loss_tile_size": 5, "mlp_tile_size": 4}),
+             ("llama_tied", 2, True, {"loss_tile_size": 5}),  # the tiled loss bypasses the logits FSDP2 hooks
              ("llama", 1, True, {"loss_tile_size": 3, "mlp_tile_size": 4, "activation_checkpointing": True})]
     report = []
     for kind, sp, padded, tiles in cases:
@@ -108,9 +110,9 @@ def _sequence_parallel_runs(rank, world):
 
 def test_ulysses_equals_one_process():
     """sp 2 and 4 on 4 gloo ranks (dp_shard x sp; HSDP dp_replicate x sp once): Llama, Qwen3, key/value heads fewer than sp, LoRA, eager,
-    left padding, activation checkpointing (the all-to-alls recomputed), with tiling of the loss and MLP, and
-    tiling alone with activation checkpointing. The default group refuses CPU tensors, as NCCL does (NCCL_LIKE):
-    every collective of SP runs on the mesh's groups."""
+    left padding, activation checkpointing (the all-to-alls recomputed), with tiling of the loss and MLP (also with
+    tied embeddings, whose group FSDP2 reshards after forward), and tiling alone with activation checkpointing. The
+    default group refuses CPU tensors, as NCCL does (NCCL_LIKE): every collective of SP runs on the mesh's groups."""
     run_ranks(_sequence_parallel_runs, 4, backend=NCCL_LIKE)
 
 

@@ -231,6 +231,7 @@ def _tile_loss(parts: ModelParts, tile: int) -> None:
                                               state.tile,
                                               shift_labels=labels.get("shift_labels"),
                                               num_items_in_batch=labels.get("num_items_in_batch"))
+            _gather_for_backward(module, state.hidden)
             state.hidden = None
         return output
 
@@ -246,6 +247,20 @@ def _tile_loss(parts: ModelParts, tile: int) -> None:
     parts.model.register_forward_hook(after_model, prepend=True)  # before other techniques' hooks read the loss
     head.register_forward_pre_hook(before_head)
     head.register_forward_hook(after_head)
+
+
+def _gather_for_backward(head: nn.Module, hidden: torch.Tensor) -> None:
+    """FSDP2 gathers a group again for backward from a hook on the group's forward output (for a group of several
+    modules, the last one's: the lm_head's logits; torch's FSDPState._register_pre_backward_hook). The tiled loss's
+    gradient bypasses those logits and reaches the head's input directly, so where the head's group is resharded
+    after forward (the tied [embedding, norm, lm_head] group is) that hook never fired, and the final norm's backward
+    read its freed weight: a segfault at Llama-3.2-1B's tied shape. Gathered here when the gradient reaches the head's
+    input, with FSDP2's public `unshard` (a no-op for a group still gathered); the root's post-backward callback
+    reshards it and reduce-scatters its gradients as after any backward."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(head, FSDPModule) and hidden.requires_grad:
+        hidden.register_hook(lambda grad: head.unshard())  # returns None: the gradient passes unchanged
 
 
 def _router_aux_loss(parts: ModelParts, output, loss: torch.Tensor) -> torch.Tensor | float:
