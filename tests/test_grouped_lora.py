@@ -111,3 +111,27 @@ def test_lora_on_whole_experts_runs_inside_the_grouped_matmuls_as_peft_computes_
     with torch.no_grad():
         expected = base(input_ids=local_rows(batches(1)[0], 0, WORLD)).logits
     torch.testing.assert_close(ranks[0]["merge"]["logits"]["disabled"], expected, rtol=1e-5, atol=1e-5)
+
+
+def _world_one_dry_run(rank, world):
+    import sys
+    from pathlib import Path
+
+    torch.set_num_threads(1)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import moe_bench
+
+    return moe_bench.world_one(dry_run=True)
+
+
+def test_the_world_one_benchmark_dry_run_compares_both_paths():
+    """benchmarks/moe_bench.py's `world_one` (issue 64's GPU comparison at world size 1) on CPU at the tiny shape, so
+    it cannot rot: both contestants train LoRA and full, hf_fsdp2's with the experts' LoRA inside the grouped matmuls
+    (its one experts module's outermost ParamWrapper replaced; transformers' none), the same first loss (bf16)."""
+    result = run_ranks(_world_one_dry_run, 1)[0]
+    assert result["ratios"].keys() == {"lora", "full"} and all(r > 0 for r in result["ratios"].values())
+    assert result["lora"]["hf_fsdp2"]["experts_in_grouped_matmuls"] == 1
+    assert result["lora"]["transformers"]["experts_in_grouped_matmuls"] == 0
+    assert result["full"]["hf_fsdp2"]["experts_in_grouped_matmuls"] == 0
+    for mode in ("lora", "full"):
+        assert result[mode]["first_loss_diff"] < 1e-3 * result[mode]["transformers"]["losses"][0], result[mode]
