@@ -9,6 +9,8 @@ bf16 fallback); LoRA on a frozen expert base trains the same way; what cannot ru
 from __future__ import annotations
 
 import functools
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +19,7 @@ from hf_fsdp2 import FSDP2Config, shard_model
 
 from .common import batches, local_rows
 from .dist_harness import run_ranks
+from .host_reads import HostReads
 from .test_expert_parallel import EXPERT_TARGETS, build_moe
 
 pytest.importorskip("torchao.prototype.moe_training")
@@ -225,7 +228,7 @@ def test_fp8_experts_settings_refused_by_name():
 def test_the_padded_token_groups_are_the_groups():
     """Each expert's rows moved to a multiple of the block (empty groups and unused rows past the last included),
     through torchao's matmul: each group's output is torchao's on that group alone; the unused rows are zero and
-    get no gradient."""
+    get no gradient; no host read (forward and backward), one grouped matmul each for output, dgrad and wgrad."""
     from torchao.prototype.moe_training.utils import _quantize_then_scaled_grouped_mm
 
     from hf_fsdp2.sharding.expert_parallel import low_precision
@@ -238,7 +241,11 @@ def test_the_padded_token_groups_are_the_groups():
     assert ends.tolist() == [32, 32, 64, 96] and padded.shape == (4 * 32 + 64, 64)
     assert places[:5].tolist() == list(range(5)) and places[5:30].tolist() == list(range(32, 57))
     assert places[30:41].tolist() == list(range(64, 75)) and places[41:].tolist() == list(range(96, 105))
-    out = low_precision.grouped_mm(MODE, rows, weight.transpose(-2, -1), offsets)
+    reads = HostReads()
+    with reads.counting(), reads.window():  # the padding, torchao's quantization and grouped matmuls, both ways
+        out = low_precision.grouped_mm(MODE, rows, weight.transpose(-2, -1), offsets)
+        out.square().sum().backward()
+    assert not reads.counts and reads.ops == {"_grouped_mm": 3}, (reads.counts, reads.ops)  # output, dgrad, wgrad
     config = low_precision.torchao_config(MODE)
     for expert, (start, end) in enumerate([(0, 5), (5, 5), (5, 30), (30, 41)]):
         if start == end:
@@ -248,5 +255,21 @@ def test_the_padded_token_groups_are_the_groups():
                                                     offs=torch.tensor([alone.shape[0]], dtype=torch.int32))
         assert torch.equal(out[start:end], expected[:end - start].float()), expert
     assert not out[41:].any()
-    out.square().sum().backward()
     assert not rows.grad[41:].any() and rows.grad[:41].abs().sum(-1).gt(0).all()
+
+
+def _bench(rank, world):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import moe_fp8
+
+    return moe_fp8.run(tiny=True)
+
+
+def test_the_fp8_experts_benchmark_reaches_its_code_on_cpu():
+    """benchmarks/moe_fp8.py (the GPU check's bf16 vs FP8 experts at world size 1) at its tiny shape on CPU: both
+    contestants train (emulated MXFP8 beside bf16: close losses, not equal ones), and the ratio is computed."""
+    result = run_ranks(_bench, 1)[0]
+    bf16, fp8 = result["contestants"]["bf16"], result["contestants"][MODE]
+    assert "error" not in bf16 and "error" not in fp8, result
+    assert fp8["losses"] != bf16["losses"] and fp8["losses"] == pytest.approx(bf16["losses"], rel=1e-3)
+    assert result["ratios"][MODE]["step"] > 0 and result["shape"]["num_experts"] == 8
