@@ -23,18 +23,24 @@ pads only with a CUDA kernel, or on the host (`tolist`); here the rows are moved
 (`_pad_groups`: offsets, a searchsorted and an index_copy, no host read) and back after the matmul. The EP dispatch's
 unused rows past the last group go past the last padded group: zero out, zero gradient.
 
-Refused by name (`check_setting`, `install`): torchao missing or older than 0.17, a device that cannot run the mode
-(rowwise: CUDA capability >= 9.0; mxfp8: >= 10.0 with torchao's SM100 kernels; only mxfp8_emulated runs on CPU),
-experts not run by the EP dispatch's grouped matmuls (transformers' AllToAllEP, the batched_mm or deepgemm
-implementations), dimensions that are not multiples of 16 (rowwise) or 32 (MXFP8), and weights in float16 (torchao
-takes bf16 or fp32). Not done: ep_size 1 (FSDP2Config refuses it), rows laid out at padded places by the dispatch's
-own sort (one copy each way fewer), FP8 all-gather of the experts' weights.
+Without EP (ep_size 1, `install_whole`) each experts module's forward runs sharding/expert_parallel/grouped.py's
+steps (transformers' `grouped_mm_experts_forward`: sort, offsets, weighting) around the same `grouped_experts`, so the
+same registered matmul runs; PEFT's wrappers call it with the adapters inside, or call the experts.
+
+Refused by name (`check_setting`, `install`, `install_whole`, at the call): torchao missing or older than 0.17, a
+device that cannot run the mode (rowwise: CUDA capability >= 9.0 and Triton; mxfp8: >= 10.0 with torchao's SM100
+kernels; only mxfp8_emulated runs on CPU), experts not run by those grouped matmuls (transformers' AllToAllEP, the
+batched_mm or deepgemm implementations, also when set after sharding), a model without transformers experts,
+dimensions that are not multiples of 16 (rowwise) or 32 (MXFP8), and weights in float16 (torchao takes bf16 or fp32);
+FSDP2Config refuses `compile` with it. Not done: rows laid out at padded places by the dispatch's own sort (one copy
+each way fewer), FP8 all-gather of the experts' weights, skipping the frozen base's weight gradient.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib.util
 
 import torch
 import torch.nn as nn
@@ -83,6 +89,8 @@ def check_setting(mode: str, device_type: str) -> None:
     if have < needs:
         raise ValueError(f"{_named(mode)} needs {MODES[mode].kernels}; this GPU has {have[0]}.{have[1]}"
                          + (" (use 'rowwise')." if mode == "mxfp8" and have >= MODES["rowwise"].capability else "."))
+    if mode == "rowwise" and importlib.util.find_spec("triton") is None:  # torchao's rowwise quantization kernels
+        raise ValueError(f"{_named(mode)} quantizes with torchao's Triton kernels: triton is not installed.")
     if mode == "mxfp8":
         from torchao.prototype.moe_training import mxfp8_grouped_mm
 
