@@ -361,7 +361,7 @@ class FSDP2Config:
     `grouped_mm` experts, with `ep_size` >= 2 in the EP dispatch's grouped matmuls, at ep_size 1 in the same ones on
     whole experts; LoRA on the experts keeps its factors in their dtype beside the FP8 base (frozen or not). Refused
     by name where the device or torchao (>= 0.17) cannot run it, another experts implementation, dimensions that are
-    not multiples of 16 (rowwise) or 32 (MXFP8), fp16 weights, a model without experts, and `compile`.
+    not multiples of 16 (rowwise) or 32 (MXFP8), fp16 weights, a model without experts, `compile` and `tp_size`.
     `register(fp8_experts="rowwise")` or HF_FSDP2_FP8_EXPERTS=rowwise."""
     memory_budget: int | None = None
     """Bytes per rank the auto layout must fit (an int or "80GB", "12GiB"); None: the device's memory x 0.85
@@ -463,9 +463,10 @@ class FSDP2Config:
                              f"it needs `wrap_policy`='transformer', not {self.wrap_policy!r}.")
 
     def _check_layout(self) -> None:
-        if self.fp8_experts is not None and self.compile:
-            raise ValueError(f"`fp8_experts`={self.fp8_experts!r} with `compile`={self.compile!r} is not done in "
-                             "hf_fsdp2 (torchao's grouped matmuls under torch.compile are not tested here).")
+        if self.fp8_experts is not None and (self.compile or self.tp_size > 1):
+            other = f"`compile`={self.compile!r}" if self.compile else f"`tp_size`={self.tp_size}"
+            raise ValueError(f"`fp8_experts`={self.fp8_experts!r} with {other} is not done in hf_fsdp2 (torchao's "
+                             "grouped matmuls take whole local expert weights, not compiled here, not TP DTensors).")
         if self.ep_size > 1 and (self.tp_size > 1 or self.cp_size > 1):
             raise ValueError(f"`ep_size`={self.ep_size} with `{'tp_size' if self.tp_size > 1 else 'cp_size'}`="
                              f"{self.tp_size if self.tp_size > 1 else self.cp_size} is not done in hf_fsdp2: expert "

@@ -198,7 +198,7 @@ def test_fp8_experts_at_ep_2_equal_one_process_with_the_same_fp8_experts():
 
 
 def test_fp8_experts_settings_refused_by_name():
-    """Not one of the modes, or with compile, at construction; a model without experts, dimensions that are not
+    """Not one of the modes, or with compile or TP, at construction; a model without experts, dimensions that are not
     multiples of the mode's block, and fp16 weights, where the matmul is installed or called."""
     from hf_fsdp2.sharding.expert_parallel import low_precision
 
@@ -206,6 +206,8 @@ def test_fp8_experts_settings_refused_by_name():
 
     with pytest.raises(ValueError, match=r"^`fp8_experts`='rowwise' with `compile`=True is not done in hf_fsdp2"):
         FSDP2Config(fp8_experts="rowwise", compile=True)
+    with pytest.raises(ValueError, match=r"^`fp8_experts`='mxfp8' with `tp_size`=2 is not done in hf_fsdp2"):
+        FSDP2Config(fp8_experts="mxfp8", tp_size=2)
     with pytest.raises(ValueError, match=r"^`fp8_experts`='mxfp8_emulated': LlamaForCausalLM has no transformers "
                                          r"experts module"):
         low_precision.install_whole(build_model(), MODE, "cpu")

@@ -32,7 +32,7 @@ device that cannot run the mode (rowwise: CUDA capability >= 9.0 and Triton; mxf
 kernels; only mxfp8_emulated runs on CPU), experts not run by those grouped matmuls (transformers' AllToAllEP, the
 batched_mm or deepgemm implementations, also when set after sharding), a model without transformers experts,
 dimensions that are not multiples of 16 (rowwise) or 32 (MXFP8), and weights in float16 (torchao takes bf16 or fp32);
-FSDP2Config refuses `compile` with it. Not done: rows laid out at padded places by the dispatch's own sort (one copy
+FSDP2Config refuses `compile` and `tp_size` with it. Not done: rows laid out at padded places by the dispatch's own sort (one copy
 each way fewer), FP8 all-gather of the experts' weights, skipping the frozen base's weight gradient.
 """
 
