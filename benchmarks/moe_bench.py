@@ -338,8 +338,8 @@ def main(argv=None) -> int:
     if args.world_one:
         import torch
 
-        if args.tiny or args.dry_run:  # one thread: on a shared CPU its CPU seconds are its work
-            torch.set_num_threads(1)
+        if args.tiny or args.dry_run or not torch.cuda.is_available():  # on CPU one thread: its CPU seconds are its
+            torch.set_num_threads(1)  # work, on a shared machine too
         result = world_one(layers=args.layers, batch=args.batch or 1, seq=args.seq or 4096, steps=args.steps,
                            rounds=args.rounds, modes=tuple(args.modes), vocab_size=args.vocab_size, dtype=args.dtype,
                            tiny=args.tiny, dry_run=args.dry_run)
