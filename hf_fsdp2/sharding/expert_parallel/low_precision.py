@@ -20,8 +20,12 @@ gradient computed by torchao and dropped by autograd (not skipped: not done).
 Token groups: the kernels read each expert's rows along the weight gradient's inner dimension, so every group
 starts at a multiple of 16 rows (rowwise: 16 bytes of FP8) or 32 (MXFP8's block), as torchtitan pads them. torchao
 pads only with a CUDA kernel, or on the host (`tolist`); here the rows are moved to padded places on the device
-(`_pad_groups`: offsets, a searchsorted and an index_copy, no host read) and back after the matmul. The EP dispatch's
-unused rows past the last group go past the last padded group: zero out, zero gradient.
+(`_pad_groups`: offsets, a searchsorted and an index_copy, no host read) and back after the matmul: one copy of the
+rows and one of the output each way, the cost over a bf16 grouped matmul besides torchao's quantization. The EP
+dispatch's unused rows past the last group go past the last padded group, where the kernels write nothing defined
+(torchao's emulation, CUDA's grouped matmuls): as with transformers' grouped matmul there, those rows' outputs and
+gradients are garbage the dispatch never reads (its embedding and embedding_bag skip them), so they are not masked
+(two passes over the rows fewer; nothing is summed over them).
 
 Without EP (ep_size 1, `install_whole`) each experts module's forward runs sharding/expert_parallel/grouped.py's
 steps (transformers' `grouped_mm_experts_forward`: sort, offsets, weighting) around the same `grouped_experts`, so the
@@ -183,11 +187,9 @@ def grouped_mm(mode: str, rows: torch.Tensor, weight: torch.Tensor, offsets: tor
     rows = rows.to(weight.dtype).contiguous()
     if weight.stride(-2) != 1:  # [E, in, out] stored row-major (is_transposed experts): the kernels read column-major
         weight = weight.transpose(-2, -1).contiguous().transpose(-2, -1)
-    # rows past the last group: zero, and zero gradient (the kernels leave those rows of their outputs unwritten)
-    used = (torch.arange(rows.shape[0], device=rows.device) < offsets[-1]).unsqueeze(-1)
-    padded, places, ends = _pad_groups(torch.where(used, rows, 0), offsets, MODES[mode].align)
+    padded, places, ends = _pad_groups(rows, offsets, MODES[mode].align)
     out = _quantize_then_scaled_grouped_mm(padded, weight, torchao_config(mode), offs=ends)
-    return torch.where(used, out.index_select(0, places), 0).to(dtype)
+    return out.index_select(0, places).to(dtype)
 
 
 def _pad_groups(rows: torch.Tensor, offsets: torch.Tensor, align: int):
