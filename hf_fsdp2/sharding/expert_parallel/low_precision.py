@@ -205,7 +205,7 @@ def _pad_groups(rows: torch.Tensor, offsets: torch.Tensor, align: int):
     index = torch.arange(count, device=rows.device)
     places = index + shifts[torch.searchsorted(ends, index, right=True)]
     total = -(-(count + groups * (align - 1)) // align) * align
-    padded = rows.new_zeros(total, rows.shape[1]).index_copy(0, places, rows)
+    padded = rows.new_zeros(total, rows.shape[1]).index_copy_(0, places, rows)  # in place: no clone of the zeros
     return padded, places, padded_ends.to(torch.int32)
 
 
