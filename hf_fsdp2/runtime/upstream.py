@@ -412,8 +412,10 @@ PRIVATE: tuple[Private, ...] = (
     # differentiable collectives of Ulysses and of the EP dispatch (torch.distributed.nn.functional's are deprecated)
     *[Private("torch.distributed._functional_collectives", name, "sharding/sequence_parallel.py")
       for name in ("all_reduce", "all_to_all_single_autograd", "all_gather_tensor_autograd")],
-    *[Private("torch.distributed._functional_collectives", name, "sharding/expert_parallel/dispatch.py")
-      for name in ("all_gather_single", "reduce_scatter_single")],
+    *[Private("torch.distributed._functional_collectives", name, "sharding/expert_parallel/dispatch.py",
+              optional=True)  # one pair or the other: torch 2.13's names, 2.11's
+      for name in ("all_gather_single", "reduce_scatter_single", "all_gather_tensor_autograd",
+                   "reduce_scatter_tensor_autograd")],
     # the EP dispatch's experts on rows it sorted itself: transformers' grouped matmul dispatcher and the experts'
     # gate (use_experts_implementation gives classes without their own gate integrations/moe.py's default)
     Private("transformers.integrations.moe", "_grouped_mm", "sharding/expert_parallel/dispatch.py"),

@@ -22,6 +22,8 @@ skips some trainable parameters in a step needs `find_unused_parameters=True`, a
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.nn as nn
 from torch.distributed._composable.replicate import replicate
@@ -34,6 +36,14 @@ from ..runtime.distributed import REPLICATE_DIM, SHARD_DIM
 from . import compute_cast
 from .groups import ShardPlan, ignored_modules
 from .record import ShardedModel
+
+# transformers' buffers (rotary inv_freq, position ids) are the same on every rank; FSDP2 does not sync them
+# either, and a buffer broadcast per forward would hang uneven generate() loops. torch 2.13 names that DDP setting
+# `forward_sync_buffers` (its old `broadcast_buffers` deprecated); 2.11, the GPU image's, knows `broadcast_buffers`
+# only (False there also skips the buffers' sync at init: equal buffers, nothing lost)
+NO_BUFFER_SYNC_PER_FORWARD = ({"forward_sync_buffers": False}
+                              if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
+                              else {"broadcast_buffers": False})
 
 
 def trains_on_reducer(replicate_size: int, shard_size: int, other_dims: int, config: FSDP2Config) -> bool:
@@ -73,9 +83,7 @@ def apply_replication(model: nn.Module, plan: ShardPlan, config: FSDP2Config, me
         ignored_modules=ignored,
         process_group=_replica_group(mesh),
         device_id=collectives.mesh_device(mesh),
-        # transformers' buffers (rotary inv_freq, position ids) are the same on every rank; FSDP2 does not
-        # sync them either, and a buffer broadcast per forward would hang uneven generate() loops.
-        forward_sync_buffers=False,
+        **NO_BUFFER_SYNC_PER_FORWARD,
         # Gradients are views of DDP's buckets: no second copy of every gradient, no copy into the buckets.
         gradient_as_bucket_view=True,
         find_unused_parameters=config.find_unused_parameters,

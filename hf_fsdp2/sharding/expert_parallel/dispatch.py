@@ -59,6 +59,11 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from ...runtime import collectives, upstream
 
 NAME = "hf_fsdp2_even_gather_scatter"
+# torch's differentiable functional collectives (backward: the other one of the pair): `all_gather_single` /
+# `reduce_scatter_single` in torch 2.13, `all_gather_tensor_autograd` / `reduce_scatter_tensor_autograd` in 2.11 (the
+# GPU image's; deprecated aliases of the new names since)
+_all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor_autograd
+_reduce_scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor_autograd
 REGISTRY = "transformers.distributed.expert_parallel.EPImplementationInterface._global_mapping"
 DISPATCHES = {"even": NAME, "all_to_all": "all_to_all"}  # ours, and transformers' AllToAllEP (the benchmark's baseline)
 # transformers' experts implementations that skip the rows a split experts module does not hold (local id
@@ -315,7 +320,7 @@ def _implementation() -> type:
             dtype = torch.promote_types(out.dtype, weights.dtype)
             partial = F.embedding_bag(pair_rows.view(-1, top_k), out.to(dtype), mode="sum",
                                       per_sample_weights=weights.to(dtype), padding_idx=num_rows - 1)
-            out = funcol.reduce_scatter_single(partial, "sum", 0, self.group)
+            out = _reduce_scatter(partial, "sum", 0, self.group)
             # not a view of it: FSDP2 warns on a module output that is one (in-place ops on it would skip its hook)
             return out[:num_tokens].clone()
 
@@ -324,10 +329,10 @@ def _implementation() -> type:
             padded rows: zero tokens and weights, the expert id no rank holds)."""
             padding = block - hidden_states.shape[0]
             no_expert = self.num_local_experts * self.ep_mesh.size()  # a padded row's expert: no rank's
-            return (funcol.all_gather_single(F.pad(hidden_states, (0, 0, 0, padding)), 0, self.group),
-                    funcol.all_gather_single(F.pad(top_k_index, (0, 0, 0, padding), value=no_expert).reshape(-1), 0,
+            return (_all_gather(F.pad(hidden_states, (0, 0, 0, padding)), 0, self.group),
+                    _all_gather(F.pad(top_k_index, (0, 0, 0, padding), value=no_expert).reshape(-1), 0,
                                              self.group),
-                    funcol.all_gather_single(F.pad(top_k_weights, (0, 0, 0, padding)), 0, self.group))
+                    _all_gather(F.pad(top_k_weights, (0, 0, 0, padding)), 0, self.group))
 
     return GatherScatterEP
 
