@@ -17,8 +17,10 @@ the same numbers as PEFT's forward (its fold) up to the order of float additions
 
 PEFT's own forward still runs where this one does not apply: adapters merged (`merge_adapter()`: W holds the delta),
 mixed-adapter batches (`adapter_names`, which PEFT refuses), another experts implementation (`batched_mm`, `eager`,
-...), a weight in a dtype PEFT upcasts for the fold (float8). Under expert parallelism (ep_size >= 2) the
-adapters go inside the dispatch's grouped matmuls by sharding/expert_parallel/lora.py instead.
+...), a weight in a dtype PEFT upcasts for the fold (float8). The experts module's forward is not called here (its own
+forward is what this replaces): hooks registered on it alone do not run, those of the MoE block and layer do. Under
+expert parallelism (ep_size >= 2) the adapters go inside the dispatch's grouped matmuls by
+sharding/expert_parallel/lora.py instead.
 """
 
 from __future__ import annotations
@@ -65,7 +67,8 @@ def _wrapper_forward(peft_forward, chain: list[nn.Module], experts: nn.Module, h
                      top_k_weights=None, *args, **kwargs):
     """The outermost `ParamWrapper`'s forward: `forward` with the active adapters' factors, or PEFT's own."""
     terms = None
-    if not args and kwargs.get("adapter_names") is None and runs_here(experts) and not any(w.merged for w in chain):
+    if (not args and top_k_index is not None and top_k_weights is not None and kwargs.get("adapter_names") is None
+            and runs_here(experts) and not any(w.merged for w in chain)):
         terms = _terms(chain, experts)
     if not terms:  # nothing to add, or PEFT's case (merged, mixed batches: refused by it, another implementation)
         return peft_forward(hidden_states, top_k_index, top_k_weights, *args, **kwargs)
