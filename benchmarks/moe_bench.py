@@ -239,6 +239,9 @@ def _world_one_run(contestant: str, mode: str, shape: dict, layers: int, data: l
     out = {"tokens_per_s": sum(ids.numel() for ids in timed) / seconds, "seconds": seconds,
            "cpu_s_per_step": cpu_seconds / len(timed),
            "losses": [loss.item() for loss in losses], "experts_in_grouped_matmuls": grouped,
+           # what the experts ran (an older transformers may default to another implementation than grouped_mm, where
+           # hf_fsdp2's path does not apply: experts_in_grouped_matmuls counts the wrappers, not the calls)
+           "experts_implementation": getattr(model.config, "_experts_implementation", None),
            "peak_bytes": torch.cuda.max_memory_allocated() if cuda else None,
            "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad)}
     del model, opt

@@ -133,5 +133,6 @@ def test_the_world_one_benchmark_dry_run_compares_both_paths():
     assert result["lora"]["hf_fsdp2"]["experts_in_grouped_matmuls"] == 1
     assert result["lora"]["transformers"]["experts_in_grouped_matmuls"] == 0
     assert result["full"]["hf_fsdp2"]["experts_in_grouped_matmuls"] == 0
+    assert result["lora"]["hf_fsdp2"]["experts_implementation"] == "grouped_mm"
     for mode in ("lora", "full"):
         assert result[mode]["first_loss_diff"] < 1e-3 * result[mode]["transformers"]["losses"][0], result[mode]
