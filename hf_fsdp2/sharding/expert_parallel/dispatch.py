@@ -234,7 +234,8 @@ def grouped_experts(experts, rows: torch.Tensor, ids: torch.Tensor, offsets: tor
     else:
         hidden = experts.act_fn(linear(rows, "up_proj", experts.up_proj_bias if bias else None))
     out = linear(hidden, "down_proj", experts.down_proj_bias if bias else None)
-    return experts.post_expert_norm(out) if experts.has_post_expert_norm else out
+    # transformers < 5.23 (the GPU image's 5.17) has no post-expert norm, nor the attribute
+    return experts.post_expert_norm(out) if getattr(experts, "has_post_expert_norm", False) else out
 
 
 def _low_rank(x: torch.Tensor, lhs: torch.Tensor, rhs: torch.Tensor, transposed: bool, offsets: torch.Tensor):
