@@ -228,7 +228,8 @@ def test_fp8_experts_settings_refused_by_name():
 
 
 def test_the_padded_token_groups_are_the_groups():
-    """Each expert's rows moved to a multiple of the block (empty groups and unused rows past the last included),
+    """Each expert's rows moved to a multiple of the block (an empty group one block of zeros; unused rows past the
+    last group after it),
     through torchao's matmul: each group's output is torchao's on that group alone, each used row gets a gradient
     (the unused rows' are not defined: the dispatch never reads them); no host read (forward and backward), one grouped matmul each for output, dgrad and wgrad."""
     from torchao.prototype.moe_training.utils import _quantize_then_scaled_grouped_mm
@@ -240,9 +241,10 @@ def test_the_padded_token_groups_are_the_groups():
     weight = torch.randn(4, 96, 64)  # [E, out, in], read transposed as the dispatch reads it
     offsets = torch.tensor([5, 5, 30, 41], dtype=torch.int32)  # an empty group; rows 41.. unused
     padded, places, ends = low_precision._pad_groups(rows.detach(), offsets, 32)
-    assert ends.tolist() == [32, 32, 64, 96] and padded.shape == (4 * 32 + 64, 64)
-    assert places[:5].tolist() == list(range(5)) and places[5:30].tolist() == list(range(32, 57))
-    assert places[30:41].tolist() == list(range(64, 75)) and places[41:].tolist() == list(range(96, 105))
+    assert ends.tolist() == [32, 64, 96, 128] and padded.shape == (64 + 4 * 32, 64)  # the empty group: one block
+    assert places[:5].tolist() == list(range(5)) and places[5:30].tolist() == list(range(64, 89))
+    assert places[30:41].tolist() == list(range(96, 107)) and places[41:].tolist() == list(range(128, 137))
+    assert not padded[32:64].any() and torch.equal(padded[places], rows.detach())
     reads = HostReads()
     with reads.counting(), reads.window():  # the padding, torchao's quantization and grouped matmuls, both ways
         out = low_precision.grouped_mm(MODE, rows, weight.transpose(-2, -1), offsets)

@@ -195,16 +195,18 @@ def grouped_mm(mode: str, rows: torch.Tensor, weight: torch.Tensor, offsets: tor
 def _pad_groups(rows: torch.Tensor, offsets: torch.Tensor, align: int):
     """`rows` with each group moved to start at a multiple of `align` (zero rows between), on the device: the padded
     rows, each row's place in them, and the padded groups' int32 ends. The rows past the last group (unused) follow
-    the last padded group. The padded count is known on the host: rows + groups x (align - 1), rounded up."""
+    the last padded group. The padded count is known on the host: rows + groups x align, rounded up."""
     count, groups = rows.shape[0], offsets.shape[0]
     ends = offsets.long()
     sizes = torch.diff(ends, prepend=ends.new_zeros(1))
-    padded_ends = torch.cumsum(torch.div(sizes + align - 1, align, rounding_mode="floor") * align, 0)
+    # at least one block per group, an empty one too (zero rows: zero output, zero weight gradient), as torchtitan pads
+    # them: the kernels then never see an empty group
+    padded_ends = torch.cumsum(torch.div(sizes + align - 1, align, rounding_mode="floor").clamp_min(1) * align, 0)
     # each group's rows move by (its padded start - its start); the unused rows past it by the last group's end's
     shifts = F.pad(padded_ends - ends, (1, 0))
     index = torch.arange(count, device=rows.device)
     places = index + shifts[torch.searchsorted(ends, index, right=True)]
-    total = -(-(count + groups * (align - 1)) // align) * align
+    total = -(-(count + groups * align) // align) * align
     padded = rows.new_zeros(total, rows.shape[1]).index_copy_(0, places, rows)  # in place: no clone of the zeros
     return padded, places, padded_ends.to(torch.int32)
 
