@@ -276,3 +276,93 @@ def test_the_fp8_experts_benchmark_reaches_its_code_on_cpu():
     assert "error" not in bf16 and "error" not in fp8, result
     assert fp8["losses"] != bf16["losses"] and fp8["losses"] == pytest.approx(bf16["losses"], rel=1e-3)
     assert result["ratios"][MODE]["step"] > 0 and result["shape"]["num_experts"] == 8
+
+
+def test_the_rowwise_path_hands_torchao_what_its_gpu_kernels_take(monkeypatch):
+    """'rowwise' on CPU, as far as it can go: torchao's rowwise FP8 autograd function (the H100/H200 path) with its
+    Triton quantization kernels and `torch._scaled_grouped_mm` (CUDA only) replaced by torch reference code that
+    asserts what the GPU kernels need: FP8 operands, the left row-major and the right column-major, strides of 16
+    bytes, int32 group ends at multiples of 16 rows. Forward, input and weight gradients of [E, out, in] and
+    transposed ([E, in, out], gpt-oss) experts, unaligned and empty groups and unused rows past the last: within FP8's
+    error of fp32 (measured 3.7-3.9% rms; not a number the GPU must match, a check that the scales are applied)."""
+    import torchao.prototype.moe_training.fp8_grouped_mm as torchao_fp8
+    from torchao.float8.config import ScalingGranularity
+    from torchao.float8.float8_utils import tensor_to_scale, to_fp8_saturated
+    from torchao.prototype.moe_training.utils import (torch_to_3d_rowwise_float8_transpose_rhs,
+                                                      torch_to_float8_per_group_colwise)
+
+    from hf_fsdp2.sharding.expert_parallel import low_precision
+
+    f8 = torch.float8_e4m3fn
+
+    def scaled(hp, dim, dtype=f8, round_scales_to_power_of_2=False):
+        scale = tensor_to_scale(hp, dtype, scaling_granularity=ScalingGranularity.AXISWISE, axiswise_dim=dim,
+                                round_scales_to_power_of_2=round_scales_to_power_of_2)
+        return to_fp8_saturated(hp.float() * scale, dtype), scale
+
+    def column_major(t):
+        return t.transpose(-2, -1).contiguous().transpose(-2, -1)
+
+    def colwise_3d(hp, output_dtype=f8, round_scales_to_power_of_2=False):
+        data, scale = scaled(hp, -2, output_dtype, round_scales_to_power_of_2)
+        return column_major(data), scale
+
+    def per_group_colwise_dual(a, b, offsets, output_dtype=f8, round_scales_to_power_of_2=False):
+        out = []
+        for t in (a, b):
+            data, scale = torch_to_float8_per_group_colwise(column_major(t), offsets, output_dtype,
+                                                            round_scales_to_power_of_2)
+            out += [column_major(data), scale]
+        return tuple(out)
+
+    calls = []
+
+    def scaled_grouped_mm(a, b, scale_a, scale_b, offs, out_dtype=None, use_fast_accum=False):
+        assert a.dtype == b.dtype == f8 and offs.dtype == torch.int32
+        assert a.stride(-1) == 1 and b.stride(-2) == 1, (a.stride(), b.stride())
+        assert all(stride % 16 == 0 for t in (a, b) for stride in t.stride() if stride != 1), (a.stride(), b.stride())
+        ends = offs.tolist()
+        assert all(end % 16 == 0 for end in ends), ends
+        calls.append((a.dim(), b.dim()))
+        starts = [0] + ends[:-1]
+        if b.dim() == 3:  # (M, K) x (E, K, N), scales (M,) and (E, N): the output, the input gradient
+            out = torch.zeros(a.shape[0], b.shape[-1])
+            for g, (s, e) in enumerate(zip(starts, ends)):
+                out[s:e] = (a[s:e].float() * scale_a[s:e, None]) @ (b[g].float() * scale_b[g][None, :])
+            return out.to(out_dtype)
+        n, k = a.shape[0], b.shape[1]  # (N, M) x (M, K) grouped along M, scales per group: the weight gradient
+        return torch.stack([(a[:, s:e].float() * scale_a[g * n:(g + 1) * n, None])
+                            @ (b[s:e].float() * scale_b[g * k:(g + 1) * k][None, :])
+                            for g, (s, e) in enumerate(zip(starts, ends))]).to(out_dtype)
+
+    monkeypatch.setattr(torchao_fp8, "triton_fp8_rowwise_2d_scale_and_cast",
+                        lambda hp, output_dtype=f8, round_scales_to_power_of_2=False: scaled(
+                            hp, -1, output_dtype, round_scales_to_power_of_2))
+    monkeypatch.setattr(torchao_fp8, "triton_fp8_colwise_3d_scale_and_cast", colwise_3d, raising=False)  # >= 0.18
+    monkeypatch.setattr(torchao_fp8, "triton_fp8_rowwise_3d_transpose_rhs",
+                        lambda hp, output_dtype=f8, round_scales_to_power_of_2=False:
+                        torch_to_3d_rowwise_float8_transpose_rhs(hp, output_dtype, round_scales_to_power_of_2))
+    monkeypatch.setattr(torchao_fp8, "triton_fp8_per_group_colwise_scales_dual", per_group_colwise_dual)
+    monkeypatch.setattr(torch, "_scaled_grouped_mm", scaled_grouped_mm, raising=False)
+
+    torch.manual_seed(0)
+    starts, ends = [0, 5, 5, 37], [5, 5, 37, 61]  # an empty group; rows 61.. unused
+    for transposed in (False, True):
+        rows = torch.randn(70, 64, dtype=torch.bfloat16, requires_grad=True)
+        weight = torch.randn(4, 64, 96, dtype=torch.bfloat16) if transposed else torch.randn(4, 96, 64,
+                                                                                               dtype=torch.bfloat16)
+        weight.requires_grad_()
+        del calls[:]
+        out = low_precision.grouped_mm("rowwise", rows, weight if transposed else weight.transpose(-2, -1),
+                                       torch.tensor(ends, dtype=torch.int32))
+        grad = torch.randn(61, 96)
+        (out[:61].float() * grad).sum().backward()
+        assert calls == [(2, 3), (2, 3), (2, 2)]  # output; input gradient, weight gradient
+        exact_rows, exact_weight = rows.detach().float().requires_grad_(), weight.detach().float().requires_grad_()
+        w = exact_weight if transposed else exact_weight.transpose(-2, -1)
+        exact = torch.cat([exact_rows[s:e] @ w[g] for g, (s, e) in enumerate(zip(starts, ends))])
+        (exact * grad).sum().backward()
+        for ours, theirs in ((out[:61], exact.detach()), (rows.grad[:61], exact_rows.grad[:61]),
+                             (weight.grad, exact_weight.grad)):
+            error = ((ours.float() - theirs).norm() / theirs.norm()).item()
+            assert 5e-3 < error < 6e-2, (transposed, error)
