@@ -22,7 +22,6 @@ the base frozen (sharding/expert_parallel/grouped.py runs it inside the grouped 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import json
 import os

@@ -168,8 +168,8 @@ def test_fp8_experts_at_ep_2_equal_one_process_with_the_same_fp8_experts():
             assert ep["loss"] == pytest.approx(loss.item(), rel=1e-6), name
             assert ep["grads"].keys() == grads.keys()
             for key, expected in grads.items():
-                torch.testing.assert_close(ep["grads"][key], expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item(),
-                                           msg=f"{name} {key}")
+                torch.testing.assert_close(ep["grads"][key], expected, rtol=1e-4,
+                                           atol=1e-4 * expected.abs().max().item(), msg=f"{name} {key}")
         # ep 1: whole experts in the grouped matmuls of sharding/expert_parallel/grouped.py (its sort is
         # transformers': not stable, so an expert's rows may come in another order, which MXFP8's blocks of 32 rows in
         # the weight gradient see; the forward and the input gradients are row by row). The loss and every gradient
@@ -183,8 +183,8 @@ def test_fp8_experts_at_ep_2_equal_one_process_with_the_same_fp8_experts():
                 if ".experts." in key and "lora_" not in key:
                     assert ((ep["grads"][key] - expected).norm() / expected.norm()).item() < 2e-2, (name, key)
                     continue
-                torch.testing.assert_close(ep["grads"][key], expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item(),
-                                           msg=f"ep 1 {name} {key}")
+                torch.testing.assert_close(ep["grads"][key], expected, rtol=1e-4,
+                                           atol=1e-4 * expected.abs().max().item(), msg=f"ep 1 {name} {key}")
     refusals = out[0]["refusals"]
     assert refusals["rowwise_on_cpu"].startswith("`fp8_experts`='rowwise' needs torch._scaled_grouped_mm's rowwise "
                                                  "FP8 kernels (CUDA compute capability >= 9.0); this device is cpu")
@@ -231,7 +231,8 @@ def test_the_padded_token_groups_are_the_groups():
     """Each expert's rows moved to a multiple of the block (an empty group one block of zeros; unused rows past the
     last group after it),
     through torchao's matmul: each group's output is torchao's on that group alone, each used row gets a gradient
-    (the unused rows' are not defined: the dispatch never reads them); no host read (forward and backward), one grouped matmul each for output, dgrad and wgrad."""
+    (the unused rows' are not defined: the dispatch never reads them); no host read (forward and backward), one
+    grouped matmul each for output, dgrad and wgrad."""
     from torchao.prototype.moe_training.utils import _quantize_then_scaled_grouped_mm
 
     from hf_fsdp2.sharding.expert_parallel import low_precision

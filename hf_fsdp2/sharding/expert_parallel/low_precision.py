@@ -18,7 +18,8 @@ in FP8 as a trained one does (torchao's functions quantize dynamically, nothing 
 gradient computed by torchao and dropped by autograd (not skipped: not done).
 
 Token groups: the kernels read each expert's rows along the weight gradient's inner dimension, so every group
-starts at a multiple of 16 rows (rowwise: 16 bytes of FP8) or 32 (MXFP8's block), as torchtitan pads them. torchao
+starts at a multiple of 16 rows (rowwise: 16 bytes of FP8) or 32 (MXFP8's block), and an empty group gets one block of
+zero rows, as torchtitan pads them. torchao
 pads only with a CUDA kernel, or on the host (`tolist`); here the rows are moved to padded places on the device
 (`_pad_groups`: offsets, a searchsorted and an index_copy, no host read) and back after the matmul: one copy of the
 rows and one of the output each way, the cost over a bf16 grouped matmul besides torchao's quantization. The EP
@@ -36,8 +37,9 @@ device that cannot run the mode (rowwise: CUDA capability >= 9.0 and Triton; mxf
 kernels; only mxfp8_emulated runs on CPU), experts not run by those grouped matmuls (transformers' AllToAllEP, the
 batched_mm or deepgemm implementations, also when set after sharding), a model without transformers experts,
 dimensions that are not multiples of 16 (rowwise) or 32 (MXFP8), and weights in float16 (torchao takes bf16 or fp32);
-FSDP2Config refuses `compile` and `tp_size` with it. Not done: rows laid out at padded places by the dispatch's own sort (one copy
-each way fewer), FP8 all-gather of the experts' weights, skipping the frozen base's weight gradient.
+FSDP2Config refuses `compile` and `tp_size` with it. Not done: rows laid out at padded places by the dispatch's and
+grouped.py's own gathers (the copies above fewer), FP8 all-gather of the experts' weights, skipping the frozen base's
+weight gradient.
 """
 
 from __future__ import annotations
