@@ -36,6 +36,10 @@ traceback and the rest go on) and each skipped once the time budget (--budget-s)
   memory_phases  one step after warm-up, plain / ours / Accelerate, LoRA and full: peak and live bytes per
                phase (forward, backward, optimizer), what autograd saved, the allocation sites live at the peak.
   fp8_large    FP8 vs bf16 under regional compile on 6 of Llama 3.1 8B's layers (where float8 matmuls pay).
+  moe          (after simulate) issue 64 at world size 1 on a Qwen3-30B-A3B-shaped model (8 of its 48 layers):
+               tokens/s of hf_fsdp2's experts (LoRA inside the grouped matmuls) against transformers' default
+               experts implementation (PEFT's fold for LoRA), LoRA and full; FP8 rowwise experts (torchao) against
+               bf16 on its MoE layers. Needs transformers >= 5.23 and torchao carried (below).
 
 The throughput contestants run twice, in alternating order (--rounds), the faster run of each kept.
 Results so far: benchmarks/results/gpu_check-*-H200.json, summed up in docs/gpu.md ("What has run where").
@@ -46,12 +50,16 @@ bf16. A missed target says by how much, and the step's profile (top CUDA kernels
 
 On the GPU machine (torch 2.11, transformers 5.17, accelerate 1.15, peft, safetensors; no datasets, trl,
 bitsandbytes or torchao; nothing can be downloaded there) hf_fsdp2 runs from the checkout (this script puts
-it on sys.path). FP8 needs torchao, carried as a wheel (3 MiB), the 70B QLoRA simulation bitsandbytes (39 MiB);
+it on sys.path). FP8 needs torchao, carried as a wheel (3 MiB), the 70B QLoRA simulation bitsandbytes (39 MiB; and
+torch >= 2.13, so on the image's 2.11 it says not done), EP (the ep 8 simulation, local_ranks' EP, moe)
+transformers >= 5.23 (13 MiB; the image's 5.17 has no EP module). Rehearsed on CPU in the image's versions
+(`bash benchmarks/oldest_versions.sh gpu-image`'s venv, the three wheels installed to a --target folder on
+PYTHONPATH): `--dry-run` runs every section there;
 here, from the repository root:
     echo /.whl/ >> .git/info/exclude   # .gitignore has it too
     python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \\
         --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux2014_x86_64 \\
-        -d .whl torchao==0.17.0 bitsandbytes==0.50.0
+        -d .whl torchao==0.17.0 bitsandbytes==0.50.0 transformers==5.23.0
 and on the machine (device tool: carry [".whl"]):
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl; \\
     PYTHONPATH=/tmp/site python3 benchmarks/gpu_check.py --out $OUT
@@ -861,7 +869,7 @@ SIMULATIONS = {
         flags=["--world-size", "8", "--dtype", "bf16", "--param-dtype", "bf16", "--lora-r", "16",
                "--lora-targets", "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj", "--load-in-4bit",
                "--activation-checkpointing", "--batch-size", "1", "--seq-len", "4096"],
-        needs="bitsandbytes", published={}),
+        needs="bitsandbytes", needs_torch=(2, 13), published={}),
     # shard_size="auto" at the 8B shape with a budget below what the default layout needs (issue 61: the layout the
     # planner picks fits the budget it was given, measured): the planner chooses, the run measures the peak.
     "llama31_8b_auto_48gib": dict(
@@ -898,6 +906,11 @@ def section_simulate(run: Run) -> dict:
         if case.get("needs") and importlib.util.find_spec(case["needs"]) is None:
             out[name] = {"not_done": f"{case['needs']} is not installed here (carry its wheel: this script's "
                                      "docstring)"}
+            continue
+        if case.get("needs_torch") and torch.__version__ < case["needs_torch"]:
+            out[name] = {"not_done": f"torch {torch.__version__}: 4-bit base weights sharded by FSDP2 need torch >= "
+                                     f"{'.'.join(map(str, case['needs_torch']))} (quantization/bnb_4bit.py refuses it: "
+                                     "its fully_shard makes every parameter require gradients, uint8 ones too)"}
             continue
         path = run.tmp / f"{name}.json"
         config = TINY_SIMULATIONS[name] if run.dry else case["config"]
@@ -941,6 +954,48 @@ def section_simulate(run: Run) -> dict:
             limit = parse_bytes(case["dry_budget"] if run.dry else case["budget"], "memory_budget")
             out[name]["measured_over_budget"] = [p / limit for p in peaks]
             out[name]["chosen"] = [n for n in first["notes"] if n.startswith("shard_size='auto' chose")]
+    return out
+
+
+# Mixture-of-experts at world size 1 (issue 64): transformers' default experts implementation (grouped_mm, PEFT's fold
+# of the experts' LoRA) against hf_fsdp2's (the adapters inside the grouped matmuls), LoRA and full, on a
+# Qwen3-30B-A3B-shaped model (benchmarks/moe_bench.py `world_one`); FP8 experts (torchao's rowwise grouped FP8,
+# `fp8_experts="rowwise"`) against bf16 experts on its MoE layers (benchmarks/moe_fp8.py `run`). Both need the carried
+# transformers >= 5.23 (the image's 5.17 has no experts implementations interface for EP; its grouped_mm path differs)
+# and, for FP8, torchao.
+MOE_TARGETS = {"vs_transformers": 1.5, "fp8_vs_bf16": 1.2}
+
+
+def section_moe(run: Run) -> dict:
+    """tokens/s of hf_fsdp2's experts against transformers' default and of FP8 against bf16 experts, world size 1."""
+    if run.left() < 90 and not run.dry:
+        return {"skipped": "out of time", "ok": None}
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import moe_bench
+    import moe_fp8
+
+    out: dict = {"ok": None, "targets": MOE_TARGETS}
+    device = "cuda" if run.cuda else "cpu"
+    try:  # 8 of its 48 layers: 4.8B parameters, bf16 AdamW states in the full fine-tune (about 40 GiB)
+        out["world_one"] = moe_bench.world_one(layers=8, batch=1, seq=4096, steps=4, warmup=2, rounds=1,
+                                               dry_run=run.dry, device=device)
+    except Exception as e:  # noqa: BLE001 - recorded; the FP8 part still runs
+        out["world_one"] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
+        out["ok"] = False
+    run.reset_memory()
+    if not run.dry and run.left() < 60:
+        out["fp8_experts"] = {"skipped": "out of time"}
+        return out
+    try:
+        if importlib.util.find_spec("torchao") is None:
+            out["fp8_experts"] = {"not_done": "torchao is not installed here (carry its wheel: this script's docstring)"}
+        else:
+            out["fp8_experts"] = moe_fp8.run(device, tiny=run.dry, lora=False, layers=2, batch=4, seq=4096, steps=4,
+                                             warmup=2)
+    except Exception as e:  # noqa: BLE001
+        out["fp8_experts"] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
+        out["ok"] = False
+    run.reset_memory()
     return out
 
 
@@ -1057,7 +1112,7 @@ def section_memory_phases(run: Run, state: dict) -> dict:
     return {"ok": None, **out}
 
 
-SECTIONS = ["equality", "checkpoint", "simulate", "throughput", "save_load", "generate", "variants", "two_process",
+SECTIONS = ["equality", "checkpoint", "simulate", "moe", "throughput", "save_load", "generate", "variants", "two_process",
             "local_ranks", "memory_phases", "fp8_large"]
 
 
@@ -1094,6 +1149,12 @@ def targets(result: dict) -> list[dict]:
     fp8c, compiled = (var.get(k, {}).get("tokens_per_s") for k in ("fp8_regional_compile", "regional_compile"))
     add("fp8 / bf16 tokens/s (regional compile)", fp8c / compiled if fp8c and compiled else None, TARGETS["fp8_speedup"])
     add("full: ours MFU (regional compile)", var.get("regional_compile", {}).get("mfu"), TARGETS["mfu"])
+    moe = result["sections"].get("moe", {})
+    for mode in ("lora", "full"):
+        add(f"MoE {mode}: ours / transformers' experts tokens/s (Qwen3-30B-A3B shape, world size 1)",
+            moe.get("world_one", {}).get("ratios", {}).get(mode), MOE_TARGETS["vs_transformers"])
+    add("MoE: FP8 rowwise / bf16 experts tokens/s",
+        moe.get("fp8_experts", {}).get("ratios", {}).get("rowwise", {}).get("step"), MOE_TARGETS["fp8_vs_bf16"])
     add("fp8 / bf16 tokens/s (8B-shaped layers, regional compile)",
         result["sections"].get("fp8_large", {}).get("fp8_speedup"), TARGETS["fp8_speedup"])
     return rows
@@ -1143,7 +1204,7 @@ def table(result: dict) -> str:
                 if not isinstance(r, dict) or case == "not_done":
                     continue
                 if "ranks" not in r:
-                    lines.append(f"    {case}: {r.get('skipped') or str(r.get('error', ''))[-160:]}")
+                    lines.append(f"    {case}: {r.get('skipped') or r.get('not_done') or str(r.get('error', ''))[-160:]}")
                     continue
                 measured = ", ".join(f"rank {x['rank']} peak {x['measured_peak'] / 2**30:.1f} GiB "
                                      f"({x['estimate_ratio']:.2f}x the estimate)" for x in r["ranks"])
@@ -1157,10 +1218,24 @@ def table(result: dict) -> str:
                 if "error" in r:
                     lines.append(f"    FAIL {case}: {r['error'][:160]}")
                     continue
+                if "not_done" in r:
+                    lines.append(f"    not done {case}: {r['not_done'][:200]}")
+                    continue
                 lines.append(f"    {'ok  ' if r['ok'] else 'FAIL'} {case} on {','.join(r.get('devices', [sec['device']]))}: "
                              f"loss diff {r['max_loss_diff']:.2e}, weight diff {r['max_param_diff']:.2e}"
                              + (f", saved = trained {r['saved_equal_trained']}, loaded rows = trained "
                                 f"{r['loaded_rows_equal']}" if "saved_equal_trained" in r else ""))
+        if name == "moe":
+            wo, f8 = sec.get("world_one", {}), sec.get("fp8_experts", {})
+            for mode, ratio in wo.get("ratios", {}).items():
+                lines.append(f"    {mode}: hf_fsdp2 / transformers' experts {ratio:.2f}x tokens/s "
+                             f"({wo[mode]['hf_fsdp2']['tokens_per_s']:.0f} vs {wo[mode]['transformers']['tokens_per_s']:.0f})")
+            for mode, ratio in f8.get("ratios", {}).items():
+                lines.append(f"    fp8 {mode} / bf16 experts: {ratio['step']:.2f}x tokens/s (forward + backward "
+                             f"{ratio['fwd_bwd']:.2f}x)")
+            for part in (wo, f8):
+                if part.get("error") or part.get("not_done") or part.get("skipped"):
+                    lines.append(f"    {part.get('error') or part.get('not_done') or part.get('skipped')}"[:200])
         if name == "two_process":
             for k, r in sec.items():
                 if isinstance(r, dict):

@@ -225,7 +225,12 @@ def run_checks(device: str, worlds=(2, 4), ep: bool = True, scratch: str | None 
     results: dict = {"device": device, "steps": STEPS}
     with tempfile.TemporaryDirectory(prefix="local_ranks_", dir=scratch) as tmp:
         cases = [(f"train_save_load_{w}", lambda w=w: check_training(w, device, Path(tmp), timeout_s)) for w in worlds]
-        if ep:
+        if ep and torch.__version__ < (2, 13):
+            # seen on torch 2.11 (the GPU image's), CPU: a segmentation fault in DTensor's sharding propagation
+            # (FakeTensorMode.__enter__) while another thread-rank builds its model; it takes the whole process
+            results["expert_parallel_2"] = {"ok": None, "not_done": f"torch {torch.__version__}: ranks as threads "
+                                            "crash in DTensor's sharding propagation under EP (torch >= 2.13 runs it)"}
+        elif ep:
             cases.append(("expert_parallel_2", lambda: check_expert_parallel(device, 2, timeout_s)))
         for name, case in cases:
             try:
@@ -233,7 +238,7 @@ def run_checks(device: str, worlds=(2, 4), ep: bool = True, scratch: str | None 
             except Exception as error:  # noqa: BLE001 - reported, the other checks still run
                 results[name] = {"ok": False, "error": f"{type(error).__name__}: {error}",
                                  "traceback": traceback.format_exc()[-3000:]}
-    results["ok"] = all(r["ok"] for r in results.values() if isinstance(r, dict))
+    results["ok"] = all(r["ok"] for r in results.values() if isinstance(r, dict) and r["ok"] is not None)
     return results
 
 
@@ -244,6 +249,9 @@ def table(results: dict) -> str:
             continue
         if "error" in r:
             lines.append(f"    FAIL {name}: {r['error'][:200]}")
+            continue
+        if "not_done" in r:
+            lines.append(f"    not done {name}: {r['not_done']}")
             continue
         extra = "".join(f", {k} {r[k]}" for k in ("saved_equal_trained", "loaded_rows_equal", "local_experts") if k in r)
         lines.append(f"    {'ok  ' if r['ok'] else 'FAIL'} {name}: loss diff {r['max_loss_diff']:.2e}, param diff "

@@ -20,7 +20,7 @@ def test_gpu_check_dry_run_runs_every_section(tmp_path):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     result = json.loads((tmp_path / "gpu_check.json").read_text())
     sections = result["sections"]
-    assert list(sections) == ["equality", "checkpoint", "simulate", "throughput", "save_load", "generate", "variants",
+    assert list(sections) == ["equality", "checkpoint", "simulate", "moe", "throughput", "save_load", "generate", "variants",
                               "two_process", "local_ranks", "memory_phases", "fp8_large"]
     assert not [n for n, s in sections.items() if "error" in s or s.get("skipped")], sections
     # Correctness sections decide for themselves: plain PyTorch vs hf_fsdp2, stock reloads.
@@ -45,6 +45,11 @@ def test_gpu_check_dry_run_runs_every_section(tmp_path):
         assert [r["rank"] for r in simulated["ranks"]] == [0, 3], simulated
         assert simulated["predicted_tokens_per_s_per_gpu"] > 0
     assert "nf4" in sections["simulate"]["llama31_70b_qlora"]["ranks"][0]["setup"]
+    # MoE at world size 1: both contestants, LoRA and full; FP8 experts (emulated MXFP8 on CPU) against bf16
+    moe = sections["moe"]
+    assert set(moe["world_one"]["ratios"]) == {"lora", "full"} and all(r > 0 for r in moe["world_one"]["ratios"].values())
+    assert moe["fp8_experts"]["ratios"]["mxfp8_emulated"]["step"] > 0
+    assert "lora: hf_fsdp2 / transformers' experts" in (tmp_path / "gpu_check.txt").read_text()
     phases = {k: v for k, v in sections["memory_phases"].items() if isinstance(v, dict)}
     assert set(phases) == {"lora/plain", "lora/ours_fsdp2", "lora/accelerate", "full/ours_fsdp2", "full/accelerate"}
     assert all(r["saved_bytes"] > 0 for r in phases.values()), phases

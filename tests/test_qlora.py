@@ -173,6 +173,23 @@ def test_bad_inputs_are_named():
         prepare_4bit_modules(torch.nn.ModuleDict({"lin": unquantized}))
 
 
+def test_torch_whose_fully_shard_cannot_hold_uint8_parameters_is_refused_by_name(monkeypatch):
+    """torch 2.11's fully_shard makes each sharded parameter require gradients (a uint8 4-bit weight cannot: a
+    RuntimeError deep in FSDP2, found on the GPU image): refused by name before any module changes."""
+    from hf_fsdp2.runtime import fsdp_state
+
+    with torch.device("meta"):
+        layer = Linear4bit(64, 64, bias=False)
+    monkeypatch.setattr(fsdp_state, "shards_integer_parameters", lambda: False)
+    with pytest.raises(ValueError, match=r"4-bit base weights \(lin, \.\.\.\) sharded by FSDP2 need torch >= 2.13"):
+        prepare_4bit_modules(torch.nn.ModuleDict({"lin": layer}))
+    assert not hasattr(layer, "weight_absmax")  # nothing converted
+    monkeypatch.undo()
+    assert fsdp_state.shards_integer_parameters()  # this torch (2.13) can
+    prepare_4bit_modules(torch.nn.ModuleDict({"lin": layer}))
+    assert hasattr(layer, "weight_absmax")
+
+
 def test_without_bitsandbytes_the_error_says_how_to_install(monkeypatch):
     from hf_fsdp2.quantization import bnb_4bit
 

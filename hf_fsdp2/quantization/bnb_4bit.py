@@ -39,7 +39,7 @@ from typing import Any, Iterator
 import torch
 import torch.nn as nn
 
-from ..runtime import upstream
+from ..runtime import fsdp_state, upstream
 from ..runtime.distributed import local_tensor
 from .protocol import MetaQuantization, QuantizedWeight
 
@@ -125,7 +125,12 @@ def prepare_4bit_modules(model: nn.Module, dtype: torch.dtype | None = None) -> 
     filled by `quantize_rows`) gets meta tensors of the layout and `dtype` as its dequantized dtype.
     Call before `fully_shard`."""
     names = []
-    for name, module in named_4bit_modules(model):
+    modules = list(named_4bit_modules(model))
+    if modules and not fsdp_state.shards_integer_parameters():
+        raise ValueError(f"4-bit base weights ({modules[0][0]}, ...) sharded by FSDP2 need torch >= 2.13; this is torch "
+                         f"{torch.__version__}, whose fully_shard makes every parameter it shards require gradients, "
+                         "which the packed uint8 4-bit weights cannot. Upgrade torch, or train LoRA over a bf16 base.")
+    for name, module in modules:
         if is_sharded_4bit(module):
             continue
         if module.weight.is_meta:

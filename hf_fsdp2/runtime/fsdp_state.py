@@ -17,6 +17,16 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+
+def shards_integer_parameters() -> bool:
+    """Whether `fully_shard` can shard a parameter of an integer dtype (hf_fsdp2's uint8 4-bit weights): torch 2.13
+    creates the sharded parameter with the original's requires_grad (`FSDPParam._init_sharded_param`); 2.11 with
+    `nn.Parameter(dtensor)`, whose default requires_grad=True an integer tensor refuses ("only Tensors of floating
+    point dtype can require gradients"; found in the GPU image's torch 2.11). 2.12 was not read: taken as 2.11."""
+    import torch
+
+    return torch.__version__ >= (2, 13)
+
 # Whether this torch has FSDPState._fsdp_param_groups (2.12+): read from a state, not the version
 # string, so a build with the change takes the new path whatever it calls itself.
 _PLURAL: bool | None = None

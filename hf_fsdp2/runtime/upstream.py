@@ -384,6 +384,7 @@ PRIVATE: tuple[Private, ...] = (
     Private("torch.testing._internal.distributed.multi_threaded_pg", "_install_threaded_pg", "tools/local_ranks.py"),
     Private("torch.testing._internal.distributed.multi_threaded_pg", "_uninstall_threaded_pg", "tools/local_ranks.py"),
     Private("torch._C._distributed_c10d", "_set_thread_isolation_mode", "tools/local_ranks.py"),
+    Private("torch.distributed.distributed_c10d", "_world", "tools/local_ranks.py"),
     Private("torch._C._distributed_c10d", "_resolve_process_group", "tools/collective_tally.py"),
     Private("torch._ops", "OpOverload._opname", "tools/collective_tally.py", instance=True),
     # checkpoint/convert.py: globals its restricted unpickler lets DCP's .metadata name (pickle's find_class)

@@ -98,7 +98,10 @@ def run_local_ranks(fn: Callable[..., Any], world_size: int, *args: Any, device:
         finally:
             if dist.is_initialized():
                 collectives.forget_host_groups()
-                dist.destroy_process_group()
+                # torch 2.11's threaded world lacks the `comms` its destroy_process_group reads (AttributeError);
+                # there the thread's world (a threading.local) goes with the thread
+                if hasattr(dist.distributed_c10d._world, "comms"):
+                    dist.destroy_process_group()
 
     # c10d's group names resolve per thread while isolation is on (torch's MultiThreadedTestCase does the same).
     torch._C._distributed_c10d._set_thread_isolation_mode(True)
