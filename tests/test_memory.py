@@ -616,3 +616,33 @@ def test_the_table_and_json_say_the_model_parallel_sizes():
     assert "parallel over" not in plain.format_table() and "TP block" not in plain.format_table()
     with pytest.raises(AttributeError, match="ep_sizes"):
         tp.ep_sizes
+
+
+def test_lora_on_fused_experts_is_estimated_as_the_grouped_path_runs():
+    """PEFT LoRA on a Qwen3-MoE's fused experts: the estimate traces the experts as hf_fsdp2 runs them (adapters inside
+    the grouped matmuls, sharding/expert_parallel/grouped.py), where PEFT's fold failed the meta trace ("unsupported
+    scalarType": no activations at all); what the estimate saves equals a real forward of that path (within the 64
+    bytes of a buffer), not PEFT's fold's (which saves each merged weight)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    from hf_fsdp2.sharding import expert_parallel
+
+    config = Qwen3MoeConfig(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                            num_experts=8, num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=16)
+
+    def build():
+        torch.manual_seed(0)
+        return get_peft_model(AutoModelForCausalLM.from_config(config), LoraConfig(
+            r=4, target_modules=["q_proj"], target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]))
+
+    ids = torch.randint(0, 256, (2, 64))
+    estimate = estimate_memory(build(), 1, FSDP2Config(), batch_size=2, seq_len=64)
+    assert estimate.activations is not None, estimate.activations_error
+    folded = _saved_bytes_of_a_real_forward(build().train(), ids)
+    grouped = build().train()
+    assert expert_parallel.apply_grouped_lora(model_parts(grouped)) == ["model.layers.0.mlp.experts",
+                                                                        "model.layers.1.mlp.experts"]
+    measured = _saved_bytes_of_a_real_forward(grouped, ids)
+    assert abs(estimate.activations.saved_bytes - measured) <= 64 < folded - measured

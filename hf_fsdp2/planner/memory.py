@@ -90,7 +90,7 @@ from ..config import FSDP2Config
 from ..quantization import fp8, quantized
 from ..runtime.host_allocator import HEAP_BLOCK_LIMIT
 from .activation_trace import trace_activations
-from ..sharding import replication, selective_checkpoint, sequence_parallel, sequence_tiling
+from ..sharding import expert_parallel, replication, selective_checkpoint, sequence_parallel, sequence_tiling
 from ..sharding.groups import ShardPlan, apply_frozen_dtype, plan_groups, replicated_frozen_parameters
 from ..sharding.model_parts import ModelParts, model_parts
 from ..sharding.tensor_parallel import narrow_for_trace, tp_local_shapes
@@ -252,6 +252,10 @@ class MetaTrainingModel:
                 narrow_for_trace(copy_, {id(p): by_name[n] for n, p in copy_.named_parameters() if by_name.get(n)})
             if tiles != (None, None):
                 sequence_tiling.apply_sequence_tiling(ModelParts(copy_, base), layers, tiling)  # the copy's parts
+            # LoRA on fused experts runs inside the grouped matmuls where hf_fsdp2 shards the model (no merged weight
+            # per forward: sharding/expert_parallel/grouped.py, and the EP dispatch's the same way); PEFT's fold
+            # would also not trace on meta ("unsupported scalarType")
+            expert_parallel.apply_grouped_lora(ModelParts(copy_, base))
             try:
                 self._activations[key] = (trace_activations(copy_, layers, batch_size, seq_len // cp_size,
                                                             compute_dtype=compute_dtype, head=head,
