@@ -319,8 +319,9 @@ class FSDP2Config:
     along the sequence by `hf_fsdp2.local_batch` in a plain loop; under Accelerate and the Trainer
     (`HF_FSDP2_SP_SIZE`; Accelerate's own parallelism_config sp_size is DeepSpeed's, refused) the prepared data
     loader gives an sp group's ranks the same rows and the model's training forward splits them. With cp_size
-    (FSDP2Config and hf_fsdp2.build_mesh only: a dp_shard x cp x sp mesh, sp neighbours within a machine, cp across)
-    each rank holds 1/(sp x cp) of every sequence, Ulysses within the sp group, torch's ring attention over the cp
+    (FSDP2Config / hf_fsdp2.build_mesh, or HF_FSDP2_CP_SIZE / register(cp_size=...) under Accelerate and the
+    Trainer, not Accelerate's parallelism_config cp_size: a dp_shard x cp x sp mesh, sp neighbours within a
+    machine, cp across, a cp x sp group's ranks loading the same rows there) each rank holds 1/(sp x cp) of every sequence, Ulysses within the sp group, torch's ring attention over the cp
     ranks (sdpa, no padding). Not with tp_size, ep_size, compile or shard_size="auto" (refused by name);
     `hf-fsdp2 estimate-memory` counts it."""
     loss_tile_size: int | None = None

@@ -196,6 +196,93 @@ def test_trainer_with_hf_fsdp2_sp_size_2_equals_one_process(tmp_path):
     assert out["eval_losses"].keys() == {"3"} and out["eval_losses"] == pytest.approx(want["eval_losses"], rel=1e-4)
 
 
+def _unpadded_rows(groups: int) -> list[dict]:
+    """2 steps of ROWS whole rows per data-parallel group (ring CP refuses padding)."""
+    ids = torch.randint(0, 128, (2 * groups * ROWS, SEQ), generator=torch.Generator().manual_seed(3))
+    return [{"input_ids": i, "labels": i.clone()} for i in ids]
+
+
+def _ring_ulysses_loops(rank, world):
+    """register(sp_size=2, cp_size=2) on 4 ranks, a plain Accelerate loop, full and LoRA: one cp x sp group."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from torch.utils.data import DataLoader
+
+    import hf_fsdp2
+    from hf_fsdp2.sharding import record_of
+
+    hf_fsdp2.register(sp_size=2, cp_size=2)
+    report = {}
+    for use_lora in (False, True):
+        accelerator = Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2))
+        model = _model(use_lora)
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        model, opt, data = accelerator.prepare(model, opt, DataLoader(_unpadded_rows(world // 4), batch_size=ROWS))
+        lengths = set()
+        model.get_input_embeddings().register_forward_hook(lambda m, args, out: lengths.add(args[0].shape[-1]))
+        losses = []
+        for batch in data:
+            loss = model(**batch).loss
+            accelerator.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        mesh = record_of(model).mesh
+        report[use_lora] = {"losses": losses, "lengths": sorted(lengths),
+                            "mesh": dict(zip(mesh.mesh_dim_names, mesh.shape))}
+        AcceleratorState._reset_state(True)
+    return report
+
+
+def test_ring_cp_x_ulysses_from_accelerate_and_the_trainer_equal_one_process(tmp_path):
+    """hf_fsdp2's own cp_size beside sp_size (HF_FSDP2_CP_SIZE / register(cp_size=...); Accelerate's
+    parallelism_config cp_size stays refused with sp): a dp_shard x cp x sp mesh, the prepared data loader gives the
+    4 ranks of the cp x sp group the same rows, each embeds 16 / 4 tokens of every sequence; a plain Accelerate loop
+    (full and LoRA) and the Trainer (its total batch size too) equal one process. Before, the loader dealt rows per
+    sp group (2 groups of different rows: losses off, half the steps)."""
+    from torch.utils.data import DataLoader
+
+    from hf_fsdp2.tools.check_config import check_accelerate_config_dict, load_config_file
+
+    from .launched_runs import forked_torchrun, run_script
+
+    got = run_ranks(_ring_ulysses_loops, 4, timeout=300)
+    for use_lora in (False, True):
+        model = _model(use_lora)
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        want = []
+        for batch in DataLoader(_unpadded_rows(1), batch_size=ROWS):
+            loss = model(**batch).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            want.append(loss.item())
+        for rank_report in got:
+            out = rank_report[use_lora]
+            assert out["mesh"] == {"dp_shard": 1, "cp": 2, "sp": 2} and out["lengths"] == [SEQ // 4]
+            assert out["losses"] == pytest.approx(want, rel=1e-4), use_lora
+    args = ("--fsdp", "full_shard", "--fsdp_config", str(ROOT / "accelerate_configs" / "fsdp2.json"),
+            "--save_strategy", "no")
+    out = run_script(forked_torchrun(4, {"HF_FSDP2_SP_SIZE": "2", "HF_FSDP2_CP_SIZE": "2"}), tmp_path / "spcp.json",
+                     tmp_path / "spcp", 1, 3, *args)
+    one = run_script(forked_torchrun(1), tmp_path / "one.json", tmp_path / "one", 1, 3, *args)
+    assert out["mesh"] == {"dp_shard": 1, "cp": 2, "sp": 2} and out["embedded_lengths"] == [4]
+    assert out["losses"] == pytest.approx(one["losses"], rel=1e-4)
+    assert out["total_train_batch_size"] == one["total_train_batch_size"] == 8
+    # check-config: hf_fsdp2's cp beside sp passes on 4 processes; Accelerate's own cp with sp is refused, naming ours
+    cfg = dict(load_config_file(ROOT / "accelerate_configs" / "fsdp2.yaml"), num_processes=4)
+    errors = [str(f) for f in check_accelerate_config_dict(cfg, {"HF_FSDP2_SP_SIZE": "2", "HF_FSDP2_CP_SIZE": "2"})
+              if f.level == "error"]
+    assert errors == []
+    accelerate_cp = dict(cfg, parallelism_config={"parallelism_config_dp_shard_size": 2,
+                                                  "parallelism_config_cp_size": 2})
+    errors = [str(f) for f in check_accelerate_config_dict(accelerate_cp, {"HF_FSDP2_SP_SIZE": "2"})
+              if f.level == "error"]
+    assert any("not done under Accelerate's parallelism_config_cp_size" in e and "HF_FSDP2_CP_SIZE=2" in e
+               for e in errors), errors
+
+
 def test_sp_size_settings_checked_and_refused_by_name(monkeypatch):
     """Accelerate's parallelism_config sp_size (DeepSpeed's) names hf_fsdp2's setting, at prepare and in
     check-config; check-config takes HF_FSDP2_SP_SIZE as the launch does (sp dividing the shard ranks, not with the

@@ -454,8 +454,10 @@ def _sequence_parallel_size(config: FSDP2Config, mesh: DeviceMesh) -> FSDP2Confi
                          f"({dict(zip(names, mesh.shape))}: Accelerate's parallelism_config cp_size): Ulysses within "
                          "ring context parallelism runs on hf_fsdp2.build_mesh(FSDP2Config(sp_size=..., cp_size=...))'s "
                          "dp_shard x cp x sp mesh, the batch split by hf_fsdp2.local_batch in a plain loop; under "
-                         "Accelerate's maybe_context_parallel (which splits the batch for ring attention alone) it is "
-                         "not done.")
+                         "Accelerate and the Trainer leave parallelism_config_cp_size at 1 and set hf_fsdp2's own "
+                         "HF_FSDP2_CP_SIZE (or register(cp_size=...)) with HF_FSDP2_SP_SIZE: the prepared data loader "
+                         "gives each cp x sp group the same rows and the training forward splits them. Accelerate's "
+                         "maybe_context_parallel (which splits the batch for ring attention alone) is not done with it.")
     sp = _size_on_mesh(mesh, SP_DIM, "sp_size", config.sp_size)
     return config.replace(sp_size=sp) if config.sp_size != sp else config
 
@@ -563,11 +565,12 @@ def prepared_by_accelerate(model: nn.Module, parts: ModelParts, record: ShardedM
 
 def ranks_sharing_rows(config: FSDP2Config, is_fsdp2: bool = True) -> int:
     """How many neighbouring ranks load the same rows in a loop Accelerate prepares (1: each rank its own): an sp
-    group under Ulysses, whose model's training forward then splits them (`prepared_by_accelerate`); hf_fsdp2's mesh
-    puts such a group's ranks side by side (runtime/distributed.build_mesh), so rank // n is a rank's data-parallel
+    group under Ulysses, or with cp_size too (hf_fsdp2's own, not Accelerate's parallelism_config) a cp x sp group,
+    whose model's training forward then splits them (`prepared_by_accelerate`); hf_fsdp2's mesh puts such a group's
+    ranks side by side (runtime/distributed.build_mesh: dp_shard x cp x sp), so rank // n is a rank's data-parallel
     index. Refused by name where Accelerate does not hand the model to hf_fsdp2 (`is_fsdp2` False)."""
     sequence_parallel.refuse_without_fsdp2(config.sp_size, is_fsdp2)
-    return config.sp_size
+    return config.sp_size * (config.cp_size if config.sp_size > 1 else 1)
 
 
 def refuse_dispatched_rows(shared: int) -> None:

@@ -586,12 +586,15 @@ def _check_fsdp2_config(cfg: Mapping[str, Any], fsdp: _Fsdp, parallel: _Parallel
         overrides = accelerate_settings.env_overrides(environ)
         via = "".join(f" with {accelerate_settings.ENV_PREFIX}{k.upper()}={v}" for k, v in sorted(overrides.items()))
         config = FSDP2Config.from_dict({**fsdp2_values(cfg), **overrides}, source="the Accelerate config" + via)
-        if config.sp_size > 1 and config.cp_size > 1:  # the engine refuses it at prepare (the mesh has no "sp")
+        if config.sp_size > 1 and config.cp_size > 1 and "cp_size" not in overrides:
+            # Accelerate's parallelism_config cp_size: the engine refuses it at prepare (that mesh has no "sp");
+            # hf_fsdp2's own HF_FSDP2_CP_SIZE builds dp_shard x cp x sp (sharding/engine.ranks_sharing_rows)
             raise ValueError(f"`sp_size`={config.sp_size} with `cp_size`={config.cp_size} is not done under "
-                             "Accelerate: its parallelism_config builds the cp mesh without hf_fsdp2's sp dimension "
-                             "and maybe_context_parallel splits the batch for ring attention alone; Ulysses within "
-                             "ring CP runs with FSDP2Config(sp_size=..., cp_size=...) in a plain loop "
-                             "(hf_fsdp2.shard_model, hf_fsdp2.local_batch).")
+                             "Accelerate's parallelism_config_cp_size: its parallelism_config builds the cp mesh "
+                             "without hf_fsdp2's sp dimension and maybe_context_parallel splits the batch for ring "
+                             "attention alone. Leave parallelism_config_cp_size at 1 and launch with "
+                             f"HF_FSDP2_CP_SIZE={config.cp_size} beside HF_FSDP2_SP_SIZE={config.sp_size}: ring CP x "
+                             "Ulysses on hf_fsdp2's dp_shard x cp x sp mesh, each cp x sp group loading the same rows.")
         procs = _int(cfg.get("num_processes"))
         if procs and not config.is_auto_layout:  # an auto layout's shape is the planner's, at prepare
             config.mesh_shape(procs)
