@@ -84,6 +84,9 @@ def _add_config(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--sp-size", type=_positive_int, default=1, metavar="S",
                    help="Ulysses sequence parallelism, long sequences (written as HF_FSDP2_SP_SIZE=S for the launch: "
                         "the prepared data loader and model split every sequence over S ranks)")
+    p.add_argument("--cp-size", type=_positive_int, default=1, metavar="C",
+                   help="with --sp-size: ring context parallelism around Ulysses, every sequence over S x C ranks "
+                        "(written as HF_FSDP2_CP_SIZE=C for the launch; Accelerate's own CP is the fsdp2_cp template)")
     p.add_argument("--memory-budget", default=None, metavar="SIZE",
                    help="per-rank bytes (e.g. 20GiB) the auto layout must fit (written as HF_FSDP2_SHARD_SIZE=auto "
                         "HF_FSDP2_MEMORY_BUDGET=SIZE for the launch)")
@@ -103,7 +106,7 @@ def _run_config(args: argparse.Namespace) -> int:
         raise ValueError(f"`model`={args.model!r}: no config.json there (a local model directory or its config.json).")
     text = write_config(model, template=args.template, num_processes=args.num_processes,
                         mixed_precision=args.mixed_precision, ep_size=args.ep_size,
-                        memory_budget=args.memory_budget, sp_size=args.sp_size)
+                        memory_budget=args.memory_budget, sp_size=args.sp_size, cp_size=args.cp_size)
     if args.output is None:
         print(text, end="")
     else:

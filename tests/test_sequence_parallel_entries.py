@@ -327,3 +327,11 @@ def test_hf_fsdp2_config_writes_the_sp_size_the_launch_needs(tmp_path, capsys):
         write_config(tiny, sp_size=8, num_processes=8)
     with pytest.raises(ValueError, match="`sp_size`=2 with `cp_size`=2 is not done under Accelerate"):
         write_config(tiny, sp_size=2, template="fsdp2_cp")
+    # hf_fsdp2's own ring CP around Ulysses: both variables written, the file passing check-config with them
+    assert main(["config", str(tiny), "--sp-size", "2", "--cp-size", "2", "--num-processes", "4",
+                 "-o", str(tmp_path / "spcp.yaml")]) == 0
+    text = (tmp_path / "spcp.yaml").read_text()
+    assert text.startswith("# Sequence parallelism: launch with HF_FSDP2_SP_SIZE=2 HF_FSDP2_CP_SIZE=2 in the environment")
+    assert check_accelerate_config(tmp_path / "spcp.yaml", {"HF_FSDP2_SP_SIZE": "2", "HF_FSDP2_CP_SIZE": "2"}) == []
+    with pytest.raises(ValueError, match="`cp_size`=2 without `sp_size`"):
+        write_config(tiny, cp_size=2)

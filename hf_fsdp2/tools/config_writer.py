@@ -41,10 +41,15 @@ def decoder_layer_classes(model_path: str | Path) -> tuple[str, ...]:
 
 def write_config(model_path: str | Path, *, template: str = "fsdp2", num_processes: int | None = None,
                  mixed_precision: str | None = None, ep_size: int = 1, memory_budget: str | int | None = None,
-                 sp_size: int = 1) -> str:
+                 sp_size: int = 1, cp_size: int = 1) -> str:
     """The text of `template` (a shipped config's name without .yaml) for the model at `model_path`.
     `memory_budget` (bytes or "20GiB"): the auto layout's per-rank budget (`shard_size="auto"`). `sp_size`:
-    hf_fsdp2's Ulysses sequence parallelism (Accelerate's own parallelism_config sp_size is DeepSpeed's)."""
+    hf_fsdp2's Ulysses sequence parallelism (Accelerate's own parallelism_config sp_size is DeepSpeed's); `cp_size`
+    with it: hf_fsdp2's ring CP around Ulysses (HF_FSDP2_CP_SIZE; not the fsdp2_cp template's Accelerate cp)."""
+    if cp_size > 1 and sp_size == 1:
+        raise ValueError(f"`cp_size`={cp_size} without `sp_size`: context parallelism alone is Accelerate's "
+                         "(the fsdp2_cp template, parallelism_config_cp_size); hf_fsdp2's own cp_size is ring CP "
+                         "around its Ulysses: give --sp-size too.")
     if template not in TEMPLATES:
         raise ValueError(f"`template`={template!r}: choose one of {', '.join(TEMPLATES)}.")
     text = (CONFIGS / f"{template}.yaml").read_text()
@@ -57,7 +62,7 @@ def write_config(model_path: str | Path, *, template: str = "fsdp2", num_process
         text = _set(text, "mixed_precision", f"'{mixed_precision}'")
     if num_processes is not None:
         text = _set_processes(text, num_processes)
-    environ = launch_environment(ep_size, memory_budget, sp_size)
+    environ = launch_environment(ep_size, memory_budget, sp_size, cp_size)
     if environ:
         what = " and ".join(w for w, on in (("Expert parallelism", ep_size > 1), ("Sequence parallelism", sp_size > 1),
                                             ("the auto layout's memory budget", memory_budget is not None)) if on)
@@ -136,7 +141,7 @@ def _set_processes(text: str, processes: int) -> str:
 
 
 def launch_environment(ep_size: int = 1, memory_budget: str | int | None = None,
-                       sp_size: int = 1) -> dict[str, str]:
+                       sp_size: int = 1, cp_size: int = 1) -> dict[str, str]:
     """The HF_FSDP2_* variables a launch with this config needs (what Accelerate's yaml cannot carry); checked
     with the text by `_check` (check-config reads them as the launch's environment)."""
     environ = {}
@@ -144,6 +149,8 @@ def launch_environment(ep_size: int = 1, memory_budget: str | int | None = None,
         environ["HF_FSDP2_EP_SIZE"] = str(ep_size)
     if sp_size > 1:
         environ["HF_FSDP2_SP_SIZE"] = str(sp_size)
+    if cp_size > 1:
+        environ["HF_FSDP2_CP_SIZE"] = str(cp_size)
     if memory_budget is not None:
         environ["HF_FSDP2_SHARD_SIZE"] = "auto"
         environ["HF_FSDP2_MEMORY_BUDGET"] = str(memory_budget)
