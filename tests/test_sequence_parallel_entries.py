@@ -66,37 +66,53 @@ def _sft_dataset_and_model():
     return Dataset.from_list([{"text": t} for t in texts]), model, tokenizer
 
 
-def _accelerate_loops(rank, world, cases, saved=None):
-    """On each rank: the Accelerate loop for each case (LoRA or not), sp 2 x world / 2 data-parallel groups."""
+def _prepared(use_lora: bool, rows: list[dict]):
+    """A fresh Accelerator (FSDP2) and the model, optimizer and loader it prepared; the sequence lengths the
+    embedding sees, filled as the loop runs."""
     from accelerate import Accelerator
-    from accelerate.state import AcceleratorState
     from accelerate.utils import FullyShardedDataParallelPlugin
     from torch.utils.data import DataLoader
 
-    import hf_fsdp2
+    accelerator = Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2))
+    model = _model(use_lora)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    model, opt, data = accelerator.prepare(model, opt, DataLoader(rows, batch_size=ROWS))
+    lengths = set()
+    model.get_input_embeddings().register_forward_hook(lambda m, args, out: lengths.add(args[0].shape[-1]))
+    return accelerator, model, opt, data, lengths
+
+
+def _step(accelerator, model, opt, batch) -> float:
+    loss = model(**batch).loss
+    accelerator.backward(loss)
+    opt.step()
+    opt.zero_grad()
+    return loss.item()
+
+
+def _mesh_of(model) -> dict:
     from hf_fsdp2.sharding import record_of
+
+    mesh = record_of(model).mesh
+    return dict(zip(mesh.mesh_dim_names, mesh.shape))
+
+
+def _accelerate_loops(rank, world, cases, saved=None):
+    """On each rank: the Accelerate loop for each case (LoRA or not), sp 2 x world / 2 data-parallel groups."""
+    from accelerate.state import AcceleratorState
+
+    import hf_fsdp2
 
     hf_fsdp2.register(sp_size=2)
     report = {}
     for use_lora in cases:
-        accelerator = Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2))
-        model = _model(use_lora)
-        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-        model, opt, data = accelerator.prepare(model, opt, DataLoader(_rows(world // 2), batch_size=ROWS))
-        lengths = set()
-        model.get_input_embeddings().register_forward_hook(lambda m, args, out: lengths.add(args[0].shape[-1]))
+        accelerator, model, opt, data, lengths = _prepared(use_lora, _rows(world // 2))
         losses, rows_seen = [], []
         for batch in data:
             rows_seen.append(batch["input_ids"][:, 0].tolist())
             assert hf_fsdp2.local_batch(batch, model) == batch  # the forward splits: nothing to do in the loop
-            loss = model(**batch).loss
-            accelerator.backward(loss)
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
-        mesh = record_of(model).mesh
-        report[use_lora] = {"losses": losses, "rows": rows_seen, "lengths": sorted(lengths),
-                            "mesh": dict(zip(mesh.mesh_dim_names, mesh.shape))}
+            losses.append(_step(accelerator, model, opt, batch))
+        report[use_lora] = {"losses": losses, "rows": rows_seen, "lengths": sorted(lengths), "mesh": _mesh_of(model)}
         if saved is not None and not use_lora:  # gather-free, on the dp_shard x sp mesh
             accelerator.save_model(model, saved)
         if not use_lora:  # packed rows (TRL's padding_free / packing: positions restart, no mask): refused by name
@@ -204,33 +220,16 @@ def _unpadded_rows(groups: int) -> list[dict]:
 
 def _ring_ulysses_loops(rank, world):
     """register(sp_size=2, cp_size=2) on 4 ranks, a plain Accelerate loop, full and LoRA: one cp x sp group."""
-    from accelerate import Accelerator
     from accelerate.state import AcceleratorState
-    from accelerate.utils import FullyShardedDataParallelPlugin
-    from torch.utils.data import DataLoader
 
     import hf_fsdp2
-    from hf_fsdp2.sharding import record_of
 
     hf_fsdp2.register(sp_size=2, cp_size=2)
     report = {}
     for use_lora in (False, True):
-        accelerator = Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2))
-        model = _model(use_lora)
-        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-        model, opt, data = accelerator.prepare(model, opt, DataLoader(_unpadded_rows(world // 4), batch_size=ROWS))
-        lengths = set()
-        model.get_input_embeddings().register_forward_hook(lambda m, args, out: lengths.add(args[0].shape[-1]))
-        losses = []
-        for batch in data:
-            loss = model(**batch).loss
-            accelerator.backward(loss)
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
-        mesh = record_of(model).mesh
-        report[use_lora] = {"losses": losses, "lengths": sorted(lengths),
-                            "mesh": dict(zip(mesh.mesh_dim_names, mesh.shape))}
+        accelerator, model, opt, data, lengths = _prepared(use_lora, _unpadded_rows(world // 4))
+        losses = [_step(accelerator, model, opt, batch) for batch in data]
+        report[use_lora] = {"losses": losses, "lengths": sorted(lengths), "mesh": _mesh_of(model)}
         AcceleratorState._reset_state(True)
     return report
 
