@@ -10,8 +10,9 @@ import torch
 
 from hf_fsdp2 import FSDP2Config, load_state, save_pretrained, save_state, shard_model
 
-from .common import batches, build_model, lora, optimizer, reference_train, saved_tensors, sharded_train
-from .dist_harness import run_ranks
+from .common import (batches, build_model, local_rows, lora, optimizer, reference_train, saved_tensors,
+                     sharded_train)
+from .dist_harness import NCCL_LIKE, run_ranks
 
 STEPS, SPLIT = 4, 2
 TP = FSDP2Config(tp_size=2)
@@ -318,7 +319,8 @@ def test_peft_lora_options_under_tp_train_as_one_process():
 
 
 def _tiled_under_tp(rank, world):
-    """tp 2 x dp_shard 2 with the loss and MLP tiled: the losses of 3 steps, and the lm_head's logits per tile as
+    """tp 2 x dp_shard 2 with the loss and MLP tiled: this rank's losses of 3 steps on its data-parallel rows (no
+    collective of the test's own: the default group refuses CPU tensors here), and the lm_head's logits per tile as
     this rank computed them (its vocabulary rows only)."""
     from hf_fsdp2.sharding import sequence_tiling
 
@@ -332,8 +334,16 @@ def _tiled_under_tp(rank, world):
         return split_loss(logits, *args)
 
     sequence_tiling._split_vocabulary_loss_ = counted
+    dp_rank, dp_world = _dp(model)
+    opt, losses = optimizer(model), []
     try:
-        losses = _steps(model, optimizer(model), batches(3))
+        for ids in batches(3):
+            ids = local_rows(ids, dp_rank, dp_world)
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
     finally:
         sequence_tiling._split_vocabulary_loss_ = split_loss
     return losses, sorted(set(widths))
@@ -343,10 +353,13 @@ def test_sequence_tiling_under_tp_trains_like_one_process():
     """The tiled loss under TP: transformers' plan splits the lm_head along the vocabulary (colwise), so each rank
     computes its rows' logits per tile and the softmax's max, sum and target logit are all-reduced over the tp group
     (no rank holds the whole head's logits: 128 / tp 2 = 64 columns); with the tiled MLP too, losses equal one
-    process's over 3 steps (so do the gradients the later steps are built on)."""
+    process's over 3 steps (so do the gradients the later steps are built on). The default group refuses CPU
+    tensors, as NCCL does: the loss's collectives run on the mesh's tp group."""
     want = reference_train(build_model(), batches(3))
-    losses, widths = run_ranks(_tiled_under_tp, 4)[0]
-    assert widths == [64]
+    out = run_ranks(_tiled_under_tp, 4, backend=NCCL_LIKE)  # its all-reduces on the tp group
+    assert all(widths == [64] for _, widths in out)
+    # each data-parallel pair of ranks holds the same loss: the mean over the 4 ranks is the global batch's
+    losses = [sum(step) / len(out) for step in zip(*(rank_losses for rank_losses, _ in out))]
     assert losses == pytest.approx(want, rel=1e-5)
 
 

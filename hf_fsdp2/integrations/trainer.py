@@ -118,21 +118,22 @@ def _post_init(self):
 
 
 def _get_total_train_batch_size(self, args) -> int:
-    """Trainer.get_total_train_batch_size, divided by hf_fsdp2's Ulysses sp_size where it is set.
+    """Trainer.get_total_train_batch_size, divided by the ranks that share rows under hf_fsdp2's Ulysses.
 
     The Trainer counts world size / (its tp, cp and Accelerate's own sp_size) data-parallel ranks; under
-    hf_fsdp2's sp_size (HF_FSDP2_SP_SIZE / register(sp_size=...), which Accelerate does not see) the ranks of an
-    sp group load the same rows (integrations/accelerate.py's prepared data loader), so they count once: without
-    this the total batch size it logs, its sample count under max_steps and `train_samples_per_second` are
-    sp_size times too high. This changes what the Trainer's own method returns: logged where it happens."""
+    hf_fsdp2's sp_size (HF_FSDP2_SP_SIZE / register(sp_size=...), with its cp_size: sp x cp ranks; settings
+    Accelerate does not see) the ranks of such a group load the same rows (integrations/accelerate.py's prepared
+    data loader), so they count once: without this the total batch size it logs, its sample count under max_steps
+    and `train_samples_per_second` are that many times too high. This changes what the Trainer's own method
+    returns: logged where it happens."""
     from .accelerate import ranks_sharing_rows
 
     total = _original("get_total_train_batch_size")(self, args)
     shared = ranks_sharing_rows(self.accelerator)
     if shared == 1:
         return total
-    logger.warning(f"hf_fsdp2: the Trainer's total train batch size {total} divided by hf_fsdp2's sp_size={shared} "
-                   f"(the {shared} ranks of each Ulysses group load the same rows): {total // shared}")
+    logger.warning(f"hf_fsdp2: the Trainer's total train batch size {total} divided by {shared}, the ranks of each "
+                   f"hf_fsdp2 sequence-parallel group (sp_size, x cp_size), which load the same rows: {total // shared}")
     return total // shared
 
 

@@ -32,6 +32,11 @@ tensors, as NCCL does):
 | sharding/expert_parallel/dispatch.py tokens per MoE call | all-reduce MAX   | ep ranks' gloo group   | CPU    |
 | sharding/expert_parallel/dispatch.py tokens, expert ids, router weights | all-gather | the expert mesh's "ep" | mesh |
 | sharding/expert_parallel/dispatch.py experts' weighted sums | reduce-scatter | the expert mesh's "ep" | mesh |
+| sharding/sequence_parallel.py Ulysses around attention (and its backward) | all-to-all | the mesh's "sp" | mesh |
+| sharding/sequence_parallel.py padding mask, token counts; per-token outputs (TRL) | all-gather | "sp" (with ring CP: the cp x sp ranks) | mesh |
+| sharding/sequence_parallel.py the loss over the sp (x cp) ranks | all-reduce SUM | "sp" (with ring CP: the cp x sp ranks) | mesh |
+| sharding/sequence_tiling.py tiled loss on a vocabulary-split lm_head (TP), per tile | all-reduce MAX, SUM | the head's mesh dimension | mesh |
+| sharding/sequence_tiling.py its hidden states' gradient (TP) | all-reduce SUM | the head's mesh dimension | mesh |
 
 Relies on `ProcessGroup._device_types` (torch >= 2.6; checked in tests/test_gpu_semantics.py).
 """

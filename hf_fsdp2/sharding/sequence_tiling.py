@@ -138,16 +138,17 @@ def _vocabulary_split(weight: torch.Tensor):
 def _split_vocabulary_loss_(logits: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor, first: int,
                             group) -> torch.Tensor:
     """The cross-entropy summed over the valid tokens of a tile whose logits are this rank's vocabulary rows
-    [first, first + n): max, sum of exponentials and the target's logit all-reduced over `group`. `logits` becomes
-    their softmax (this rank's columns of it), in place: one [tile, n] buffer."""
+    [first, first + n): max, sum of exponentials and the target's logit all-reduced over `group` (two all-reduces a
+    tile: the max, then both sums in one). `logits` becomes their softmax (this rank's columns of it), in place: one
+    [tile, n] buffer."""
     mine = valid.squeeze(1) & (targets >= first) & (targets < first + logits.shape[1])
     target = logits.gather(1, (targets - first).clamp(0, logits.shape[1] - 1).unsqueeze(1)).squeeze(1) * mine
     top = logits.amax(dim=1)
     dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
     logits.sub_(top.unsqueeze(1)).exp_()
-    total = logits.sum(dim=1)
-    dist.all_reduce(total, group=group)
-    dist.all_reduce(target, group=group)
+    sums = torch.stack((logits.sum(dim=1), target))
+    dist.all_reduce(sums, group=group)
+    total, target = sums
     logits.div_(total.unsqueeze(1))
     return ((top + total.log() - target) * valid.squeeze(1)).sum()
 
